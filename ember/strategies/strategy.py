@@ -1,0 +1,162 @@
+"""The Strategy base class: the verbs the Trainer uses to place, run and synchronise a module.
+
+A strategy owns *where* work happens (devices, processes) and *how* gradients and values are
+combined across replicas. The loop in ``ember/trainer/loops.py`` only ever talks to these verbs,
+so a new way of parallelising training is a new subclass registered by name (see ``registry.py``).
+Single-process versions of the collective verbs are identities.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+
+import torch
+
+from ember.utils import move_to_device
+
+if TYPE_CHECKING:
+    from ember.module import TrainModule
+    from ember.trainer.trainer import Trainer
+
+T = TypeVar("T")
+
+_REDUCE_OPS = ("mean", "sum", "min", "max")
+
+
+class Strategy:
+    """Base class of every strategy.
+
+    Subclasses override what differs from a single process on a single device; every method
+    here is a correct single-process implementation.
+
+    Args:
+        accelerator: ``"cpu"`` or ``"cuda"``; filled in by the Trainer when not given.
+        devices: the device list this strategy runs on; filled in by the Trainer when not given.
+    """
+
+    #: The registry name; set by ``register_strategy``.
+    strategy_name: str = "base"
+
+    def __init__(self, accelerator: str | None = None, devices: list[torch.device] | None = None) -> None:
+        self.accelerator = accelerator
+        self.parallel_devices: list[torch.device] = list(devices) if devices else []
+        self.trainer: Trainer | None = None
+        self.module: TrainModule | None = None
+
+    # ------------------------------------------------------------------ placement and identity
+    def connect(self, trainer: Trainer, accelerator: str, devices: list[torch.device]) -> None:
+        """Called by the Trainer once it has resolved the accelerator and the device list."""
+        self.trainer = trainer
+        if self.accelerator is None:
+            self.accelerator = accelerator
+        if not self.parallel_devices:
+            self.parallel_devices = devices
+
+    @property
+    def root_device(self) -> torch.device:
+        """The device that holds the module's master copy and where batches are sent."""
+        return self.parallel_devices[0] if self.parallel_devices else torch.device("cpu")
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def launch(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` in every process of the job and return rank zero's result.
+
+        Single-process strategies just call it; multi-process strategies start or join workers.
+        """
+        return fn(*args, **kwargs)
+
+    def setup_environment(self) -> None:
+        """Prepare the process (e.g. join a process group). Called before ``setup``."""
+
+    def setup(self, trainer: Trainer, module: TrainModule) -> None:
+        """Move ``module`` to the root device and prepare it for this strategy."""
+        self.module = module
+        module.to(self.root_device)
+
+    def teardown(self) -> None:
+        """Release what ``setup`` and ``setup_environment`` acquired. Must be safe to call twice."""
+
+    # ------------------------------------------------------------------ data
+    def process_dataloader(self, dataloader: Any, stage: str) -> Any:
+        """Return the loader to iterate for ``stage`` ("fit", "validate", "test", "predict")."""
+        return dataloader
+
+    def batch_to_device(self, batch: Any) -> Any:
+        """Move every tensor in ``batch`` to the root device."""
+        return move_to_device(batch, self.root_device)
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        return self.module.training_step(batch, batch_idx, *extra)  # type: ignore[union-attr]
+
+    def validation_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        return self.module.validation_step(batch, batch_idx, *extra)  # type: ignore[union-attr]
+
+    def test_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        return self.module.test_step(batch, batch_idx, *extra)  # type: ignore[union-attr]
+
+    def predict_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        return self.module.predict_step(batch, batch_idx, *extra)  # type: ignore[union-attr]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    @contextlib.contextmanager
+    def no_backward_sync(self) -> Iterator[None]:
+        """Within this context, backward does not synchronise gradients across replicas."""
+        yield
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        return optimizer.step(closure) if closure is not None else optimizer.step()
+
+    # ------------------------------------------------------------------ collectives
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Reduce ``tensor`` across all processes with ``op`` ("mean", "sum", "min", "max")."""
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"reduce op must be one of {_REDUCE_OPS}, got {op!r}")
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Stack ``tensor`` from every process along a new first dimension."""
+        return tensor.unsqueeze(0)
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        """Return rank ``src``'s ``obj`` on every process."""
+        return obj
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every process reaches this point."""
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Agree on a boolean across processes: ``all`` ranks must say yes, or ``any`` rank."""
+        return decision
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str, writer: Callable[[dict, str], None]) -> None:
+        """Write ``checkpoint`` to ``path`` with ``writer`` on global rank zero only."""
+        if self.is_global_zero:
+            writer(checkpoint, path)
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The state dict of the user's module (unwrapped)."""
+        return self.module.state_dict()  # type: ignore[union-attr]

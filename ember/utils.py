@@ -1,0 +1,66 @@
+"""Small helpers shared across the package. Kept import-light: this is on ``import ember``'s path."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+def move_to_device(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """Return ``batch`` with every tensor moved to ``device`` (and floats cast to ``dtype``).
+
+    Walks tuples, lists, dicts, namedtuples and dataclasses; other leaves are returned as they are.
+    Written by hand rather than with ``apply_to_collection`` because it runs once per step.
+    """
+    if isinstance(batch, torch.Tensor):
+        if dtype is not None and batch.is_floating_point():
+            return batch.to(device=device, dtype=dtype, non_blocking=True)
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        moved = [move_to_device(b, device, dtype) for b in batch]
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+            return type(batch)(*moved)
+        return moved if type(batch) is list else type(batch)(moved)
+    if isinstance(batch, dict):
+        return type(batch)((k, move_to_device(v, device, dtype)) for k, v in batch.items())
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        changes = {f.name: move_to_device(getattr(batch, f.name), device, dtype)
+                   for f in dataclasses.fields(batch) if f.init}
+        return dataclasses.replace(batch, **changes)
+    return batch
+
+
+def first_tensor(batch: Any) -> torch.Tensor | None:
+    """The first tensor found in a nested batch, or ``None``."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, (list, tuple)):
+        items = batch
+    elif isinstance(batch, dict):
+        items = batch.values()
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+    else:
+        return None
+    for item in items:
+        found = first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def infer_batch_size(batch: Any) -> int:
+    """Length of the first dimension of the first tensor in ``batch`` (1 when there is none)."""
+    t = first_tensor(batch)
+    if t is None or t.ndim == 0:
+        return 1
+    return int(t.shape[0])
+
+
+def closest(name: str, options: list[str]) -> str | None:
+    """The option most similar to ``name``, for "did you mean" messages."""
+    import difflib
+
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return match[0] if match else None
