@@ -1,0 +1,215 @@
+"""TrainModule: the user's model, its steps, its optimizers and its hooks."""
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from ember.trainer.trainer import Trainer
+
+
+class AttributeDict(dict):
+    """A dict whose keys are also attributes: ``self.hparams.lr``."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError as err:
+            raise AttributeError(f"No hyper-parameter named {key!r}; saved ones: {sorted(self)}") from err
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+
+class TrainModule(nn.Module):
+    """Subclass this: define ``training_step`` and ``configure_optimizers``, then ``Trainer.fit`` it.
+
+    Hooks are called in Lightning's order; every hook here is a no-op and the Trainer calls only
+    the ones a subclass overrides.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: With ``False``, ``training_step`` does its own ``optimizers()`` / ``manual_backward`` / ``step``.
+        self.automatic_optimization: bool = True
+        self._trainer: Trainer | None = None
+        self._hparams: AttributeDict = AttributeDict()
+        # Where ``self.log`` sends values; the Trainer sets it, a DP replica gets its own.
+        self._log_sink: Any = None
+
+    # ------------------------------------------------------------------ trainer-provided state
+    @property
+    def trainer(self) -> Trainer:
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer. Call trainer.fit(module, ...) first.")
+        return self._trainer
+
+    @trainer.setter
+    def trainer(self, trainer: Trainer | None) -> None:
+        self._trainer = trainer
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the module's first parameter or buffer (CPU for a module with none)."""
+        for t in self.parameters():
+            return t.device
+        for t in self.buffers():
+            return t.device
+        return torch.device("cpu")
+
+    @property
+    def current_epoch(self) -> int:
+        return self._trainer.current_epoch if self._trainer is not None else 0
+
+    @property
+    def global_step(self) -> int:
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def global_rank(self) -> int:
+        return self._trainer.global_rank if self._trainer is not None else 0
+
+    @property
+    def hparams(self) -> AttributeDict:
+        return self._hparams
+
+    def save_hyperparameters(self, *names: str, ignore: Sequence[str] | str | None = None) -> None:
+        """Store the arguments of the calling ``__init__`` in ``self.hparams`` (and in checkpoints).
+
+        Args:
+            *names: only these arguments (all of them by default).
+            ignore: arguments to leave out (e.g. a large ``nn.Module`` passed in).
+        """
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        # Walk up to the outermost __init__ of this object, so subclasses' arguments are included.
+        init_locals: dict[str, Any] = {}
+        while caller is not None and caller.f_code.co_name == "__init__" and caller.f_locals.get("self") is self:
+            init_locals = {**caller.f_locals, **init_locals}
+            caller = caller.f_back
+        signature = inspect.signature(type(self).__init__)
+        ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
+        hp: dict[str, Any] = {}
+        for pname, param in signature.parameters.items():
+            if pname == "self" or pname in ignored or (names and pname not in names):
+                continue
+            if param.kind is param.VAR_KEYWORD:
+                hp.update(init_locals.get(pname, {}))
+            elif param.kind is not param.VAR_POSITIONAL and pname in init_locals:
+                hp[pname] = init_locals[pname]
+        self._hparams.update(copy.deepcopy(hp))
+
+    # ------------------------------------------------------------------ logging
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
+            on_epoch: bool | None = None, reduce_fx: str = "mean", batch_size: int | None = None,
+            sync_dist: bool = False, rank_zero_only: bool = False) -> None:
+        """Record a metric.
+
+        Args:
+            name: key in ``trainer.callback_metrics`` and in the loggers.
+            value: a number or a scalar tensor (detached automatically).
+            prog_bar: show it in the progress bar.
+            logger: send it to the loggers.
+            on_step: keep per-step values (default: True in training steps, False in evaluation).
+            on_epoch: reduce over the epoch (default: False in training steps, True in evaluation and in epoch hooks).
+            reduce_fx: epoch reduction, "mean" (batch-size weighted), "sum", "min" or "max".
+            batch_size: weight of this value in the epoch mean; inferred from the batch when omitted.
+            sync_dist: also reduce step values across processes (epoch values are always reduced).
+            rank_zero_only: accepted for compatibility; ember reduces every key on every rank.
+        """
+        if self._log_sink is None:
+            raise RuntimeError(
+                f"self.log({name!r}, ...) was called outside of a Trainer run. Call it from training_step, "
+                "validation_step or a hook while trainer.fit/validate/test runs."
+            )
+        self._log_sink.log(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
+                           reduce_fx=reduce_fx, batch_size=batch_size, sync_dist=sync_dist)
+
+    def log_dict(self, dictionary: dict[str, Any], **kwargs: Any) -> None:
+        """``self.log`` every item of ``dictionary`` with the same options."""
+        for k, v in dictionary.items():
+            self.log(k, v, **kwargs)
+
+    # ------------------------------------------------------------------ optimizers
+    def optimizers(self) -> Any:
+        """The optimizers from ``configure_optimizers`` (one, or a list), for manual optimization."""
+        opts = self.trainer._optim.wrapped_optimizers
+        return opts[0] if len(opts) == 1 else opts
+
+    def lr_schedulers(self) -> Any:
+        """The LR schedulers (one, a list, or None)."""
+        scheds = [c.scheduler for c in self.trainer._optim.schedulers]
+        if not scheds:
+            return None
+        return scheds[0] if len(scheds) == 1 else scheds
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Backward for manual optimization: applies precision scaling and the strategy's gradient sync."""
+        self.trainer._loop.manual_backward(loss, *args, **kwargs)
+
+    # ------------------------------------------------------------------ what users override
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} must define training_step(self, batch, batch_idx) returning the loss to fit it."
+        )
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no validation_step; define it to validate.")
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no test_step; define it to test.")
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        """Default: ``self(batch)`` (the first element when the batch is a tuple or list)."""
+        if isinstance(batch, (tuple, list)) and batch:
+            batch = batch[0]
+        return self(batch)
+
+    def configure_optimizers(self) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} must define configure_optimizers() returning an optimizer, a list of them, "
+            "([optimizers], [schedulers]) or {'optimizer': ..., 'lr_scheduler': ...}."
+        )
+
+    def configure_callbacks(self) -> Iterable[Any]:
+        return []
+
+    def prepare_data(self) -> None: ...
+    def setup(self, stage: str) -> None: ...
+    def teardown(self, stage: str) -> None: ...
+    def on_fit_start(self) -> None: ...
+    def on_fit_end(self) -> None: ...
+    def on_train_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
+    def on_train_epoch_start(self) -> None: ...
+    def on_train_epoch_end(self) -> None: ...
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any: ...
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_validation_start(self) -> None: ...
+    def on_validation_end(self) -> None: ...
+    def on_validation_epoch_start(self) -> None: ...
+    def on_validation_epoch_end(self) -> None: ...
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_start(self) -> None: ...
+    def on_test_end(self) -> None: ...
+    def on_test_epoch_start(self) -> None: ...
+    def on_test_epoch_end(self) -> None: ...
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_start(self) -> None: ...
+    def on_predict_end(self) -> None: ...
+    def on_predict_epoch_start(self) -> None: ...
+    def on_predict_epoch_end(self) -> None: ...
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_before_backward(self, loss: torch.Tensor) -> None: ...
+    def on_after_backward(self) -> None: ...
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...

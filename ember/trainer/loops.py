@@ -1,0 +1,346 @@
+"""The fit, evaluation and predict loops: the one place where the order of a step lives.
+
+Per training batch (automatic optimization)::
+
+    on_train_batch_start -> batch_to_device -> training_step
+    [first batch of an accumulation window] on_before_zero_grad -> zero_grad
+    on_before_backward -> backward -> on_after_backward
+    [last batch of the window] on_before_optimizer_step -> clip -> optimizer.step -> step-interval schedulers
+    on_train_batch_end -> log step metrics -> validation if due
+
+After the last batch of an epoch: on_train_epoch_end (non-monitoring callbacks, then the module),
+epoch metrics reduced (across processes too), monitoring callbacks (checkpoint, early stopping),
+epoch-interval schedulers.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+import torch
+
+from ember.trainer.metrics import to_floats
+
+if TYPE_CHECKING:
+    from ember.trainer.trainer import Trainer
+
+_NULL = contextlib.nullcontext()
+
+
+def num_batches(loader: Any, limit: int | float) -> float:
+    """How many batches of ``loader`` to run under ``limit`` (int count or float fraction)."""
+    try:
+        n: float = len(loader)
+    except TypeError:
+        n = math.inf
+    if isinstance(limit, float):
+        if n == math.inf:
+            if limit != 1.0:
+                raise ValueError("A fractional limit_*_batches needs a dataloader with a length; pass an int instead.")
+            return n
+        return max(1, int(n * limit)) if limit > 0 and n > 0 else 0
+    return min(n, limit)
+
+
+def _lookahead(iterable: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """Yield ``(item, is_last)``: used when a loader has no length, to find the last batch."""
+    it = iter(iterable)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+def check_loss(output: Any) -> torch.Tensor | None:
+    """The loss inside what ``training_step`` returned, or None to skip the batch."""
+    if output is None:
+        return None
+    loss = output
+    if isinstance(output, dict):
+        if "loss" not in output:
+            raise ValueError(f"training_step returned a dict without a 'loss' key (keys: {sorted(output)}). "
+                             "In automatic optimization, return the loss tensor or {'loss': loss, ...}.")
+        loss = output["loss"]
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"training_step must return a scalar loss tensor, a dict with 'loss', or None to skip the "
+                        f"batch; it returned {type(loss).__name__}.")
+    if loss.numel() != 1:
+        raise ValueError(f"training_step returned a loss of shape {tuple(loss.shape)}; the loss must be a scalar. "
+                         "Reduce it (e.g. loss.mean()) before returning it.")
+    if not loss.requires_grad:
+        raise ValueError("training_step returned a loss that does not require grad, so nothing can be trained. "
+                         "Was it computed under torch.no_grad(), or detached (.item(), .detach())?")
+    return loss
+
+
+class FitLoop:
+    """Runs epochs of training with validation interleaved. Holds no state that progress doesn't."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.stepped_this_batch = False
+        self._window_has_grad = False
+
+    # ------------------------------------------------------------------ fit
+    def run(self) -> None:
+        t = self.trainer
+        p = t.progress
+        if t.num_sanity_val_steps and t._val_loaders and p.global_step == 0 and p.batch_in_epoch == 0:
+            t._run_evaluation("sanity")
+        t._call("on_train_start")
+        while not self._done():
+            self.run_epoch()
+            if t.should_stop and p.current_epoch >= t.min_epochs:
+                break
+        t._call("on_train_end")
+
+    def _done(self) -> bool:
+        t, p = self.trainer, self.trainer.progress
+        if t.max_steps != -1 and p.global_step >= t.max_steps:
+            return True
+        return t.max_epochs != -1 and p.current_epoch >= t.max_epochs
+
+    def run_epoch(self) -> None:
+        t, p = self.trainer, self.trainer.progress
+        metrics = t._metrics
+        strategy = t.strategy
+        loader = t._train_loader
+        n_batches = t.num_training_batches
+        start = p.batch_in_epoch  # > 0 only when resuming mid-epoch
+        if start == 0:
+            metrics.start_stage("train")
+        else:
+            metrics.resume_stage("train")
+        metrics.fx = "on_train_epoch_start"
+        t._call("on_train_epoch_start")
+        t._set_loader_epoch(loader, p.current_epoch, start)
+
+        # Look up per-step hooks once: a hook nobody overrides costs nothing inside the loop.
+        batch_start = t._hooks("on_train_batch_start")
+        batch_end = t._hooks("on_train_batch_end")
+        automatic = t.module.automatic_optimization
+        stream = _lookahead(loader) if n_batches == math.inf else ((b, False) for b in loader)
+        batch_idx = start - 1
+        for batch, is_last in stream:
+            batch_idx += 1
+            if batch_idx >= n_batches:
+                break
+            if n_batches != math.inf:
+                is_last = batch_idx == n_batches - 1
+            metrics.set_batch(batch)
+            if batch_start:
+                metrics.fx = "on_train_batch_start"
+                if any(h(batch, batch_idx) == -1 for h in batch_start):
+                    break
+            batch = strategy.batch_to_device(batch) if t._input_dtype is None else t._batch_to_device_cast(batch)
+            metrics.fx = "training_step"
+            if automatic:
+                outputs = self._automatic_step(batch, batch_idx, is_last)
+            else:
+                outputs = self._manual_step(batch, batch_idx)
+            p.batch_in_epoch = batch_idx + 1
+            p.total_batches += 1
+            if batch_end:
+                metrics.fx = "on_train_batch_end"
+                for h in batch_end:
+                    h(outputs, batch, batch_idx)
+            if self.stepped_this_batch:
+                self.stepped_this_batch = False
+                p.global_step += 1
+                if t._optim.schedulers:
+                    t._optim.step_schedulers("step", p.global_step, t._metrics.callback_metrics)
+                if t.loggers and p.global_step % t.log_every_n_steps == 0:
+                    t._log_step_metrics()
+            if t._val_due(batch_idx, is_last):
+                t._run_evaluation("validate")
+                metrics.resume_stage("train")
+            if t.should_stop and p.current_epoch + 1 >= t.min_epochs:
+                break
+            if t.max_steps != -1 and p.global_step >= t.max_steps:
+                break
+        if batch_idx < start:  # the loader yielded nothing
+            if start == 0:
+                raise ValueError("The train dataloader yielded no batch. Check the dataset is not empty, that "
+                                 "batch_size <= len(dataset) when drop_last=True, and limit_train_batches.")
+        self._end_epoch()
+
+    def _end_epoch(self) -> None:
+        t, p = self.trainer, self.trainer.progress
+        t._metrics.fx = "on_train_epoch_end"
+        t._call("on_train_epoch_end", monitoring=False)
+        epoch_metrics = t._metrics.end_stage()
+        t._record_epoch(epoch_metrics)
+        t._call("on_train_epoch_end", monitoring=True)
+        p.current_epoch += 1
+        p.batch_in_epoch = 0
+        p.val_checks_in_epoch = 0
+        if t._optim.schedulers:
+            t._optim.step_schedulers("epoch", p.current_epoch, t._metrics.callback_metrics)
+
+    # ------------------------------------------------------------------ one batch
+    def _automatic_step(self, batch: Any, batch_idx: int, is_last: bool) -> Any:
+        t = self.trainer
+        k = t.accumulate_grad_batches
+        pos = batch_idx % k
+        steps_now = pos == k - 1 or is_last
+        optimizer = t._optim.optimizers[0]
+        sync_ctx = t.strategy.no_backward_sync() if not steps_now else _NULL
+        with sync_ctx:
+            with t._precision.autocast():
+                outputs = t.strategy.training_step(batch, batch_idx)
+            loss = check_loss(outputs)
+            if pos == 0:
+                t._call("on_before_zero_grad", optimizer)
+                optimizer.zero_grad(set_to_none=True)
+                self._window_has_grad = False
+            if loss is None:
+                warnings.warn(f"training_step returned None for batch {batch_idx}: skipping its backward and "
+                              "optimizer step.", UserWarning, stacklevel=2)
+            else:
+                # Scale by the window's real size so a short final window still averages its batches.
+                window = k if t.num_training_batches == math.inf else min(k, t.num_training_batches - (batch_idx - pos))
+                scaled = loss / window if window > 1 else loss
+                t._metrics.fx = "on_before_backward"
+                t._call("on_before_backward", loss)
+                t.strategy.backward(t._precision.scale_loss(scaled))
+                t._metrics.fx = "on_after_backward"
+                t._call("on_after_backward")
+                self._window_has_grad = True
+        if steps_now and self._window_has_grad:
+            if t.num_training_batches == math.inf and pos + 1 < k:
+                # A short final window of a loader without a length: rescale the 1/k-scaled gradients.
+                self._rescale_grads(optimizer, k / (pos + 1))
+            self._optimizer_step(optimizer)
+        return outputs
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        t = self.trainer
+        t._precision.unscale(optimizer)
+        t._metrics.fx = "on_before_optimizer_step"
+        t._call("on_before_optimizer_step", optimizer)
+        if t.gradient_clip_val:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if t.gradient_clip_algorithm == "norm":
+                torch.nn.utils.clip_grad_norm_(params, t.gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_value_(params, t.gradient_clip_val)
+        t._precision.optimizer_step(optimizer, t.strategy)
+        self.stepped_this_batch = True
+
+    @staticmethod
+    def _rescale_grads(optimizer: torch.optim.Optimizer, factor: float) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+
+    def _manual_step(self, batch: Any, batch_idx: int) -> Any:
+        t = self.trainer
+        with t._precision.autocast():
+            return t.strategy.training_step(batch, batch_idx)
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        t = self.trainer
+        t._call("on_before_backward", loss)
+        scaled = t._precision.scale_loss(loss)
+        if args or kwargs:
+            scaled.backward(*args, **kwargs)
+        else:
+            t.strategy.backward(scaled)
+        t._call("on_after_backward")
+
+
+def run_evaluation_loop(trainer: Trainer, stage: str, loaders: list[Any], limits: list[float]) -> list[dict[str, Any]]:
+    """Run ``validation_step`` / ``test_step`` over ``loaders``; return one metric dict per loader.
+
+    ``stage`` is "validate", "test" or "sanity" (a validation whose metrics are thrown away).
+    """
+    t = trainer
+    module = t.module
+    hook = "validation" if stage in ("validate", "sanity") else "test"
+    step_fn = getattr(t.strategy, f"{hook}_step")
+    metrics = t._metrics
+    was_training = module.training
+    module.eval()
+    metrics.start_stage(stage)
+    batch_start = t._hooks(f"on_{hook}_batch_start")
+    batch_end = t._hooks(f"on_{hook}_batch_end")
+    t._eval_total = sum(limits)
+    t._call(f"on_{hook}_start")
+    metrics.fx = f"on_{hook}_epoch_start"
+    t._call(f"on_{hook}_epoch_start")
+    many = len(loaders) > 1
+    suffixes = [f"/dataloader_idx_{i}" if many else "" for i in range(len(loaders))]
+    try:
+        with torch.no_grad():
+            for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
+                metrics.key_suffix = suffixes[dl_idx]
+                extra = (dl_idx,) if many else ()
+                for batch_idx, batch in enumerate(loader):
+                    if batch_idx >= limit:
+                        break
+                    metrics.set_batch(batch)
+                    metrics.fx = f"on_{hook}_batch_start"
+                    for h in batch_start:
+                        h(batch, batch_idx, dl_idx)
+                    batch = t.strategy.batch_to_device(batch) if t._input_dtype is None else t._batch_to_device_cast(batch)
+                    metrics.fx = f"{hook}_step"
+                    with t._precision.autocast():
+                        out = step_fn(batch, batch_idx, *extra)
+                    metrics.fx = f"on_{hook}_batch_end"
+                    for h in batch_end:
+                        h(out, batch, batch_idx, dl_idx)
+        metrics.key_suffix = ""
+        metrics.fx = f"on_{hook}_epoch_end"
+        t._call(f"on_{hook}_epoch_end")
+        epoch_metrics = metrics.end_stage()
+    finally:
+        metrics.key_suffix = ""
+        module.train(was_training)
+    t._call(f"on_{hook}_end")
+    floats = to_floats(epoch_metrics)
+    if not many:
+        return [floats]
+    return [{k: v for k, v in floats.items() if k.endswith(s)} for s in suffixes]
+
+
+def run_predict_loop(trainer: Trainer, loaders: list[Any], limits: list[float]) -> list[list[Any]]:
+    """Run ``predict_step`` over ``loaders``; return one list of outputs per loader."""
+    t = trainer
+    module = t.module
+    was_training = module.training
+    module.eval()
+    t._eval_total = sum(limits)
+    t._call("on_predict_start")
+    t._call("on_predict_epoch_start")
+    batch_start = t._hooks("on_predict_batch_start")
+    batch_end = t._hooks("on_predict_batch_end")
+    results: list[list[Any]] = []
+    try:
+        with torch.no_grad():
+            for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
+                extra = (dl_idx,) if len(loaders) > 1 else ()
+                outs: list[Any] = []
+                for batch_idx, batch in enumerate(loader):
+                    if batch_idx >= limit:
+                        break
+                    for h in batch_start:
+                        h(batch, batch_idx, dl_idx)
+                    batch = t.strategy.batch_to_device(batch) if t._input_dtype is None else t._batch_to_device_cast(batch)
+                    with t._precision.autocast():
+                        out = t.strategy.predict_step(batch, batch_idx, *extra)
+                    for h in batch_end:
+                        h(out, batch, batch_idx, dl_idx)
+                    outs.append(out)
+                results.append(outs)
+    finally:
+        module.train(was_training)
+    t._call("on_predict_epoch_end")
+    t._call("on_predict_end")
+    return results

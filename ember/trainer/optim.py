@@ -1,0 +1,140 @@
+"""The forms ``configure_optimizers`` may return, normalised into optimizers + scheduler configs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from ember.trainer.trainer import Trainer
+
+_FORMS = (
+    "an optimizer, a list/tuple of optimizers, ([optimizers], [schedulers]), "
+    "{'optimizer': opt, 'lr_scheduler': sched or {'scheduler': sched, 'interval': 'step'|'epoch', "
+    "'frequency': n, 'monitor': key}}, or a list of such dicts"
+)
+
+
+@dataclass
+class SchedulerConfig:
+    """One LR scheduler and when to step it."""
+
+    scheduler: Any
+    interval: str = "epoch"
+    frequency: int = 1
+    monitor: str | None = None
+    strict: bool = True
+    name: str | None = None
+
+    @property
+    def is_plateau(self) -> bool:
+        return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _scheduler_config(obj: Any) -> SchedulerConfig:
+    if isinstance(obj, SchedulerConfig):
+        cfg = obj
+    elif isinstance(obj, dict):
+        if "scheduler" not in obj:
+            raise ValueError(f"An lr_scheduler dict needs a 'scheduler' key; got keys {sorted(obj)}.")
+        unknown = set(obj) - {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
+        if unknown:
+            raise ValueError(f"Unknown lr_scheduler config keys {sorted(unknown)}; allowed: scheduler, interval, "
+                             "frequency, monitor, strict, name.")
+        cfg = SchedulerConfig(**obj)
+    else:
+        cfg = SchedulerConfig(scheduler=obj)
+    if cfg.interval not in ("step", "epoch"):
+        raise ValueError(f"lr_scheduler interval must be 'step' or 'epoch', got {cfg.interval!r}.")
+    if not isinstance(cfg.frequency, int) or cfg.frequency < 1:
+        raise ValueError(f"lr_scheduler frequency must be a positive int, got {cfg.frequency!r}.")
+    if cfg.is_plateau and not cfg.monitor:
+        raise ValueError("ReduceLROnPlateau needs a metric: return {'optimizer': opt, 'lr_scheduler': "
+                         "{'scheduler': sched, 'monitor': 'val/loss'}} from configure_optimizers.")
+    if not hasattr(cfg.scheduler, "step"):
+        raise TypeError(f"{type(cfg.scheduler).__name__} is not an LR scheduler (it has no step()).")
+    return cfg
+
+
+def _check_optimizer(opt: Any) -> torch.optim.Optimizer:
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"configure_optimizers returned a {type(opt).__name__} where an optimizer was expected. "
+                        f"It may return {_FORMS}.")
+    return opt
+
+
+def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
+    """Normalise what ``configure_optimizers`` returned."""
+    if result is None:
+        return [], []
+    if isinstance(result, torch.optim.Optimizer):
+        return [result], []
+    if isinstance(result, dict):
+        result = [result]
+    if isinstance(result, (list, tuple)):
+        if len(result) == 2 and all(isinstance(r, (list, tuple)) for r in result):
+            opts = [_check_optimizer(o) for o in result[0]]
+            return opts, [_scheduler_config(s) for s in result[1]]
+        if result and all(isinstance(r, dict) for r in result):
+            opts, scheds = [], []
+            for d in result:
+                if "optimizer" not in d:
+                    raise ValueError(f"configure_optimizers returned a dict without 'optimizer' (keys: {sorted(d)}). "
+                                     f"It may return {_FORMS}.")
+                opts.append(_check_optimizer(d["optimizer"]))
+                if d.get("lr_scheduler") is not None:
+                    scheds.append(_scheduler_config(d["lr_scheduler"]))
+            return opts, scheds
+        return [_check_optimizer(o) for o in result], []
+    raise TypeError(f"configure_optimizers returned {type(result).__name__}; it may return {_FORMS}.")
+
+
+class OptimizerProxy:
+    """What ``self.optimizers()`` hands out in manual optimization.
+
+    ``step`` goes through the precision plugin (GradScaler) and the strategy, and marks the batch
+    as one that stepped, so ``global_step`` counts batches that stepped, not optimizer calls.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, trainer: Trainer) -> None:
+        self.optimizer = optimizer
+        self._trainer = trainer
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loop = self._trainer._loop
+        loop.stepped_this_batch = True
+        return self._trainer._precision.optimizer_step(self.optimizer, self._trainer.strategy, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+class OptimizerState:
+    """The fit's optimizers, schedulers and manual-optimization proxies."""
+
+    def __init__(self, trainer: Trainer, optimizers: list[torch.optim.Optimizer], schedulers: list[SchedulerConfig]) -> None:
+        self.optimizers = optimizers
+        self.schedulers = schedulers
+        self.wrapped_optimizers = [OptimizerProxy(o, trainer) for o in optimizers]
+
+    def step_schedulers(self, interval: str, count: int, metrics: dict[str, Any]) -> None:
+        """Step schedulers of ``interval`` whose frequency divides ``count`` (steps or epochs done)."""
+        for cfg in self.schedulers:
+            if cfg.interval != interval or count % cfg.frequency:
+                continue
+            if cfg.monitor is not None:
+                if cfg.monitor not in metrics:
+                    if not cfg.strict:
+                        continue
+                    raise KeyError(
+                        f"The LR scheduler monitors {cfg.monitor!r}, which was not logged. Logged keys: "
+                        f"{sorted(metrics)}. Log it with self.log({cfg.monitor!r}, ...) or change 'monitor'."
+                    )
+                value = metrics[cfg.monitor]
+                cfg.scheduler.step(float(value))
+            else:
+                cfg.scheduler.step()

@@ -1,0 +1,78 @@
+"""Numeric precision: 32-true, 64-true, bf16-mixed (autocast) and 16-mixed (autocast + GradScaler)."""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from ember.strategies.strategy import Strategy
+
+_ALIASES = {
+    "32": "32-true", 32: "32-true", "32-true": "32-true",
+    "64": "64-true", 64: "64-true", "64-true": "64-true",
+    "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
+    "16": "16-mixed", 16: "16-mixed", "16-mixed": "16-mixed",
+}
+
+
+def normalize_precision(value: Any) -> str:
+    if value not in _ALIASES:
+        raise ValueError(f"Unknown precision {value!r}. Use one of '32-true', '64-true', 'bf16-mixed', '16-mixed'.")
+    return _ALIASES[value]
+
+
+class Precision:
+    """Applies one precision setting to the module, the batch, forward and the optimizer step.
+
+    Args:
+        precision: one of "32-true", "64-true", "bf16-mixed", "16-mixed" (or their aliases).
+        device_type: "cpu" or "cuda", for autocast and the GradScaler.
+    """
+
+    def __init__(self, precision: Any, device_type: str) -> None:
+        self.precision = normalize_precision(precision)
+        self.device_type = device_type
+        self.scaler: torch.amp.GradScaler | None = None
+        if self.precision == "16-mixed":
+            self.scaler = torch.amp.GradScaler(device_type)
+        self._autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.precision)
+
+    @property
+    def input_dtype(self) -> torch.dtype | None:
+        """Floating inputs are cast to this dtype (only for 64-true)."""
+        return torch.float64 if self.precision == "64-true" else None
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.double() if self.precision == "64-true" else module
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self._autocast_dtype)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring gradients to their true scale before clipping or inspection."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, strategy: Strategy,
+                       closure: Callable[[], Any] | None = None) -> Any:
+        if self.scaler is None:
+            return strategy.optimizer_step(optimizer, closure)
+        if closure is not None:
+            closure()
+        out = self.scaler.step(optimizer)
+        self.scaler.update()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)

@@ -1,0 +1,698 @@
+"""The Trainer: arguments, the fit / validate / test / predict entry points, and public state."""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import warnings
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from ember.callbacks.callback import Callback
+from ember.callbacks.logger import Logger
+from ember.data import DataModule
+from ember.module import TrainModule
+from ember.strategies.registry import get_strategy
+from ember.strategies.strategy import Strategy
+from ember.trainer import loops
+from ember.trainer.metrics import MetricCollector, to_floats
+from ember.trainer.optim import OptimizerState, parse_optimizers
+from ember.trainer.precision import Precision, normalize_precision
+from ember.trainer.progress import FitProgress
+from ember.utils import move_to_device
+
+_ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
+
+
+def _check_limit(name: str, value: int | float | None) -> int | float:
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{name} must be a fraction in [0, 1] or a non-negative int number of batches, got {value!r}.")
+    if isinstance(value, float) and value > 1.0:
+        raise ValueError(f"{name}={value} is a fraction above 1.0; pass an int to give a number of batches.")
+    return value
+
+
+class Trainer:
+    """Runs a ``TrainModule``'s training, evaluation and prediction on a chosen strategy.
+
+    Args:
+        strategy: "auto", "single", "dp", "ddp", "ddp_spawn", another registered name, or a Strategy.
+        accelerator: "auto", "cpu" or "cuda" ("gpu" is an alias of "cuda").
+        devices: how many devices (int), which ones (list of indices), or "auto" (1).
+        max_epochs: stop after this many epochs; -1 means no epoch limit. Default 1000 when
+            neither ``max_epochs`` nor ``max_steps`` is given.
+        max_steps: stop after this many optimizer steps (``global_step``); -1 means no limit.
+        min_epochs: ``should_stop`` is ignored before this many epochs.
+        accumulate_grad_batches: step the optimizer every k batches; the loss of each batch is
+            divided by the size of its window, so a short final window still averages its batches.
+        gradient_clip_val: clip gradients to this norm/value before each optimizer step.
+        gradient_clip_algorithm: "norm" or "value".
+        precision: "32-true", "64-true", "bf16-mixed" or "16-mixed".
+        val_check_interval: a fraction of the training epoch, or an int number of batches.
+        check_val_every_n_epoch: validate every n epochs; None to validate by batch count only.
+        limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches: a
+            fraction or an int number of batches per epoch.
+        num_sanity_val_steps: validation batches run before training (-1: all).
+        log_every_n_steps: how often step metrics go to the loggers.
+        fast_dev_run: run n (True: 1) batches of train, validation and test, without loggers or checkpoints.
+        deterministic: ``torch.use_deterministic_algorithms`` (True, False or "warn").
+        default_root_dir: where logs and checkpoints go by default (the working directory).
+        callbacks: a Callback or a list of them.
+        enable_progress_bar: add the default progress bar.
+        enable_checkpointing: add a default ModelCheckpoint when none is given.
+        logger: True for the default logger, False/None for none, or one or more Logger callbacks.
+        enable_model_summary: print a table of the model's layers at fit start.
+    """
+
+    def __init__(
+        self,
+        *,
+        strategy: str | Strategy = "auto",
+        accelerator: str = "auto",
+        devices: int | Sequence[int] | str = "auto",
+        max_epochs: int | None = None,
+        max_steps: int = -1,
+        min_epochs: int = 0,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        precision: str | int = "32-true",
+        val_check_interval: int | float = 1.0,
+        check_val_every_n_epoch: int | None = 1,
+        limit_train_batches: int | float | None = None,
+        limit_val_batches: int | float | None = None,
+        limit_test_batches: int | float | None = None,
+        limit_predict_batches: int | float | None = None,
+        num_sanity_val_steps: int = 2,
+        log_every_n_steps: int = 50,
+        fast_dev_run: bool | int = False,
+        deterministic: bool | str | None = None,
+        default_root_dir: str | None = None,
+        callbacks: Callback | Iterable[Callback] | None = None,
+        enable_progress_bar: bool = True,
+        enable_checkpointing: bool = True,
+        logger: bool | Logger | Iterable[Logger] | None = True,
+        enable_model_summary: bool = False,
+    ) -> None:
+        if max_epochs is None:
+            max_epochs = 1000 if max_steps == -1 else -1
+        if not isinstance(max_epochs, int) or (max_epochs < 0 and max_epochs != -1):
+            raise ValueError(f"max_epochs must be a non-negative int (or -1 for no limit), got {max_epochs!r}.")
+        if not isinstance(max_steps, int) or (max_steps < 0 and max_steps != -1):
+            raise ValueError(f"max_steps must be a non-negative int (or -1 for no limit), got {max_steps!r}.")
+        if not isinstance(min_epochs, int) or min_epochs < 0:
+            raise ValueError(f"min_epochs must be a non-negative int, got {min_epochs!r}.")
+        if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches must be a positive int, got {accumulate_grad_batches!r}.")
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}.")
+        if gradient_clip_val is not None and gradient_clip_val < 0:
+            raise ValueError(f"gradient_clip_val must be >= 0, got {gradient_clip_val!r}.")
+        if isinstance(val_check_interval, bool) or not isinstance(val_check_interval, (int, float)) or val_check_interval <= 0:
+            raise ValueError(f"val_check_interval must be a fraction in (0, 1] or a positive int, got {val_check_interval!r}.")
+        if isinstance(val_check_interval, float) and val_check_interval > 1.0:
+            raise ValueError(f"val_check_interval={val_check_interval} is a fraction above 1.0; pass an int for a batch count.")
+        if check_val_every_n_epoch is not None and (not isinstance(check_val_every_n_epoch, int) or check_val_every_n_epoch < 1):
+            raise ValueError(f"check_val_every_n_epoch must be a positive int or None, got {check_val_every_n_epoch!r}.")
+        if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps must be a positive int, got {log_every_n_steps!r}.")
+        if not isinstance(num_sanity_val_steps, int) or num_sanity_val_steps < -1:
+            raise ValueError(f"num_sanity_val_steps must be an int >= -1, got {num_sanity_val_steps!r}.")
+
+        self.max_epochs = max_epochs
+        self.max_steps = max_steps
+        self.min_epochs = min_epochs
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = gradient_clip_algorithm
+        self.val_check_interval = val_check_interval
+        self.check_val_every_n_epoch = check_val_every_n_epoch
+        self.limit_train_batches = _check_limit("limit_train_batches", limit_train_batches)
+        self.limit_val_batches = _check_limit("limit_val_batches", limit_val_batches)
+        self.limit_test_batches = _check_limit("limit_test_batches", limit_test_batches)
+        self.limit_predict_batches = _check_limit("limit_predict_batches", limit_predict_batches)
+        self.num_sanity_val_steps = math.inf if num_sanity_val_steps == -1 else num_sanity_val_steps
+        self.log_every_n_steps = log_every_n_steps
+        self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
+
+        self.fast_dev_run = int(fast_dev_run)
+        if fast_dev_run is not False and (isinstance(fast_dev_run, bool) is False and int(fast_dev_run) < 0):
+            raise ValueError(f"fast_dev_run must be a bool or a non-negative int, got {fast_dev_run!r}.")
+        if self.fast_dev_run:
+            n = self.fast_dev_run
+            self.limit_train_batches = self.limit_val_batches = n
+            self.limit_test_batches = self.limit_predict_batches = n
+            self.max_epochs, self.max_steps, self.num_sanity_val_steps = 1, n, 0
+            self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
+            logger, enable_checkpointing = False, False
+
+        if deterministic is not None:
+            if deterministic not in (True, False, "warn"):
+                raise ValueError(f"deterministic must be True, False or 'warn', got {deterministic!r}.")
+            torch.use_deterministic_algorithms(bool(deterministic), warn_only=deterministic == "warn")
+
+        self._precision_name = normalize_precision(precision)
+        accelerator_name, device_list = self._resolve_devices(accelerator, devices)
+        self.strategy = self._resolve_strategy(strategy, accelerator_name, device_list)
+        self._precision = Precision(self._precision_name, self.strategy.root_device.type)
+        self._input_dtype = self._precision.input_dtype
+
+        self.callbacks: list[Callback] = self._build_callbacks(callbacks, enable_progress_bar, enable_checkpointing,
+                                                               enable_model_summary)
+        self.loggers: list[Logger] = self._build_loggers(logger)
+        for lg in self.loggers:
+            if lg not in self.callbacks:
+                self.callbacks.append(lg)
+
+        self.progress = FitProgress()
+        self.should_stop = False
+        self.sanity_checking = False
+        self.state = "initializing"
+        self.module: TrainModule | None = None
+        self.datamodule: DataModule | None = None
+        self._metrics = MetricCollector(self.strategy)
+        self.logged_metrics: dict[str, float] = {}
+        #: Epoch-level metrics of the last fit, one dict per epoch.
+        self.history: list[dict[str, float]] = []
+        self._optim = OptimizerState(self, [], [])
+        self._loop = loops.FitLoop(self)
+        self._hook_table: dict[tuple[str, Any], list[Callable[..., Any]]] = {}
+        self._train_loader: Any = None
+        self._val_loaders: list[Any] = []
+        self.num_training_batches: float = 0
+        self.num_val_batches: list[float] = []
+        self._eval_total: float = 0
+        self.ckpt_path: str | None = None
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _resolve_devices(accelerator: str, devices: Any) -> tuple[str, list[torch.device]]:
+        if accelerator not in _ACCELERATORS:
+            raise ValueError(f"Unknown accelerator {accelerator!r}. Use one of {', '.join(_ACCELERATORS)}.")
+        if accelerator == "auto":
+            accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+        if accelerator == "gpu":
+            accelerator = "cuda"
+        if accelerator == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("accelerator='cuda' was requested but CUDA is not available on this machine. "
+                               "Use accelerator='cpu' (or 'auto').")
+        available = torch.cuda.device_count() if accelerator == "cuda" else None
+        if devices == "auto":
+            devices = 1
+        if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
+            raise ValueError(f"devices must be a positive int, a list of device indices or 'auto', got {devices!r}.")
+        if isinstance(devices, int):
+            if devices == -1:
+                devices = available if available is not None else (os.cpu_count() or 1)
+            if devices < 1:
+                raise ValueError(f"devices must be at least 1, got {devices}.")
+            if available is not None and devices > available:
+                raise ValueError(f"devices={devices} but only {available} CUDA device(s) are available. "
+                                 f"Ask for at most {available}.")
+            ids = list(range(devices))
+        else:
+            ids = list(devices)
+            if not ids or any(not isinstance(i, int) or i < 0 for i in ids) or len(set(ids)) != len(ids):
+                raise ValueError(f"devices list must hold distinct non-negative device indices, got {devices!r}.")
+            if available is not None and max(ids) >= available:
+                raise ValueError(f"devices={ids} names CUDA device {max(ids)} but only {available} exist (0..{available - 1}).")
+        if accelerator == "cpu":
+            return "cpu", [torch.device("cpu")] * len(ids)
+        return "cuda", [torch.device("cuda", i) for i in ids]
+
+    def _resolve_strategy(self, strategy: str | Strategy, accelerator: str, devices: list[torch.device]) -> Strategy:
+        if isinstance(strategy, Strategy):
+            resolved = strategy
+        elif isinstance(strategy, str):
+            name = "single" if strategy == "auto" and len(devices) == 1 else ("ddp" if strategy == "auto" else strategy)
+            resolved = get_strategy(name)
+        else:
+            raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}.")
+        if resolved.strategy_name == "single" and len(devices) > 1:
+            raise ValueError(f"strategy='single' runs on one device but devices={len(devices)}. Use strategy='dp' or "
+                             "'ddp' for several devices, or devices=1.")
+        resolved.connect(self, accelerator, devices)
+        return resolved
+
+    def _build_callbacks(self, callbacks: Any, progress_bar: bool, checkpointing: bool, summary: bool) -> list[Callback]:
+        if callbacks is None:
+            callbacks = []
+        elif isinstance(callbacks, Callback):
+            callbacks = [callbacks]
+        callbacks = list(callbacks)
+        for cb in callbacks:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"callbacks must be ember.callbacks.Callback instances, got {type(cb).__name__}.")
+        from ember import callbacks as cbs
+
+        if progress_bar and not any(isinstance(c, cbs.ProgressBar) for c in callbacks):
+            callbacks.append(cbs.ProgressBar())
+        if summary and not any(isinstance(c, cbs.ModelSummary) for c in callbacks):
+            callbacks.append(cbs.ModelSummary())
+        checkpoint_cls = getattr(cbs, "ModelCheckpoint", None)
+        if checkpoint_cls is not None:
+            has_checkpoint = any(isinstance(c, checkpoint_cls) for c in callbacks)
+            if checkpointing and not has_checkpoint:
+                callbacks.append(checkpoint_cls())
+            elif not checkpointing and has_checkpoint and not self.fast_dev_run:
+                raise ValueError("enable_checkpointing=False but a ModelCheckpoint is in callbacks; remove one of them.")
+        if self.fast_dev_run and checkpoint_cls is not None:
+            callbacks = [c for c in callbacks if not isinstance(c, checkpoint_cls)]
+        return callbacks
+
+    def _build_loggers(self, logger: Any) -> list[Logger]:
+        if logger is None or logger is False:
+            return []
+        if logger is True:
+            from ember import callbacks as cbs
+
+            default = getattr(cbs, "default_logger", None)
+            return [default(self.default_root_dir)] if default is not None else []
+        if isinstance(logger, Logger):
+            return [logger]
+        loggers = list(logger)
+        for lg in loggers:
+            if not isinstance(lg, Logger):
+                raise TypeError(f"logger must be a bool or ember Logger instances, got {type(lg).__name__}.")
+        return loggers
+
+    # ------------------------------------------------------------------ hook dispatch
+    def _hooks(self, name: str, monitoring: bool | None = None) -> list[Callable[..., Any]]:
+        """Bound callables for hook ``name``: overriding callbacks first, then the module.
+
+        ``monitoring`` selects callbacks that watch metrics (``monitors_metrics = True``, e.g.
+        checkpointing and early stopping) or the others; they run after the module's epoch-end hook.
+        """
+        key = (name, monitoring)
+        table = self._hook_table.get(key)
+        if table is not None:
+            return table
+        table = []
+        base = getattr(Callback, name, None)
+        for cb in self.callbacks:
+            if monitoring is not None and bool(getattr(cb, "monitors_metrics", False)) != monitoring:
+                continue
+            if base is not None and getattr(type(cb), name, base) is not base:
+                table.append(functools.partial(getattr(cb, name), self, self.module))
+        module = self.module
+        mod_base = getattr(TrainModule, name, None)
+        if module is not None and monitoring is not True and mod_base is not None and getattr(type(module), name) is not mod_base:
+            table.append(getattr(module, name))
+        self._hook_table[key] = table
+        return table
+
+    def _call(self, name: str, *args: Any, monitoring: bool | None = None) -> None:
+        for h in self._hooks(name, monitoring):
+            h(*args)
+
+    # ------------------------------------------------------------------ entry points
+    def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
+            datamodule: DataModule | None = None, ckpt_path: str | None = None) -> None:
+        """Train ``module``.
+
+        Args:
+            module: the TrainModule to train.
+            train_dataloaders: a DataLoader (or any iterable of batches).
+            val_dataloaders: one loader or a list of them.
+            datamodule: a DataModule providing the loaders instead.
+            ckpt_path: resume from this checkpoint, or "last" / "best".
+        """
+        self._check_module(module)
+        if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
+            raise ValueError("Pass either dataloaders or a datamodule to fit, not both.")
+        self.state = "fitting"
+        self.strategy.launch(self._run_fit, module, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
+
+    def validate(self, module: TrainModule | None = None, dataloaders: Any = None, datamodule: DataModule | None = None,
+                 ckpt_path: str | None = None) -> list[dict[str, float]]:
+        """Run ``validation_step`` over the loaders; returns one metric dict per loader."""
+        return self._evaluate("validate", module, dataloaders, datamodule, ckpt_path)
+
+    def test(self, module: TrainModule | None = None, dataloaders: Any = None, datamodule: DataModule | None = None,
+             ckpt_path: str | None = None) -> list[dict[str, float]]:
+        """Run ``test_step`` over the loaders; returns one metric dict per loader."""
+        return self._evaluate("test", module, dataloaders, datamodule, ckpt_path)
+
+    def predict(self, module: TrainModule | None = None, dataloaders: Any = None, datamodule: DataModule | None = None,
+                ckpt_path: str | None = None) -> list[Any]:
+        """Run ``predict_step``; returns the outputs (a list per loader when there are several)."""
+        module = self._module_for_eval(module)
+        self.state = "predicting"
+        return self.strategy.launch(self._run_predict, module, dataloaders, datamodule, ckpt_path)
+
+    def _evaluate(self, stage: str, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
+                  ckpt_path: str | None) -> list[dict[str, float]]:
+        module = self._module_for_eval(module)
+        self.state = "validating" if stage == "validate" else "testing"
+        return self.strategy.launch(self._run_eval, stage, module, dataloaders, datamodule, ckpt_path)
+
+    def _module_for_eval(self, module: TrainModule | None) -> TrainModule:
+        if module is None:
+            if self.module is None:
+                raise ValueError("No module given and none was fitted with this Trainer: pass the module.")
+            module = self.module
+        self._check_module(module)
+        return module
+
+    @staticmethod
+    def _check_module(module: Any) -> None:
+        if not isinstance(module, TrainModule):
+            raise TypeError(f"Expected an ember.TrainModule, got {type(module).__name__}. Subclass ember.TrainModule.")
+        if "_log_sink" not in module.__dict__:
+            raise RuntimeError(f"{type(module).__name__}.__init__ did not call super().__init__(); call it first.")
+
+    # ------------------------------------------------------------------ the runs (inside every process)
+    def _attach(self, module: TrainModule, datamodule: DataModule | None) -> None:
+        self.module = module
+        self.datamodule = datamodule
+        module.trainer = self
+        module._log_sink = self._metrics
+        if datamodule is not None:
+            datamodule.trainer = self
+        extra = list(module.configure_callbacks() or [])
+        if extra:
+            types = {type(c) for c in extra}
+            self.callbacks = [c for c in self.callbacks if type(c) not in types] + extra
+        self._hook_table = {}
+
+    def _prepare(self, stage: str, module: TrainModule, datamodule: DataModule | None) -> None:
+        self._attach(module, datamodule)
+        self.strategy.setup_environment()
+        if self.strategy.local_rank == 0:
+            if datamodule is not None:
+                datamodule.prepare_data()
+            if type(module).prepare_data is not TrainModule.prepare_data:
+                module.prepare_data()
+        self.strategy.barrier("prepare_data")
+        if datamodule is not None:
+            datamodule.setup(stage)
+        self._call("setup", stage)
+
+    def _loader(self, given: Any, stage: str, attr: str) -> Any:
+        if given is not None:
+            return given
+        source = self.datamodule if self.datamodule is not None else self.module
+        fn = getattr(source, attr, None)
+        return fn() if callable(fn) else None
+
+    def _run_fit(self, module: TrainModule, train: Any, val: Any, datamodule: DataModule | None, ckpt_path: str | None) -> None:
+        try:
+            self._prepare("fit", module, datamodule)
+            train = self._loader(train, "fit", "train_dataloader")
+            if train is None:
+                raise ValueError("fit needs training data: pass train_dataloaders, or a datamodule with train_dataloader().")
+            val = self._loader(val, "fit", "val_dataloader")
+            self._val_loaders = self._as_list(val)
+            if self._val_loaders and type(module).validation_step is TrainModule.validation_step:
+                raise ValueError(f"Validation data was given but {type(module).__name__} defines no validation_step. "
+                                 "Define validation_step or do not pass val_dataloaders.")
+            if not module.automatic_optimization and (self.accumulate_grad_batches > 1 or self.gradient_clip_val):
+                raise ValueError("accumulate_grad_batches and gradient_clip_val apply to automatic optimization only; "
+                                 "with automatic_optimization=False, accumulate and clip in training_step yourself.")
+            self._train_loader = self.strategy.process_dataloader(train, "fit")
+            self._val_loaders = [self.strategy.process_dataloader(v, "validate") for v in self._val_loaders]
+            self.num_training_batches = loops.num_batches(self._train_loader, self.limit_train_batches)
+            if self.num_training_batches == 0:
+                raise ValueError("The train dataloader is empty (0 batches after limit_train_batches). Check the "
+                                 "dataset, batch_size with drop_last, and limit_train_batches.")
+            self.num_val_batches = [loops.num_batches(v, self.limit_val_batches) for v in self._val_loaders]
+            self._check_val_interval()
+            self._precision.convert_module(module)
+            self.strategy.setup(self, module)
+            if type(module).configure_optimizers is TrainModule.configure_optimizers:
+                module.configure_optimizers()  # raises the explanatory NotImplementedError
+            optimizers, schedulers = parse_optimizers(module.configure_optimizers())
+            if module.automatic_optimization and len(optimizers) != 1:
+                raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization "
+                                 "needs exactly one. For several, set self.automatic_optimization = False and step "
+                                 "them in training_step.")
+            self._optim = OptimizerState(self, optimizers, schedulers)
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            self.should_stop = False
+            self.history = []
+            self.progress = FitProgress()
+            self._call("on_fit_start")
+            if ckpt_path is not None:
+                self._restore(ckpt_path)
+            module.train()
+            self._loop.run()
+            self._call("on_fit_end")
+            self._finalize_loggers("success")
+        except BaseException as exc:
+            self._on_exception(exc)
+            raise
+        finally:
+            self._teardown("fit")
+
+    def _run_eval(self, stage: str, module: TrainModule, dataloaders: Any, datamodule: DataModule | None,
+                  ckpt_path: str | None) -> list[dict[str, float]]:
+        hook = "validation" if stage == "validate" else "test"
+        try:
+            self._prepare(stage, module, datamodule)
+            if getattr(type(module), f"{hook}_step") is getattr(TrainModule, f"{hook}_step"):
+                raise ValueError(f"{type(module).__name__} defines no {hook}_step; define it to {stage}.")
+            loaders = self._as_list(self._loader(dataloaders, stage, f"{'val' if stage == 'validate' else 'test'}_dataloader"))
+            if not loaders:
+                raise ValueError(f"{stage} needs data: pass dataloaders or a datamodule.")
+            loaders = [self.strategy.process_dataloader(d, stage) for d in loaders]
+            limit = self.limit_val_batches if stage == "validate" else self.limit_test_batches
+            limits = [loops.num_batches(d, limit) for d in loaders]
+            self._precision.convert_module(module)
+            self.strategy.setup(self, module)
+            if ckpt_path is not None:
+                self._restore(ckpt_path, weights_only=True)
+            results = loops.run_evaluation_loop(self, stage, loaders, limits)
+            if self.loggers and self.is_global_zero:
+                flat = {k: v for r in results for k, v in r.items()}
+                for lg in self.loggers:
+                    lg.log_metrics(flat, self.global_step)
+            return results
+        except BaseException as exc:
+            self._on_exception(exc)
+            raise
+        finally:
+            self._teardown(stage)
+
+    def _run_predict(self, module: TrainModule, dataloaders: Any, datamodule: DataModule | None, ckpt_path: str | None) -> list[Any]:
+        try:
+            self._prepare("predict", module, datamodule)
+            loaders = self._as_list(self._loader(dataloaders, "predict", "predict_dataloader"))
+            if not loaders:
+                raise ValueError("predict needs data: pass dataloaders or a datamodule.")
+            loaders = [self.strategy.process_dataloader(d, "predict") for d in loaders]
+            limits = [loops.num_batches(d, self.limit_predict_batches) for d in loaders]
+            self._precision.convert_module(module)
+            self.strategy.setup(self, module)
+            if ckpt_path is not None:
+                self._restore(ckpt_path, weights_only=True)
+            results = loops.run_predict_loop(self, loaders, limits)
+            return results[0] if len(results) == 1 else results
+        except BaseException as exc:
+            self._on_exception(exc)
+            raise
+        finally:
+            self._teardown("predict")
+
+    def _run_evaluation(self, stage: str) -> None:
+        """Validation inside fit (``stage`` "validate") or the sanity check before it ("sanity")."""
+        if stage == "sanity":
+            saved = (dict(self._metrics.callback_metrics), dict(self._metrics.progress_bar_metrics))
+            self.sanity_checking = True
+            self._call("on_sanity_check_start")
+            limits = [min(n, self.num_sanity_val_steps) for n in self.num_val_batches]
+            try:
+                loops.run_evaluation_loop(self, "sanity", self._val_loaders, limits)
+            finally:
+                self.sanity_checking = False
+                self._metrics.callback_metrics, self._metrics.progress_bar_metrics = saved
+            self._call("on_sanity_check_end")
+            return
+        loops.run_evaluation_loop(self, "validate", self._val_loaders, self.num_val_batches)
+        self.progress.val_checks_in_epoch += 1
+        if self.loggers and self.is_global_zero:
+            keys = self._metrics.logger_keys()
+            epoch_vals = {k: v for k, v in self._metrics.callback_metrics.items() if k in keys}
+            if epoch_vals:
+                self._write_logs(epoch_vals)
+
+    def _check_val_interval(self) -> None:
+        v = self.val_check_interval
+        if isinstance(v, int) and self.check_val_every_n_epoch is not None and self._val_loaders \
+                and self.num_training_batches != math.inf and v > self.num_training_batches:
+            raise ValueError(f"val_check_interval={v} is larger than the {int(self.num_training_batches)} training "
+                             "batches per epoch, so validation would never run. Lower it, or set "
+                             "check_val_every_n_epoch=None to count batches across epochs.")
+
+    def _val_due(self, batch_idx: int, is_last: bool) -> bool:
+        if not self._val_loaders or not any(self.num_val_batches):
+            return False
+        epoch = self.progress.current_epoch
+        if self.check_val_every_n_epoch is not None and (epoch + 1) % self.check_val_every_n_epoch:
+            return False
+        v = self.val_check_interval
+        if isinstance(v, float):
+            if self.num_training_batches == math.inf:
+                return is_last and v == 1.0
+            every = max(1, int(self.num_training_batches * v))
+            return (batch_idx + 1) % every == 0 or (is_last and v == 1.0)
+        if self.check_val_every_n_epoch is None:
+            return self.progress.total_batches % v == 0
+        return (batch_idx + 1) % v == 0
+
+    def _batch_to_device_cast(self, batch: Any) -> Any:
+        return move_to_device(batch, self.strategy.root_device, self._input_dtype)
+
+    @staticmethod
+    def _as_list(loaders: Any) -> list[Any]:
+        if loaders is None:
+            return []
+        return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+    def _set_loader_epoch(self, loader: Any, epoch: int, start: int) -> None:
+        sampler = getattr(loader, "sampler", None)
+        for obj in (sampler, getattr(loader, "batch_sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+            if obj is not None and hasattr(obj, "set_epoch"):
+                obj.set_epoch(epoch)
+                return
+
+    def _restore(self, ckpt_path: str, weights_only: bool = False) -> None:
+        from ember.trainer import checkpoint
+
+        checkpoint.restore(self, ckpt_path, weights_only=weights_only)
+
+    def save_checkpoint(self, filepath: str, weights_only: bool = False) -> None:
+        """Save the full training state (or only the weights) to ``filepath``, atomically, on rank zero."""
+        from ember.trainer import checkpoint
+
+        checkpoint.save(self, filepath, weights_only=weights_only)
+
+    # ------------------------------------------------------------------ logging
+    def _log_step_metrics(self) -> None:
+        pending = self._metrics.pending_step_logs
+        if pending and self.is_global_zero:
+            self._write_logs(pending)
+        pending.clear()
+
+    def _write_logs(self, metrics: dict[str, Any]) -> None:
+        floats = to_floats(metrics)
+        floats["epoch"] = float(self.progress.current_epoch)
+        self.logged_metrics.update(floats)
+        for lg in self.loggers:
+            lg.log_metrics(floats, self.progress.global_step)
+
+    def _record_epoch(self, epoch_metrics: dict[str, Any]) -> None:
+        floats = to_floats(epoch_metrics) if epoch_metrics else {}
+        row = {"epoch": self.progress.current_epoch, "step": self.progress.global_step}
+        row.update(to_floats({k: v for k, v in self._metrics.callback_metrics.items()
+                              if not k.endswith("_step")}))
+        self.history.append(row)
+        if self.loggers and self.is_global_zero:
+            keys = self._metrics.logger_keys()
+            self._log_step_metrics()
+            logged = {k: v for k, v in floats.items() if k in keys}
+            if logged:
+                self._write_logs(logged)
+
+    def _finalize_loggers(self, status: str) -> None:
+        if self.is_global_zero:
+            for lg in self.loggers:
+                lg.finalize(status)
+
+    def _on_exception(self, exc: BaseException) -> None:
+        for h in self._hooks("on_exception"):
+            try:
+                h(exc)
+            except Exception as hook_exc:  # never hide the original error behind a hook's
+                warnings.warn(f"on_exception hook {h} raised {hook_exc!r} while handling {exc!r}", RuntimeWarning)
+        self._finalize_loggers("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+
+    def _teardown(self, stage: str) -> None:
+        try:
+            if self.module is not None:
+                self._call("teardown", stage)
+            if self.datamodule is not None:
+                self.datamodule.teardown(stage)
+        finally:
+            self.strategy.teardown()
+            self.state = "finished"
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def current_epoch(self) -> int:
+        return self.progress.current_epoch
+
+    @property
+    def global_step(self) -> int:
+        return self.progress.global_step
+
+    @property
+    def global_rank(self) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def callback_metrics(self) -> dict[str, Any]:
+        return self._metrics.callback_metrics
+
+    @callback_metrics.setter
+    def callback_metrics(self, value: dict[str, Any]) -> None:
+        self._metrics.callback_metrics = value
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, Any]:
+        return self._metrics.progress_bar_metrics
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self._optim.optimizers
+
+    @property
+    def lr_scheduler_configs(self) -> list[Any]:
+        return self._optim.schedulers
+
+    @property
+    def logger(self) -> Logger | None:
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def log_dir(self) -> str:
+        """The first logger's directory, or ``default_root_dir`` without a logger."""
+        for lg in self.loggers:
+            if lg.log_dir is not None:
+                return lg.log_dir
+        return self.default_root_dir
+
+    @property
+    def precision(self) -> str:
+        return self._precision_name
+
+    @property
+    def training(self) -> bool:
+        return self.state == "fitting" and not self.sanity_checking
+
+    @property
+    def lightning_module(self) -> TrainModule | None:
+        return self.module
+
+    @property
+    def estimated_stepping_batches(self) -> float:
+        """Optimizer steps the fit will take (inf when the loader has no length and no max_steps)."""
+        per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches) \
+            if self.num_training_batches != math.inf else math.inf
+        total = per_epoch * self.max_epochs if self.max_epochs != -1 else math.inf
+        return min(total, self.max_steps) if self.max_steps != -1 else total
