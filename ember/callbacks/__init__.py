@@ -10,6 +10,16 @@ from ember.callbacks.logger import Logger
 # name -> module that defines it; loaded lazily so `import ember` does not pay for tensorboard etc.
 _LAZY = {
     "ProgressBar": "ember.callbacks.progress_bar",
+    "ModelSummary": "ember.callbacks.model_summary",
+    "TensorBoardLogger": "ember.callbacks.tensorboard",
+    "default_logger": "ember.callbacks.tensorboard",
+    "CSVLogger": "ember.callbacks.csv_logger",
+    "EarlyStopping": "ember.callbacks.early_stopping",
+    "LearningRateMonitor": "ember.callbacks.lr_monitor",
+    "ThroughputMonitor": "ember.callbacks.throughput",
+    "Timer": "ember.callbacks.timer",
+    "ModelCheckpoint": "ember.callbacks.model_checkpoint",
+    "OnExceptionCheckpoint": "ember.callbacks.model_checkpoint",
 }
 
 __all__ = ["Callback", "Logger", *_LAZY]
@@ -19,4 +29,10 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ember.callbacks' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name != module:
+            raise
+        raise AttributeError(f"ember.callbacks.{name} is not available in this build ({module} is missing)") from err
+    return getattr(loaded, name)

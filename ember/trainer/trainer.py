@@ -13,27 +13,13 @@ from ember.callbacks.callback import Callback
 from ember.callbacks.logger import Logger
 from ember.data import DataModule
 from ember.module import TrainModule
-from ember.strategies.registry import get_strategy
 from ember.strategies.strategy import Strategy
-from ember.trainer import loops
+from ember.trainer import loops, setup
 from ember.trainer.metrics import MetricCollector, to_floats
 from ember.trainer.optim import OptimizerState, parse_optimizers
 from ember.trainer.precision import Precision, normalize_precision
 from ember.trainer.progress import FitProgress
 from ember.utils import move_to_device
-
-_ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
-
-
-def _check_limit(name: str, value: int | float | None) -> int | float:
-    if value is None:
-        return 1.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{name} must be a fraction in [0, 1] or a non-negative int number of batches, got {value!r}.")
-    if isinstance(value, float) and value > 1.0:
-        raise ValueError(f"{name}={value} is a fraction above 1.0; pass an int to give a number of batches.")
-    return value
-
 
 class Trainer:
     """Runs a ``TrainModule``'s training, evaluation and prediction on a chosen strategy.
@@ -130,10 +116,10 @@ class Trainer:
         self.gradient_clip_algorithm = gradient_clip_algorithm
         self.val_check_interval = val_check_interval
         self.check_val_every_n_epoch = check_val_every_n_epoch
-        self.limit_train_batches = _check_limit("limit_train_batches", limit_train_batches)
-        self.limit_val_batches = _check_limit("limit_val_batches", limit_val_batches)
-        self.limit_test_batches = _check_limit("limit_test_batches", limit_test_batches)
-        self.limit_predict_batches = _check_limit("limit_predict_batches", limit_predict_batches)
+        self.limit_train_batches = setup.check_limit("limit_train_batches", limit_train_batches)
+        self.limit_val_batches = setup.check_limit("limit_val_batches", limit_val_batches)
+        self.limit_test_batches = setup.check_limit("limit_test_batches", limit_test_batches)
+        self.limit_predict_batches = setup.check_limit("limit_predict_batches", limit_predict_batches)
         self.num_sanity_val_steps = math.inf if num_sanity_val_steps == -1 else num_sanity_val_steps
         self.log_every_n_steps = log_every_n_steps
         self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
@@ -155,14 +141,14 @@ class Trainer:
             torch.use_deterministic_algorithms(bool(deterministic), warn_only=deterministic == "warn")
 
         self._precision_name = normalize_precision(precision)
-        accelerator_name, device_list = self._resolve_devices(accelerator, devices)
-        self.strategy = self._resolve_strategy(strategy, accelerator_name, device_list)
+        accelerator_name, device_list = setup.resolve_devices(accelerator, devices)
+        self.strategy = setup.resolve_strategy(self, strategy, accelerator_name, device_list)
         self._precision = Precision(self._precision_name, self.strategy.root_device.type)
         self._input_dtype = self._precision.input_dtype
 
-        self.callbacks: list[Callback] = self._build_callbacks(callbacks, enable_progress_bar, enable_checkpointing,
+        self.callbacks: list[Callback] = setup.build_callbacks(self, callbacks, enable_progress_bar, enable_checkpointing,
                                                                enable_model_summary)
-        self.loggers: list[Logger] = self._build_loggers(logger)
+        self.loggers: list[Logger] = setup.build_loggers(self, logger)
         for lg in self.loggers:
             if lg not in self.callbacks:
                 self.callbacks.append(lg)
@@ -186,98 +172,6 @@ class Trainer:
         self.num_val_batches: list[float] = []
         self._eval_total: float = 0
         self.ckpt_path: str | None = None
-
-    # ------------------------------------------------------------------ construction helpers
-    @staticmethod
-    def _resolve_devices(accelerator: str, devices: Any) -> tuple[str, list[torch.device]]:
-        if accelerator not in _ACCELERATORS:
-            raise ValueError(f"Unknown accelerator {accelerator!r}. Use one of {', '.join(_ACCELERATORS)}.")
-        if accelerator == "auto":
-            accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-        if accelerator == "gpu":
-            accelerator = "cuda"
-        if accelerator == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("accelerator='cuda' was requested but CUDA is not available on this machine. "
-                               "Use accelerator='cpu' (or 'auto').")
-        available = torch.cuda.device_count() if accelerator == "cuda" else None
-        if devices == "auto":
-            devices = 1
-        if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
-            raise ValueError(f"devices must be a positive int, a list of device indices or 'auto', got {devices!r}.")
-        if isinstance(devices, int):
-            if devices == -1:
-                devices = available if available is not None else (os.cpu_count() or 1)
-            if devices < 1:
-                raise ValueError(f"devices must be at least 1, got {devices}.")
-            if available is not None and devices > available:
-                raise ValueError(f"devices={devices} but only {available} CUDA device(s) are available. "
-                                 f"Ask for at most {available}.")
-            ids = list(range(devices))
-        else:
-            ids = list(devices)
-            if not ids or any(not isinstance(i, int) or i < 0 for i in ids) or len(set(ids)) != len(ids):
-                raise ValueError(f"devices list must hold distinct non-negative device indices, got {devices!r}.")
-            if available is not None and max(ids) >= available:
-                raise ValueError(f"devices={ids} names CUDA device {max(ids)} but only {available} exist (0..{available - 1}).")
-        if accelerator == "cpu":
-            return "cpu", [torch.device("cpu")] * len(ids)
-        return "cuda", [torch.device("cuda", i) for i in ids]
-
-    def _resolve_strategy(self, strategy: str | Strategy, accelerator: str, devices: list[torch.device]) -> Strategy:
-        if isinstance(strategy, Strategy):
-            resolved = strategy
-        elif isinstance(strategy, str):
-            name = "single" if strategy == "auto" and len(devices) == 1 else ("ddp" if strategy == "auto" else strategy)
-            resolved = get_strategy(name)
-        else:
-            raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}.")
-        if resolved.strategy_name == "single" and len(devices) > 1:
-            raise ValueError(f"strategy='single' runs on one device but devices={len(devices)}. Use strategy='dp' or "
-                             "'ddp' for several devices, or devices=1.")
-        resolved.connect(self, accelerator, devices)
-        return resolved
-
-    def _build_callbacks(self, callbacks: Any, progress_bar: bool, checkpointing: bool, summary: bool) -> list[Callback]:
-        if callbacks is None:
-            callbacks = []
-        elif isinstance(callbacks, Callback):
-            callbacks = [callbacks]
-        callbacks = list(callbacks)
-        for cb in callbacks:
-            if not isinstance(cb, Callback):
-                raise TypeError(f"callbacks must be ember.callbacks.Callback instances, got {type(cb).__name__}.")
-        from ember import callbacks as cbs
-
-        if progress_bar and not any(isinstance(c, cbs.ProgressBar) for c in callbacks):
-            callbacks.append(cbs.ProgressBar())
-        if summary and not any(isinstance(c, cbs.ModelSummary) for c in callbacks):
-            callbacks.append(cbs.ModelSummary())
-        checkpoint_cls = getattr(cbs, "ModelCheckpoint", None)
-        if checkpoint_cls is not None:
-            has_checkpoint = any(isinstance(c, checkpoint_cls) for c in callbacks)
-            if checkpointing and not has_checkpoint:
-                callbacks.append(checkpoint_cls())
-            elif not checkpointing and has_checkpoint and not self.fast_dev_run:
-                raise ValueError("enable_checkpointing=False but a ModelCheckpoint is in callbacks; remove one of them.")
-        if self.fast_dev_run and checkpoint_cls is not None:
-            callbacks = [c for c in callbacks if not isinstance(c, checkpoint_cls)]
-        return callbacks
-
-    def _build_loggers(self, logger: Any) -> list[Logger]:
-        if logger is None or logger is False:
-            return []
-        if logger is True:
-            from ember import callbacks as cbs
-
-            default = getattr(cbs, "default_logger", None)
-            return [default(self.default_root_dir)] if default is not None else []
-        if isinstance(logger, Logger):
-            return [logger]
-        loggers = list(logger)
-        for lg in loggers:
-            if not isinstance(lg, Logger):
-                raise TypeError(f"logger must be a bool or ember Logger instances, got {type(lg).__name__}.")
-        return loggers
 
     # ------------------------------------------------------------------ hook dispatch
     def _hooks(self, name: str, monitoring: bool | None = None) -> list[Callable[..., Any]]:

@@ -1,0 +1,118 @@
+"""Turning Trainer arguments into things: devices, the strategy, callbacks and loggers."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ember.callbacks.callback import Callback
+from ember.callbacks.logger import Logger
+from ember.strategies.registry import get_strategy
+from ember.strategies.strategy import Strategy
+
+if TYPE_CHECKING:
+    from ember.trainer.trainer import Trainer
+
+_ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
+
+
+def check_limit(name: str, value: int | float | None) -> int | float:
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{name} must be a fraction in [0, 1] or a non-negative int number of batches, got {value!r}.")
+    if isinstance(value, float) and value > 1.0:
+        raise ValueError(f"{name}={value} is a fraction above 1.0; pass an int to give a number of batches.")
+    return value
+
+
+def resolve_devices(accelerator: str, devices: Any) -> tuple[str, list[torch.device]]:
+    if accelerator not in _ACCELERATORS:
+        raise ValueError(f"Unknown accelerator {accelerator!r}. Use one of {', '.join(_ACCELERATORS)}.")
+    if accelerator == "auto":
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator == "gpu":
+        accelerator = "cuda"
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("accelerator='cuda' was requested but CUDA is not available on this machine. "
+                           "Use accelerator='cpu' (or 'auto').")
+    available = torch.cuda.device_count() if accelerator == "cuda" else None
+    if devices == "auto":
+        devices = 1
+    if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
+        raise ValueError(f"devices must be a positive int, a list of device indices or 'auto', got {devices!r}.")
+    if isinstance(devices, int):
+        if devices == -1:
+            devices = available if available is not None else (os.cpu_count() or 1)
+        if devices < 1:
+            raise ValueError(f"devices must be at least 1, got {devices}.")
+        if available is not None and devices > available:
+            raise ValueError(f"devices={devices} but only {available} CUDA device(s) are available. "
+                             f"Ask for at most {available}.")
+        ids = list(range(devices))
+    else:
+        ids = list(devices)
+        if not ids or any(not isinstance(i, int) or i < 0 for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"devices list must hold distinct non-negative device indices, got {devices!r}.")
+        if available is not None and max(ids) >= available:
+            raise ValueError(f"devices={ids} names CUDA device {max(ids)} but only {available} exist (0..{available - 1}).")
+    if accelerator == "cpu":
+        return "cpu", [torch.device("cpu")] * len(ids)
+    return "cuda", [torch.device("cuda", i) for i in ids]
+
+def resolve_strategy(trainer: Trainer, strategy: str | Strategy, accelerator: str, devices: list[torch.device]) -> Strategy:
+    if isinstance(strategy, Strategy):
+        resolved = strategy
+    elif isinstance(strategy, str):
+        name = "single" if strategy == "auto" and len(devices) == 1 else ("ddp" if strategy == "auto" else strategy)
+        resolved = get_strategy(name)
+    else:
+        raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}.")
+    if resolved.strategy_name == "single" and len(devices) > 1:
+        raise ValueError(f"strategy='single' runs on one device but devices={len(devices)}. Use strategy='dp' or "
+                         "'ddp' for several devices, or devices=1.")
+    resolved.connect(trainer, accelerator, devices)
+    return resolved
+
+def build_callbacks(trainer: Trainer, callbacks: Any, progress_bar: bool, checkpointing: bool, summary: bool) -> list[Callback]:
+    if callbacks is None:
+        callbacks = []
+    elif isinstance(callbacks, Callback):
+        callbacks = [callbacks]
+    callbacks = list(callbacks)
+    for cb in callbacks:
+        if not isinstance(cb, Callback):
+            raise TypeError(f"callbacks must be ember.callbacks.Callback instances, got {type(cb).__name__}.")
+    from ember import callbacks as cbs
+
+    if progress_bar and not any(isinstance(c, cbs.ProgressBar) for c in callbacks):
+        callbacks.append(cbs.ProgressBar())
+    if summary and not any(isinstance(c, cbs.ModelSummary) for c in callbacks):
+        callbacks.append(cbs.ModelSummary())
+    checkpoint_cls = getattr(cbs, "ModelCheckpoint", None)
+    if checkpoint_cls is not None:
+        has_checkpoint = any(isinstance(c, checkpoint_cls) for c in callbacks)
+        if checkpointing and not has_checkpoint:
+            callbacks.append(checkpoint_cls())
+        elif not checkpointing and has_checkpoint and not trainer.fast_dev_run:
+            raise ValueError("enable_checkpointing=False but a ModelCheckpoint is in callbacks; remove one of them.")
+    if trainer.fast_dev_run and checkpoint_cls is not None:
+        callbacks = [c for c in callbacks if not isinstance(c, checkpoint_cls)]
+    return callbacks
+
+def build_loggers(trainer: Trainer, logger: Any) -> list[Logger]:
+    if logger is None or logger is False:
+        return []
+    if logger is True:
+        from ember import callbacks as cbs
+
+        default = getattr(cbs, "default_logger", None)
+        return [default(trainer.default_root_dir)] if default is not None else []
+    if isinstance(logger, Logger):
+        return [logger]
+    loggers = list(logger)
+    for lg in loggers:
+        if not isinstance(lg, Logger):
+            raise TypeError(f"logger must be a bool or ember Logger instances, got {type(lg).__name__}.")
+    return loggers
