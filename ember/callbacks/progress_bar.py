@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from typing import Any
 
 from ember.callbacks.callback import Callback
@@ -31,6 +32,7 @@ class ProgressBar(Callback):
         self._train: Any = None
         self._eval: Any = None
         self._enabled = True
+        self._last_draw = 0.0
 
     def _bar(self, total: float, desc: str, leave: bool, position: int = 0) -> Any:
         from tqdm.auto import tqdm
@@ -59,8 +61,10 @@ class ProgressBar(Callback):
         if bar is None or (batch_idx + 1) % self.refresh_rate:
             return
         bar.n = batch_idx + 1
-        # tqdm decides whether enough time passed to redraw; only then are metrics converted.
-        if bar._time() - bar.last_print_t >= bar.mininterval:
+        # Redraw at most every `mininterval` seconds; only then are metrics converted to numbers.
+        now = time.monotonic()
+        if now - self._last_draw >= bar.mininterval:
+            self._last_draw = now
             bar.set_postfix(self._postfix(trainer), refresh=False)
             bar.refresh()
 
