@@ -96,6 +96,7 @@ class _Runs:
             self.history = []
             self.progress = FitProgress()
             self._call("on_fit_start")
+            self._log_hyperparams()
             if ckpt_path is not None:
                 self._restore(ckpt_path)
             module.train()
@@ -256,6 +257,18 @@ class _Runs:
             logged = {k: v for k, v in floats.items() if k in keys}
             if logged:
                 self._write_logs(logged)
+
+    def _log_hyperparams(self) -> None:
+        """Hand the module's (and datamodule's) ``hparams`` to every logger once per fit, on rank zero."""
+        if not (self.loggers and self.is_global_zero):
+            return
+        params: dict[str, Any] = {}
+        for source in (self.module, self.datamodule):
+            hp = getattr(source, "hparams", None)
+            if hp:
+                params.update(hp)
+        for lg in self.loggers:
+            lg.log_hyperparams(params)
 
     def _finalize_loggers(self, status: str) -> None:
         if self.is_global_zero:
