@@ -125,6 +125,7 @@ class FitLoop:
         batch_start = t._hooks("on_train_batch_start")
         batch_end = t._hooks("on_train_batch_end")
         automatic = t.module.automatic_optimization
+        self._bind_step_hooks()
         stream = _lookahead(loader) if n_batches == math.inf else ((b, False) for b in loader)
         batch_idx = start - 1
         for batch, is_last in stream:
@@ -184,33 +185,53 @@ class FitLoop:
             t._optim.step_schedulers("epoch", p.current_epoch, t._metrics.callback_metrics)
 
     # ------------------------------------------------------------------ one batch
+    def _bind_step_hooks(self) -> None:
+        """Resolve the per-step hooks once per epoch, so the step does no lookups."""
+        t = self.trainer
+        self._h_zero_grad = t._hooks("on_before_zero_grad")
+        self._h_before_backward = t._hooks("on_before_backward")
+        self._h_after_backward = t._hooks("on_after_backward")
+        self._h_before_step = t._hooks("on_before_optimizer_step")
+        self._autocast = t._precision.autocast if t._precision.autocast_dtype is not None else None
+
     def _automatic_step(self, batch: Any, batch_idx: int, is_last: bool) -> Any:
         t = self.trainer
         k = t.accumulate_grad_batches
         pos = batch_idx % k
         steps_now = pos == k - 1 or is_last
         optimizer = t._optim.optimizers[0]
-        sync_ctx = t.strategy.no_backward_sync() if not steps_now else _NULL
-        with sync_ctx:
-            with t._precision.autocast():
+        metrics = t._metrics
+        with (t.strategy.no_backward_sync() if not steps_now else _NULL):
+            if self._autocast is None:
                 outputs = t.strategy.training_step(batch, batch_idx)
+            else:
+                with self._autocast():
+                    outputs = t.strategy.training_step(batch, batch_idx)
             loss = check_loss(outputs)
             if pos == 0:
-                t._call("on_before_zero_grad", optimizer)
+                for h in self._h_zero_grad:
+                    h(optimizer)
                 optimizer.zero_grad(set_to_none=True)
                 self._window_has_grad = False
             if loss is None:
                 warnings.warn(f"training_step returned None for batch {batch_idx}: skipping its backward and "
                               "optimizer step.", UserWarning, stacklevel=2)
             else:
-                # Scale by the window's real size so a short final window still averages its batches.
-                window = k if t.num_training_batches == math.inf else min(k, t.num_training_batches - (batch_idx - pos))
-                scaled = loss / window if window > 1 else loss
-                t._metrics.fx = "on_before_backward"
-                t._call("on_before_backward", loss)
+                scaled = loss
+                if k > 1:
+                    # Scale by the window's real size so a short final window still averages its batches.
+                    n = t.num_training_batches
+                    window = k if n == math.inf else min(k, n - (batch_idx - pos))
+                    scaled = loss / window
+                if self._h_before_backward:
+                    metrics.fx = "on_before_backward"
+                    for h in self._h_before_backward:
+                        h(loss)
                 t.strategy.backward(t._precision.scale_loss(scaled))
-                t._metrics.fx = "on_after_backward"
-                t._call("on_after_backward")
+                if self._h_after_backward:
+                    metrics.fx = "on_after_backward"
+                    for h in self._h_after_backward:
+                        h()
                 self._window_has_grad = True
         if steps_now and self._window_has_grad:
             if t.num_training_batches == math.inf and pos + 1 < k:
@@ -221,16 +242,20 @@ class FitLoop:
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         t = self.trainer
-        t._precision.unscale(optimizer)
-        t._metrics.fx = "on_before_optimizer_step"
-        t._call("on_before_optimizer_step", optimizer)
+        precision = t._precision
+        if precision.scaler is not None:
+            precision.unscale(optimizer)
+        if self._h_before_step:
+            t._metrics.fx = "on_before_optimizer_step"
+            for h in self._h_before_step:
+                h(optimizer)
         if t.gradient_clip_val:
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             if t.gradient_clip_algorithm == "norm":
                 torch.nn.utils.clip_grad_norm_(params, t.gradient_clip_val)
             else:
                 torch.nn.utils.clip_grad_value_(params, t.gradient_clip_val)
-        t._precision.optimizer_step(optimizer, t.strategy)
+        precision.optimizer_step(optimizer, t.strategy)
         self.stepped_this_batch = True
 
     @staticmethod
@@ -243,7 +268,8 @@ class FitLoop:
     def _manual_step(self, batch: Any, batch_idx: int) -> Any:
         t = self.trainer
         with t._precision.autocast():
-            return t.strategy.training_step(batch, batch_idx)
+            outputs = t.strategy.training_step(batch, batch_idx)
+        return outputs
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         t = self.trainer

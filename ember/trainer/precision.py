@@ -37,7 +37,7 @@ class Precision:
         self.scaler: torch.amp.GradScaler | None = None
         if self.precision == "16-mixed":
             self.scaler = torch.amp.GradScaler(device_type)
-        self._autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.precision)
+        self.autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.precision)
 
     @property
     def input_dtype(self) -> torch.dtype | None:
@@ -48,9 +48,9 @@ class Precision:
         return module.double() if self.precision == "64-true" else module
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self._autocast_dtype is None:
+        if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self._autocast_dtype)
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
