@@ -1,0 +1,203 @@
+"""Hook order: a recording callback and module, compared with the expected sequence (Lightning's order)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ember
+from ember.callbacks import Callback
+from tests.helpers.models import (RecordingCallback, RecordingModule, fast_trainer, regression_loader)
+
+
+def both(*names: str) -> list[str]:
+    """Each hook as the trainer calls it: callbacks first, then the module."""
+    out = []
+    for n in names:
+        out += [f"Callback.{n}", f"Module.{n}"]
+    return out
+
+
+def validation_block(steps: int = 1) -> list[str]:
+    batch = both("on_validation_batch_start") + ["Module.validation_step"] + both("on_validation_batch_end")
+    return (both("on_validation_start", "on_validation_epoch_start") + batch * steps
+            + both("on_validation_epoch_end", "on_validation_end"))
+
+
+def train_batch() -> list[str]:
+    return (both("on_train_batch_start") + ["Module.training_step"]
+            + both("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+                   "on_train_batch_end"))
+
+
+def _run(**trainer_kwargs):
+    calls: list[str] = []
+    module = RecordingModule(calls)
+    trainer = fast_trainer(callbacks=[RecordingCallback(calls)], **trainer_kwargs)
+    return calls, module, trainer
+
+
+def test_fit_hook_order_with_validation_and_sanity_check():
+    calls, module, trainer = _run(max_epochs=2, limit_train_batches=2, limit_val_batches=1,
+                                  num_sanity_val_steps=1)
+    trainer.fit(module, regression_loader(), regression_loader())
+    epoch = both("on_train_epoch_start") + train_batch() * 2 + validation_block() + both("on_train_epoch_end")
+    expected = (
+        ["Module.configure_callbacks", "Module.prepare_data", "Callback.setup:fit", "Module.setup:fit",
+         "Module.configure_optimizers"]
+        + both("on_fit_start")
+        + ["Callback.on_sanity_check_start"] + validation_block() + ["Callback.on_sanity_check_end"]
+        + both("on_train_start")
+        + epoch * 2
+        + both("on_train_end", "on_fit_end")
+        + ["Callback.teardown:fit", "Module.teardown:fit"]
+    )
+    assert calls == expected
+
+
+def test_fit_hook_order_without_validation_has_no_sanity_check():
+    calls, module, trainer = _run(max_epochs=1, limit_train_batches=1)
+    trainer.fit(module, regression_loader())
+    assert "Callback.on_sanity_check_start" not in calls
+    start = calls.index("Callback.on_train_start")
+    assert calls[start:] == (both("on_train_start", "on_train_epoch_start") + train_batch()
+                             + both("on_train_epoch_end", "on_train_end", "on_fit_end")
+                             + ["Callback.teardown:fit", "Module.teardown:fit"])
+
+
+def test_accumulation_zero_grad_first_and_optimizer_step_last_in_window():
+    calls, module, trainer = _run(limit_train_batches=3, accumulate_grad_batches=2)
+    trainer.fit(module, regression_loader())
+    start = calls.index("Module.on_train_epoch_start") + 1
+    end = calls.index("Callback.on_train_epoch_end")
+    head = both("on_train_batch_start") + ["Module.training_step"]
+    backward = both("on_before_backward", "on_after_backward")
+    expected = (
+        head + both("on_before_zero_grad") + backward + both("on_train_batch_end")                 # opens window
+        + head + backward + both("on_before_optimizer_step", "on_train_batch_end")               # closes it
+        + head + both("on_before_zero_grad") + backward + both("on_before_optimizer_step", "on_train_batch_end")  # short
+    )
+    assert calls[start:end] == expected
+
+
+def test_validate_hook_order():
+    calls, module, trainer = _run(limit_val_batches=2)
+    trainer.validate(module, regression_loader())
+    assert calls == (["Module.configure_callbacks", "Module.prepare_data", "Callback.setup:validate",
+                      "Module.setup:validate"] + validation_block(2)
+                     + ["Callback.teardown:validate", "Module.teardown:validate"])
+
+
+def test_test_hook_order():
+    calls, module, trainer = _run(limit_test_batches=2)
+    trainer.test(module, regression_loader())
+    batch = both("on_test_batch_start") + ["Module.test_step"] + both("on_test_batch_end")
+    assert calls == (["Module.configure_callbacks", "Module.prepare_data", "Callback.setup:test", "Module.setup:test"]
+                     + both("on_test_start", "on_test_epoch_start") + batch * 2
+                     + both("on_test_epoch_end", "on_test_end")
+                     + ["Callback.teardown:test", "Module.teardown:test"])
+
+
+def test_predict_hook_order():
+    calls, module, trainer = _run(limit_predict_batches=2)
+    trainer.predict(module, regression_loader())
+    batch = both("on_predict_batch_start") + ["Module.predict_step"] + both("on_predict_batch_end")
+    assert calls == (["Module.configure_callbacks", "Module.prepare_data", "Callback.setup:predict",
+                      "Module.setup:predict"]
+                     + both("on_predict_start", "on_predict_epoch_start") + batch * 2
+                     + both("on_predict_epoch_end", "on_predict_end")
+                     + ["Callback.teardown:predict", "Module.teardown:predict"])
+
+
+def test_callbacks_run_in_the_order_given():
+    calls: list[str] = []
+
+    class Named(Callback):
+        def __init__(self, name):
+            self.name = name
+
+        def on_train_epoch_start(self, trainer, module):
+            calls.append(self.name)
+
+    trainer = fast_trainer(callbacks=[Named("a"), Named("b"), Named("c")], limit_train_batches=1)
+    trainer.fit(RecordingModule(), regression_loader())
+    assert calls == ["a", "b", "c"]
+
+
+def test_monitoring_callbacks_run_after_the_module_at_epoch_end():
+    calls: list[str] = []
+
+    class Monitor(Callback):
+        monitors_metrics = True
+
+        def on_train_epoch_end(self, trainer, module):
+            calls.append(f"monitor sees {sorted(trainer.callback_metrics)}")
+
+    class Plain(Callback):
+        def on_train_epoch_end(self, trainer, module):
+            calls.append("plain")
+
+    class Module(RecordingModule):
+        def on_train_epoch_end(self):
+            calls.append("module")
+            self.log("epoch_metric", 1.0)
+
+    trainer = fast_trainer(callbacks=[Monitor(), Plain()], limit_train_batches=1)
+    trainer.fit(Module(), regression_loader())
+    # The monitor comes last and already sees the metric the module logged at epoch end.
+    assert calls == ["plain", "module", "monitor sees ['epoch_metric', 'train_loss']"]
+
+
+def test_only_overriding_callbacks_are_dispatched():
+    class Nothing(Callback):
+        pass
+
+    class EpochOnly(Callback):
+        def on_train_epoch_start(self, trainer, module):
+            pass
+
+    trainer = fast_trainer(callbacks=[Nothing(), EpochOnly()], limit_train_batches=1)
+    trainer.fit(_Plain(), regression_loader())
+    assert trainer._hooks("on_train_batch_end") == []
+    assert len(trainer._hooks("on_train_epoch_start")) == 1
+
+
+class _Plain(ember.TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_on_train_batch_start_returning_minus_one_ends_the_epoch():
+    seen = []
+
+    class Stop(_Plain):
+        def on_train_batch_start(self, batch, batch_idx):
+            seen.append(batch_idx)
+            return -1 if batch_idx == 1 else None
+
+    trainer = fast_trainer(max_epochs=2)
+    trainer.fit(Stop(), regression_loader(n=32, batch_size=8))
+    assert seen == [0, 1, 0, 1]
+    assert trainer.global_step == 2
+
+
+def test_on_exception_is_called_and_the_error_propagates():
+    seen = []
+
+    class Catch(Callback):
+        def on_exception(self, trainer, module, exception):
+            seen.append(exception)
+
+    class Boom(_Plain):
+        def training_step(self, batch, batch_idx):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fast_trainer(callbacks=[Catch()]).fit(Boom(), regression_loader())
+    assert len(seen) == 1 and str(seen[0]) == "boom"
