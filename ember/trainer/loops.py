@@ -161,7 +161,8 @@ class FitLoop:
             if t._val_due(batch_idx, is_last):
                 t._run_evaluation("validate")
                 metrics.resume_stage("train")
-            if t.should_stop and p.current_epoch + 1 >= t.min_epochs:
+            # current_epoch counts finished epochs: before min_epochs, finish this one whole.
+            if t.should_stop and p.current_epoch >= t.min_epochs:
                 break
             if t.max_steps != -1 and p.global_step >= t.max_steps:
                 break
