@@ -1,0 +1,222 @@
+"""configure_optimizers: every return form, scheduler intervals and frequencies, ReduceLROnPlateau."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import ember
+from ember.trainer.optim import SchedulerConfig, parse_optimizers
+from tests.helpers.models import BoringModel, TrainOnlyModel, fast_trainer, regression_loader
+
+
+def _opt(lr: float = 0.1) -> torch.optim.Optimizer:
+    return torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=lr)
+
+
+def module_returning(make: Callable[[torch.nn.Module], Any], base=BoringModel):
+    class M(base):
+        def configure_optimizers(self):
+            return make(self)
+
+    return M()
+
+
+def lr_of(trainer) -> float:
+    return trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def test_single_optimizer():
+    trainer = fast_trainer()
+    module = module_returning(lambda m: torch.optim.Adam(m.parameters(), lr=0.01))
+    trainer.fit(module, regression_loader())
+    assert len(trainer.optimizers) == 1 and isinstance(trainer.optimizers[0], torch.optim.Adam)
+    assert trainer.lr_scheduler_configs == [] and trainer.global_step == 4
+
+
+@pytest.mark.parametrize("wrap", [list, tuple])
+def test_list_of_one_optimizer(wrap):
+    trainer = fast_trainer()
+    trainer.fit(module_returning(lambda m: wrap([torch.optim.SGD(m.parameters(), lr=0.1)])), regression_loader())
+    assert len(trainer.optimizers) == 1 and trainer.global_step == 4
+
+
+def test_optimizers_and_schedulers_lists():
+    trainer = fast_trainer(max_epochs=3)
+
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+    trainer.fit(module_returning(make), regression_loader())
+    cfg = trainer.lr_scheduler_configs[0]
+    assert (cfg.interval, cfg.frequency) == ("epoch", 1)
+    assert lr_of(trainer) == pytest.approx(0.125)  # stepped once per epoch
+
+
+def test_dict_with_a_bare_scheduler_defaults_to_epoch_interval():
+    trainer = fast_trainer(max_epochs=2)
+
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)}
+
+    trainer.fit(module_returning(make), regression_loader())
+    assert lr_of(trainer) == pytest.approx(0.25)
+
+
+def test_dict_without_scheduler():
+    trainer = fast_trainer()
+    trainer.fit(module_returning(lambda m: {"optimizer": torch.optim.SGD(m.parameters(), lr=0.1)}), regression_loader())
+    assert trainer.lr_scheduler_configs == [] and trainer.global_step == 4
+
+
+@pytest.mark.parametrize("interval,frequency,epochs,expected_steps", [
+    ("step", 1, 1, 4),   # 4 optimizer steps
+    ("step", 2, 1, 2),
+    ("step", 3, 2, 2),   # 8 steps -> stepped after steps 3 and 6
+    ("epoch", 1, 3, 3),
+    ("epoch", 2, 3, 1),  # after epoch 2 only
+    ("epoch", 2, 4, 2),
+])
+def test_scheduler_config_interval_and_frequency(interval, frequency, epochs, expected_steps):
+    calls = []
+
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 ** i)
+        original = sched.step
+
+        def step(*a, **k):
+            calls.append(trainer.global_step)
+            return original(*a, **k)
+
+        sched.step = step
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": interval, "frequency": frequency}}
+
+    trainer = fast_trainer(max_epochs=epochs)
+    trainer.fit(module_returning(make), regression_loader())
+    assert len(calls) == expected_steps
+    assert lr_of(trainer) == pytest.approx(0.5 ** expected_steps)
+
+
+def test_step_interval_scheduler_steps_after_the_optimizer_step():
+    lrs = []
+
+    class M(BoringModel):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=1.0)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (i + 1))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        def on_before_optimizer_step(self, optimizer):
+            lrs.append(optimizer.param_groups[0]["lr"])
+
+    fast_trainer(accumulate_grad_batches=2).fit(M(), regression_loader(n=48))
+    # 6 batches, 3 optimizer steps: the first step uses the initial lr.
+    assert lrs == pytest.approx([1.0, 0.5, 1 / 3])
+
+
+def test_reduce_lr_on_plateau_with_monitor():
+    class Plateau(BoringModel):
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            self.log("val_loss", torch.tensor(1.0))  # never improves
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=1.0)
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}}
+
+    trainer = fast_trainer(max_epochs=3)
+    trainer.fit(Plateau(), regression_loader(), regression_loader())
+    # Epoch 1 sets the best value; epochs 2 and 3 do not improve -> two reductions.
+    assert lr_of(trainer) == pytest.approx(0.25)
+    assert trainer.lr_scheduler_configs[0].monitor == "val_loss"
+
+
+def test_reduce_lr_on_plateau_without_monitor_is_an_error():
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt)}
+
+    with pytest.raises(ValueError, match=r"ReduceLROnPlateau needs a metric.*'monitor': 'val/loss'"):
+        fast_trainer().fit(module_returning(make), regression_loader())
+
+
+def test_monitored_metric_missing_is_an_error_unless_not_strict():
+    def make(strict):
+        def inner(m):
+            opt = torch.optim.SGD(m.parameters(), lr=1.0)
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "nope", "strict": strict}}
+        return inner
+
+    with pytest.raises(KeyError, match=r"monitors 'nope', which was not logged.*train_loss.*self.log\('nope'"):
+        fast_trainer().fit(module_returning(make(True)), regression_loader())
+    trainer = fast_trainer()
+    trainer.fit(module_returning(make(False)), regression_loader())
+    assert lr_of(trainer) == 1.0
+
+
+def test_none_in_automatic_optimization_is_an_error():
+    with pytest.raises(ValueError, match=r"configure_optimizers returned 0 optimizers; automatic optimization needs "
+                                         r"exactly one"):
+        fast_trainer().fit(module_returning(lambda m: None), regression_loader())
+
+
+def test_several_optimizers_need_manual_optimization():
+    def make(m):
+        return [torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.Adam(m.parameters())]
+
+    with pytest.raises(ValueError, match=r"returned 2 optimizers.*self.automatic_optimization = False"):
+        fast_trainer().fit(module_returning(make), regression_loader())
+
+
+def test_missing_configure_optimizers_is_an_error():
+    class NoOpt(TrainOnlyModel):
+        configure_optimizers = ember.TrainModule.configure_optimizers
+
+    with pytest.raises(NotImplementedError, match=r"NoOpt must define configure_optimizers\(\) returning an optimizer"):
+        fast_trainer().fit(NoOpt(), regression_loader())
+
+
+# ---------------------------------------------------------------------- parse_optimizers directly
+def test_parse_forms():
+    o1, o2 = _opt(), _opt()
+    s1 = torch.optim.lr_scheduler.StepLR(o1, 1)
+    assert parse_optimizers(None) == ([], [])
+    assert parse_optimizers(o1) == ([o1], [])
+    assert parse_optimizers([o1, o2]) == ([o1, o2], [])
+    opts, scheds = parse_optimizers(([o1], [s1]))
+    assert opts == [o1] and scheds[0].scheduler is s1 and scheds[0].interval == "epoch"
+    opts, scheds = parse_optimizers(({"optimizer": o1, "lr_scheduler": {"scheduler": s1, "interval": "step"}},
+                                     {"optimizer": o2}))
+    assert opts == [o1, o2] and len(scheds) == 1 and scheds[0].interval == "step"
+    cfg = SchedulerConfig(scheduler=s1, frequency=3)
+    assert parse_optimizers(([o1], [cfg]))[1] == [cfg]
+
+
+@pytest.mark.parametrize("bad,err,match", [
+    ("adam", TypeError, r"configure_optimizers returned str; it may return an optimizer"),
+    ([torch.nn.Linear(1, 1)], TypeError, r"returned a Linear where an optimizer was expected"),
+    ({"lr_scheduler": None}, ValueError, r"dict without 'optimizer'"),
+])
+def test_parse_bad_forms(bad, err, match):
+    with pytest.raises(err, match=match):
+        parse_optimizers(bad)
+
+
+def test_parse_bad_scheduler_configs():
+    o = _opt()
+    s = torch.optim.lr_scheduler.StepLR(o, 1)
+    with pytest.raises(ValueError, match="needs a 'scheduler' key"):
+        parse_optimizers({"optimizer": o, "lr_scheduler": {"interval": "step"}})
+    with pytest.raises(ValueError, match=r"Unknown lr_scheduler config keys \['intervall'\]"):
+        parse_optimizers({"optimizer": o, "lr_scheduler": {"scheduler": s, "intervall": "step"}})
+    with pytest.raises(ValueError, match="interval must be 'step' or 'epoch', got 'batch'"):
+        parse_optimizers({"optimizer": o, "lr_scheduler": {"scheduler": s, "interval": "batch"}})
+    with pytest.raises(ValueError, match="frequency must be a positive int, got 0"):
+        parse_optimizers({"optimizer": o, "lr_scheduler": {"scheduler": s, "frequency": 0}})
+    with pytest.raises(TypeError, match="str is not an LR scheduler"):
+        parse_optimizers({"optimizer": o, "lr_scheduler": "cosine"})
