@@ -1,0 +1,171 @@
+"""TensorBoardLogger: event files (scalars and hyper-parameters) under ``<save_dir>/<name>/version_N/``.
+
+The ``tensorboard`` package is imported when the first event is written, not when this module is
+imported: ``Trainer(logger=True)`` builds this logger for every run, and a run that never logs
+should not pay for the import.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from ember.callbacks.csv_logger import FileLogger
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from ember.module import TrainModule
+    from ember.trainer.trainer import Trainer
+
+_STATUS = {"success": "STATUS_SUCCESS", "failed": "STATUS_FAILURE", "interrupted": "STATUS_ABORTED"}
+
+
+class TensorBoardLogger(FileLogger):
+    """Log scalars and hyper-parameters for TensorBoard, on global rank zero.
+
+    Scalars are written at the Trainer's ``log_every_n_steps`` cadence and at epoch ends, with the
+    global step. Hyper-parameters go to ``hparams.yaml`` and to TensorBoard's HParams dashboard;
+    when the run ends the dashboard's metric list is filled with every scalar logged, so it shows
+    each run's final values beside its hyper-parameters.
+
+    Args:
+        save_dir: the root directory; defaults to the Trainer's ``default_root_dir``.
+        name: experiment sub-directory ("ember_logs"; "" for none).
+        version: int, string (directory name) or None for the next free ``version_N``.
+        prefix: put in front of every metric name.
+        flush_secs: how often the background writer flushes to disk. Events are also flushed when
+            a run ends, successfully or with an error.
+        max_queue: events buffered before a flush is forced.
+        **writer_kwargs: passed on to ``torch.utils.tensorboard.SummaryWriter``.
+    """
+
+    def __init__(self, save_dir: str | os.PathLike[str] | None = None, name: str = "ember_logs",
+                 version: int | str | None = None, prefix: str = "", flush_secs: float = 30.0,
+                 max_queue: int = 10, **writer_kwargs: Any) -> None:
+        super().__init__(save_dir, name, version, prefix)
+        if flush_secs <= 0:
+            raise ValueError(f"flush_secs must be positive, got {flush_secs!r}.")
+        self.flush_secs = flush_secs
+        self.max_queue = max_queue
+        self._writer_kwargs = writer_kwargs
+        self._writer: SummaryWriter | None = None
+        self._metric_tags: dict[str, None] = {}  # ordered set of scalar tags written
+        self._session_started = False
+        self._experiment_written = False
+
+    @property
+    def experiment(self) -> SummaryWriter | None:
+        """The ``SummaryWriter`` (opened on first use), or None on processes other than rank zero."""
+        if self._writer is None and self._writes:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._writer = SummaryWriter(log_dir=self.log_dir, flush_secs=self.flush_secs,
+                                         max_queue=self.max_queue, **self._writer_kwargs)
+        return self._writer
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        writer = self.experiment
+        if writer is None:
+            return
+        walltime = time.time()
+        for key, value in metrics.items():
+            tag = self.prefix + key
+            writer.add_scalar(tag, value, step, walltime=walltime)
+            if key != "epoch":
+                self._metric_tags[tag] = None
+
+    def log_hyperparams(self, params: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        """Write ``params`` to ``hparams.yaml`` and to the HParams dashboard; log ``metrics`` at step 0."""
+        if not self._writes:
+            return
+        super().log_hyperparams(params, metrics)
+        writer = self.experiment
+        flat = _flatten(self.hparams)
+        writer._get_file_writer().add_summary(_hparams_summary(session_start=flat))
+        self._session_started = True
+
+    def save(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def finalize(self, status: str) -> None:
+        """Record the run's metric names and end status for the HParams dashboard, then flush and close."""
+        if self._writer is not None and self._session_started:
+            file_writer = self._writer._get_file_writer()
+            if not self._experiment_written:
+                # TensorBoard keeps the first experiment summary of a run, so it is written once, at
+                # the end, when every metric name is known.
+                file_writer.add_summary(_hparams_summary(experiment=(_flatten(self.hparams), list(self._metric_tags))))
+                self._experiment_written = True
+            file_writer.add_summary(_hparams_summary(session_end=status))
+        self._close()
+
+    def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        # validate/test/predict log without a finalize; never leave the writer's thread running.
+        self._close()
+
+    def _close(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
+
+
+def _flatten(params: dict[str, Any], parent: str = "") -> dict[str, Any]:
+    """Nested dicts become ``a/b`` keys; values TensorBoard cannot show become strings."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        name = f"{parent}/{key}" if parent else str(key)
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, name))
+        elif isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        elif hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+            out[name] = value.item()
+        else:
+            out[name] = str(value)
+    return out
+
+
+def _hparams_summary(session_start: dict[str, Any] | None = None,
+                     experiment: tuple[dict[str, Any], list[str]] | None = None,
+                     session_end: str | None = None) -> Any:
+    """One HParams-plugin summary: the session start (values), the experiment (names) or the end (status)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+
+    if session_start is not None:
+        info = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+        for key, value in session_start.items():
+            if isinstance(value, bool):
+                info.hparams[key].bool_value = value
+            elif isinstance(value, (int, float)):
+                info.hparams[key].number_value = float(value)
+            else:
+                info.hparams[key].string_value = value
+        data, tag = plugin_data_pb2.HParamsPluginData(session_start_info=info), metadata.SESSION_START_INFO_TAG
+    elif experiment is not None:
+        params, metric_tags = experiment
+        kinds = {bool: "DATA_TYPE_BOOL", str: "DATA_TYPE_STRING"}
+        exp = api_pb2.Experiment(
+            time_created_secs=time.time(),
+            hparam_infos=[api_pb2.HParamInfo(name=k, type=api_pb2.DataType.Value(kinds.get(type(v), "DATA_TYPE_FLOAT64")))
+                          for k, v in params.items()],
+            metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=t)) for t in metric_tags],
+        )
+        data, tag = plugin_data_pb2.HParamsPluginData(experiment=exp), metadata.EXPERIMENT_TAG
+    else:
+        end = plugin_data_pb2.SessionEndInfo(status=api_pb2.Status.Value(_STATUS.get(session_end or "", "STATUS_UNKNOWN")),
+                                             end_time_secs=time.time())
+        data, tag = plugin_data_pb2.HParamsPluginData(session_end_info=end), metadata.SESSION_END_INFO_TAG
+    data.version = metadata.PLUGIN_DATA_VERSION
+    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=metadata.PLUGIN_NAME,
+                                                                  content=data.SerializeToString()))
+    return Summary(value=[Summary.Value(tag=tag, metadata=meta)])
+
+
+def default_logger(save_dir: str) -> TensorBoardLogger:
+    """The logger ``Trainer(logger=True)`` uses: TensorBoard under ``<save_dir>/ember_logs/``."""
+    return TensorBoardLogger(save_dir=save_dir)
