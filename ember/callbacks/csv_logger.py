@@ -51,20 +51,27 @@ def _is_scalar(value: Any) -> bool:
     return not isinstance(value, (dict, list, tuple, set, frozenset))
 
 
+def _inline(value: Any) -> bool:
+    """Scalars, empty containers and flat lists of scalars fit on one line (``[1, 2]``)."""
+    if _is_scalar(value) or not value:
+        return True
+    return not isinstance(value, dict) and all(_is_scalar(v) for v in value)
+
+
 def _yaml_lines(obj: Any, indent: int) -> list[str]:
     pad = " " * indent
     lines: list[str] = []
     if isinstance(obj, dict):
         for key, value in obj.items():
             k = _yaml_scalar(key if isinstance(key, str) else str(key))
-            if _is_scalar(value) or not value:
+            if _inline(value):
                 lines.append(f"{pad}{k}: {_yaml_inline(value)}")
             else:
                 lines.append(f"{pad}{k}:")
                 lines.extend(_yaml_lines(value, indent + 2))
     else:
         for item in obj:
-            if _is_scalar(item) or not item:
+            if _inline(item):
                 lines.append(f"{pad}- {_yaml_inline(item)}")
             else:
                 lines.append(f"{pad}-")

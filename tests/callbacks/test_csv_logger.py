@@ -1,0 +1,163 @@
+"""CSVLogger round trips through the standard library's csv reader; the hparams.yaml emitter."""
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.callbacks import CSVLogger
+from ember.callbacks.csv_logger import to_yaml
+
+
+class Tiny(ember.TrainModule):
+    """Logs ``train/loss`` every step and, from global step 5 on, a key that did not exist before."""
+
+    def __init__(self, lr: float = 0.05, fail_at: int = -1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Linear(4, 1)
+        self.losses: dict[int, float] = {}
+        self.late: dict[int, float] = {}
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.hparams.fail_at:
+            raise RuntimeError("boom")
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        step = self.global_step + 1  # the global step this batch's metrics are logged at
+        self.losses[step] = loss.item()
+        self.log("train/loss", loss)
+        if step > 5:
+            self.late[step] = float(step) / 10
+            self.log("late", float(step) / 10)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", F.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+def fit(tmp_path, logger, module=None, **kw):
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+    args = dict(max_epochs=2, log_every_n_steps=1, enable_progress_bar=False, enable_checkpointing=False,
+                num_sanity_val_steps=0, default_root_dir=str(tmp_path), logger=logger)
+    args.update(kw)
+    trainer = ember.Trainer(**args)
+    module = module or Tiny()
+    trainer.fit(module, DataLoader(ds, batch_size=4), DataLoader(ds, batch_size=8))
+    return trainer, module
+
+
+def read_rows(path):
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        return reader.fieldnames, list(reader)
+
+
+@pytest.mark.parametrize("flush_every", [1, 3, 100])
+def test_round_trip_with_a_key_appearing_mid_run(tmp_path, flush_every):
+    logger = CSVLogger(save_dir=tmp_path, flush_logs_every_n_steps=flush_every)
+    trainer, module = fit(tmp_path, logger)
+    path = os.path.join(str(tmp_path), "ember_logs", "version_0", "metrics.csv")
+    assert logger.metrics_file == path and trainer.log_dir == logger.log_dir
+    header, rows = read_rows(path)
+    assert header == ["step", "train/loss", "epoch", "late", "val/loss"]  # in order of appearance
+    # one row per logged step; the epoch-end validation value shares its step's row
+    assert [int(r["step"]) for r in rows] == list(range(1, 17))
+    for r in rows:
+        step = int(r["step"])
+        assert float(r["train/loss"]) == module.losses[step]  # floats survive exactly
+        assert float(r["epoch"]) == (0.0 if step <= 8 else 1.0)
+        assert r["late"] == (repr(module.late[step]) if step > 5 else "")
+        if step in (8, 16):
+            assert float(r["val/loss"]) == trainer.history[step // 8 - 1]["val/loss"]
+        else:
+            assert r["val/loss"] == ""
+    with open(os.path.join(logger.log_dir, "hparams.yaml")) as fh:
+        assert fh.read() == "lr: 0.05\nfail_at: -1\n"
+
+
+def test_rows_are_written_when_fit_fails(tmp_path):
+    logger = CSVLogger(save_dir=tmp_path, flush_logs_every_n_steps=100)
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(tmp_path, logger, Tiny(fail_at=3))
+    _, rows = read_rows(logger.metrics_file)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+
+
+def test_a_second_fit_appends_to_the_same_file_and_widens_it(tmp_path):
+    logger = CSVLogger(save_dir=tmp_path, version="fixed", flush_logs_every_n_steps=2)
+    logger.log_metrics({"a": 1.0}, 1)
+    logger.log_metrics({"a": 2.0}, 2)
+    logger.log_metrics({"a": 3.0}, 3)  # flushes the first two
+    logger.finalize("success")
+    again = CSVLogger(save_dir=tmp_path, version="fixed")  # a new process writing to the same directory
+    again.log_metrics({"b": 9.0}, 4)
+    again.finalize("success")
+    header, rows = read_rows(again.metrics_file)
+    assert header == ["step", "a", "b"]
+    assert [(r["step"], r["a"], r["b"]) for r in rows] == [("1", "1.0", ""), ("2", "2.0", ""), ("3", "3.0", ""),
+                                                           ("4", "", "9.0")]
+
+
+def test_same_step_merges_only_without_conflict(tmp_path):
+    logger = CSVLogger(save_dir=tmp_path, prefix="p/")
+    logger.log_metrics({"x": 1.0, "epoch": 0.0}, 5)
+    logger.log_metrics({"y": 2.0, "epoch": 0.0}, 5)
+    logger.log_metrics({"x": 3.0}, 5)  # the same key again at the same step: a new row
+    logger.finalize("success")
+    header, rows = read_rows(logger.metrics_file)
+    assert header == ["step", "p/x", "p/epoch", "p/y"]
+    assert [(r["p/x"], r["p/y"]) for r in rows] == [("1.0", "2.0"), ("3.0", "")]
+
+
+def test_flush_setting_is_checked():
+    with pytest.raises(ValueError, match="flush_logs_every_n_steps"):
+        CSVLogger(flush_logs_every_n_steps=0)
+
+
+def test_yaml_emitter():
+    text = to_yaml({
+        "lr": 1e-3, "layers": [64, 32], "name": "mlp", "quoted": "a: b", "flag": True, "none": None,
+        "yes": "yes", "num_str": "12", "empty": "", "inf": float("inf"), "nested": {"opt": {"beta": [0.9, 0.99]},
+                                                                                  "list": [{"k": 1}, "x"]},
+        "dtype": torch.float32, "empty_dict": {}, "newline": "a\nb",
+    })
+    assert text == (
+        "lr: 0.001\n"
+        "layers: [64, 32]\n"
+        "name: mlp\n"
+        'quoted: "a: b"\n'
+        "flag: true\n"
+        "none: null\n"
+        '"yes": "yes"\n'
+        'num_str: "12"\n'
+        'empty: ""\n'
+        "inf: .inf\n"
+        "nested:\n"
+        "  opt:\n"
+        "    beta: [0.9, 0.99]\n"
+        "  list:\n"
+        "    -\n"
+        "      k: 1\n"
+        "    - x\n"
+        "dtype: torch.float32\n"
+        "empty_dict: {}\n"
+        'newline: "a\\nb"\n'
+    )
+    assert to_yaml({}) == "{}\n"
+
+
+def test_yaml_emitter_output_parses_with_pyyaml_when_installed():
+    yaml = pytest.importorskip("yaml")
+    data = {"a": [1, {"b": "c: d"}], "e": "no", "f": 1.5, "g": None, "h": {"i": "x\ty"}}
+    assert yaml.safe_load(to_yaml(data)) == data
