@@ -154,7 +154,7 @@ class FitLoop:
             if self.stepped_this_batch:
                 self.stepped_this_batch = False
                 p.global_step += 1
-                if t._optim.schedulers:
+                if automatic and t._optim.schedulers:  # manual optimization steps its own schedulers
                     t._optim.step_schedulers("step", p.global_step, t._metrics.callback_metrics)
                 if t.loggers and p.global_step % t.log_every_n_steps == 0:
                     t._log_step_metrics()
@@ -182,7 +182,7 @@ class FitLoop:
         p.current_epoch += 1
         p.batch_in_epoch = 0
         p.val_checks_in_epoch = 0
-        if t._optim.schedulers:
+        if t._optim.schedulers and t.module.automatic_optimization:
             t._optim.step_schedulers("epoch", p.current_epoch, t._metrics.callback_metrics)
 
     # ------------------------------------------------------------------ one batch
