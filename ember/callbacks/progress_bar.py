@@ -1,55 +1,159 @@
-"""A tqdm progress bar on global rank zero, showing ``prog_bar`` metrics.
+"""Progress on global rank zero: tqdm bars in a terminal, compact timed lines everywhere else.
 
-Per-step cost is one counter increment: tqdm redraws at most every ``refresh_rate``-th batch and
-the metrics (which live on the device) are converted to numbers only when a redraw happens.
+When stdout is a terminal, tqdm bars show the epoch, the step, it/s and the ``prog_bar`` metrics,
+with a separate validation bar that fills up before it goes. When stdout is a file or a pipe (CI,
+SLURM, ``nohup``), redrawing a bar would fill the log with carriage returns, so instead one
+compact line is printed every ``line_interval`` seconds, plus one at the end of each epoch.
+
+Per-step cost is a counter and, at most every ``refresh_rate`` batches, a clock read. The
+metrics (which live on the device) are converted to numbers only when something is printed.
 """
 from __future__ import annotations
 
 import math
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 from ember.callbacks.callback import Callback
 from ember.trainer.metrics import to_floats
+
+_MODES = ("auto", "bar", "lines")
 
 
 def _fmt(value: float) -> str:
     return f"{value:.4g}"
 
 
-class ProgressBar(Callback):
-    """Progress bars for training, validation, testing and prediction.
+def _rate(rate: float) -> str:
+    return f"{rate:.2f}" if rate < 10 else f"{rate:.1f}" if rate < 100 else f"{rate:.0f}"
 
-    Args:
-        refresh_rate: redraw every n batches (0 disables the bar).
-        leave: keep each epoch's finished bar on screen.
-    """
 
-    def __init__(self, refresh_rate: int = 1, leave: bool = True) -> None:
-        self.refresh_rate = refresh_rate
-        self.leave = leave
-        self._train: Any = None
-        self._eval: Any = None
-        self._enabled = True
-        self._last_draw = 0.0
+def _hms(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
-    def _bar(self, total: float, desc: str, leave: bool, position: int = 0) -> Any:
+
+_TQDM: Any = None
+
+
+def _tqdm_class() -> Any:
+    """tqdm without its monitor thread (it tunes ``miniters``; this callback paces redraws itself)."""
+    global _TQDM
+    if _TQDM is None:
         from tqdm.auto import tqdm
 
-        return tqdm(total=None if total == math.inf else int(total), desc=desc, leave=leave, position=position,
-                    dynamic_ncols=True, file=sys.stdout, mininterval=0.1, smoothing=0)
+        class _Tqdm(tqdm):  # type: ignore[misc, valid-type]
+            monitor_interval = 0
+
+        _TQDM = _Tqdm
+    return _TQDM
+
+
+class _Span:
+    """Line-mode state of one running loop (a training epoch, or one evaluation)."""
+
+    __slots__ = ("head", "total", "t0", "last_t", "last_n", "next_t", "n")
+
+    def __init__(self, head: str, total: float, n: int, interval: float) -> None:
+        now = time.monotonic()
+        self.head, self.total, self.n = head, total, n
+        self.t0 = self.last_t = now
+        self.last_n = n
+        self.next_t = now + interval
+
+    def due(self, now: float) -> bool:
+        return now >= self.next_t
+
+    def line(self, now: float, metrics: dict[str, str], interval: float, done: bool = False) -> str:
+        n, total = self.n, self.total
+        known = total != math.inf and total > 0
+        count = f"{n}/{int(total)} ({100 * n / total:.0f}%)" if known else f"{n}"
+        # the rate since the previous line (the whole span's rate for the closing line)
+        since_t, since_n = (self.t0, 0) if done else (self.last_t, self.last_n)
+        dt = now - since_t
+        rate = (n - since_n) / dt if dt > 0 else 0.0
+        eta = f"<{_hms((total - n) / rate)}" if known and rate > 0 and not done else ""
+        parts = [self.head + (" done" if done else ""), count, f"{_rate(rate)} it/s", _hms(now - self.t0) + eta]
+        if metrics:
+            parts.append(" ".join(f"{k}={v}" for k, v in metrics.items()))
+        self.last_t, self.last_n, self.next_t = now, n, now + interval
+        return "  ".join(parts)
+
+
+class ProgressBar(Callback):
+    """Progress for training, validation, testing and prediction.
+
+    Args:
+        refresh_rate: update the display every n batches (0 disables progress output).
+        leave: keep each finished epoch's bar on screen (bar mode).
+        mode: "bar" (tqdm redraws), "lines" (one line every ``line_interval`` seconds) or "auto":
+            bars when the output stream is a terminal, lines otherwise.
+        line_interval: seconds between two progress lines in line mode.
+        stream: where to write; the ``sys.stdout`` of the moment a run starts by default.
+    """
+
+    def __init__(self, refresh_rate: int = 1, leave: bool = True, mode: str = "auto", line_interval: float = 10.0,
+                 stream: TextIO | None = None) -> None:
+        if isinstance(refresh_rate, bool) or not isinstance(refresh_rate, int) or refresh_rate < 0:
+            raise ValueError(f"refresh_rate must be a non-negative int (0 turns progress off), got {refresh_rate!r}.")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}.")
+        if line_interval < 0:
+            raise ValueError(f"line_interval must be >= 0 seconds, got {line_interval!r}.")
+        self.refresh_rate = refresh_rate
+        self.leave = leave
+        self.mode = mode
+        self.line_interval = line_interval
+        self._given_stream = stream
+        self._stream: TextIO = stream or sys.stdout
+        self._lines = False
+        self._enabled = True
+        self._train: Any = None  # a tqdm bar, or a _Span in line mode
+        self._eval: Any = None
+
+    @property
+    def is_line_mode(self) -> bool:
+        """Whether this run prints timed lines (True) or tqdm bars (False)."""
+        return self._lines
 
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
+        self._stream = self._given_stream or sys.stdout
         self._enabled = self.refresh_rate > 0 and trainer.is_global_zero
+        if self.mode == "auto":
+            isatty = getattr(self._stream, "isatty", None)
+            try:
+                self._lines = not (callable(isatty) and isatty())
+            except (ValueError, OSError):  # a closed or detached stream
+                self._lines = True
+        else:
+            self._lines = self.mode == "lines"
 
     def _postfix(self, trainer: Any) -> dict[str, str]:
         metrics = to_floats(trainer.progress_bar_metrics)
         return {k: _fmt(v) for k, v in metrics.items()}
 
+    def _print(self, line: str) -> None:
+        try:
+            self._stream.write(line + "\n")
+            self._stream.flush()
+        except (ValueError, OSError):  # the stream went away (a closed pipe): progress is not worth a crash
+            self._enabled = False
+
+    def _bar(self, total: float, desc: str, leave: bool, position: int = 0) -> Any:
+        return _tqdm_class()(total=None if total == math.inf else int(total), desc=desc, leave=leave, position=position,
+                    dynamic_ncols=True, file=self._stream, mininterval=0.1, smoothing=0)
+
     # ------------------------------------------------------------------ training
     def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
         if not self._enabled:
+            return
+        if self._lines:
+            epochs = f"/{trainer.max_epochs}" if trainer.max_epochs != -1 else ""
+            self._train = _Span(f"Epoch {trainer.current_epoch}{epochs}", trainer.num_training_batches,
+                                trainer.progress.batch_in_epoch, self.line_interval)
             return
         if self._train is not None:
             self._train.close()
@@ -60,19 +164,29 @@ class ProgressBar(Callback):
         bar = self._train
         if bar is None or (batch_idx + 1) % self.refresh_rate:
             return
+        if self._lines:
+            bar.n = batch_idx + 1
+            now = time.monotonic()
+            if bar.due(now):
+                self._print(bar.line(now, self._postfix(trainer), self.line_interval))
+            return
         bar.n = batch_idx + 1
-        # Redraw at most every `mininterval` seconds; only then are metrics converted to numbers.
-        now = time.monotonic()
-        if now - self._last_draw >= bar.mininterval:
-            self._last_draw = now
+        # tqdm decides whether enough time passed to redraw; only then are metrics converted.
+        if bar._time() - bar.last_print_t >= bar.mininterval:
             bar.set_postfix(self._postfix(trainer), refresh=False)
             bar.refresh()
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
-        if self._train is not None:
-            self._train.n = trainer.progress.batch_in_epoch
-            self._train.set_postfix(self._postfix(trainer), refresh=False)
-            self._train.refresh()
+        bar = self._train
+        if bar is None or not self._enabled:
+            return
+        bar.n = trainer.progress.batch_in_epoch
+        if self._lines:
+            self._print(bar.line(time.monotonic(), self._postfix(trainer), self.line_interval, done=True))
+            self._train = None
+            return
+        bar.set_postfix(self._postfix(trainer), refresh=False)
+        bar.refresh()
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
         self._close()
@@ -81,51 +195,73 @@ class ProgressBar(Callback):
     def _eval_start(self, trainer: Any, desc: str, total: float) -> None:
         if not self._enabled:
             return
-        self._eval = self._bar(total, desc, leave=not trainer.training and self.leave,
-                               position=1 if trainer.training or trainer.sanity_checking else 0)
+        if self._lines:
+            self._eval = _Span(desc, total, 0, self.line_interval)
+            return
+        # Inside fit the validation bar sits under the epoch's bar and goes away once full.
+        # The sanity check's bar goes too; a standalone validate/test/predict bar stays if ``leave``.
+        leave = self.leave and not trainer.training and not trainer.sanity_checking
+        self._eval = self._bar(total, desc, leave=leave, position=1 if trainer.training else 0)
 
-    def _eval_step(self, batch_idx: int) -> None:
-        if self._eval is not None and (batch_idx + 1) % self.refresh_rate == 0:
-            self._eval.update(self.refresh_rate)
+    def _eval_step(self, trainer: Any, batch_idx: int) -> None:
+        bar = self._eval
+        if bar is None or (batch_idx + 1) % self.refresh_rate:
+            return
+        if self._lines:
+            bar.n += self.refresh_rate
+            now = time.monotonic()
+            if bar.due(now):
+                self._print(bar.line(now, {}, self.line_interval))
+            return
+        bar.update(self.refresh_rate)
 
-    def _eval_end(self, trainer: Any) -> None:
-        if self._eval is not None:
-            if self._eval.total is not None:
-                self._eval.n = self._eval.total  # a finished evaluation shows a full bar
-            self._eval.refresh()
-            self._eval.close()
-            self._eval = None
+    def _eval_end(self, trainer: Any, show_metrics: bool) -> None:
+        bar = self._eval
+        if bar is None:
+            return
+        self._eval = None
+        if self._lines:
+            if bar.total != math.inf:
+                bar.n = int(bar.total)
+            if not trainer.sanity_checking and self._enabled:
+                metrics = self._postfix(trainer) if show_metrics else {}
+                self._print(bar.line(time.monotonic(), metrics, self.line_interval, done=True))
+            return
+        if bar.total is not None:
+            bar.n = bar.total  # a finished evaluation shows a full bar
+        bar.refresh()
+        bar.close()
 
     def on_validation_start(self, trainer: Any, module: Any) -> None:
         self._eval_start(trainer, "Sanity check" if trainer.sanity_checking else "Validation", trainer._eval_total)
 
     def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._eval_step(batch_idx)
+        self._eval_step(trainer, batch_idx)
 
     def on_validation_end(self, trainer: Any, module: Any) -> None:
-        self._eval_end(trainer)
+        self._eval_end(trainer, show_metrics=True)
 
     def on_test_start(self, trainer: Any, module: Any) -> None:
         self._eval_start(trainer, "Testing", trainer._eval_total)
 
     def on_test_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._eval_step(batch_idx)
+        self._eval_step(trainer, batch_idx)
 
     def on_test_end(self, trainer: Any, module: Any) -> None:
-        self._eval_end(trainer)
+        self._eval_end(trainer, show_metrics=True)
 
     def on_predict_start(self, trainer: Any, module: Any) -> None:
         self._eval_start(trainer, "Predicting", trainer._eval_total)
 
     def on_predict_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._eval_step(batch_idx)
+        self._eval_step(trainer, batch_idx)
 
     def on_predict_end(self, trainer: Any, module: Any) -> None:
-        self._eval_end(trainer)
+        self._eval_end(trainer, show_metrics=False)
 
     def _close(self) -> None:
         for bar in (self._train, self._eval):
-            if bar is not None:
+            if bar is not None and not self._lines:
                 bar.close()
         self._train = self._eval = None
 

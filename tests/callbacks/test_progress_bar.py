@@ -1,0 +1,232 @@
+"""Progress output: tqdm bars in a pseudo-terminal, compact timed lines in a pipe or a file."""
+from __future__ import annotations
+
+import fcntl
+import io
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.callbacks import ProgressBar
+from ember.callbacks import progress_bar as progress_bar_module
+from ember.strategies.single import SingleDeviceStrategy
+
+SCRIPT = r"""
+import sys
+import torch, torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+import ember
+from ember.callbacks import ProgressBar
+
+class Tiny(ember.TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", F.mse_loss(self.net(x), y), prog_bar=True)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+ds = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+trainer = ember.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, num_sanity_val_steps=1,
+                        callbacks=[ProgressBar(refresh_rate=2, line_interval=0.0)])
+trainer.fit(Tiny(), DataLoader(ds, batch_size=4), DataLoader(ds, batch_size=8))
+print("FIT DONE", flush=True)
+"""
+
+
+def _start(tmp_path, stdout):
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("TQDM_DISABLE", None)
+    return subprocess.Popen([sys.executable, str(script)], stdout=stdout, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, env=env, cwd=str(tmp_path))
+
+
+def _read_pty(master: int, proc: subprocess.Popen, timeout: float) -> bytes:
+    chunks, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.5)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    return b"".join(chunks)
+
+
+def test_bar_mode_in_a_terminal_and_line_mode_in_a_pipe(tmp_path):
+    (tmp_path / "tty").mkdir()
+    (tmp_path / "pipe").mkdir()
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    tty_proc = _start(tmp_path / "tty", slave)
+    os.close(slave)
+    pipe_proc = _start(tmp_path / "pipe", subprocess.PIPE)
+    try:
+        tty_out = _read_pty(master, tty_proc, timeout=60).decode("utf-8", "replace")
+        tty_err = tty_proc.communicate(timeout=60)[1].decode()
+        pipe_out, pipe_err = (b.decode() for b in pipe_proc.communicate(timeout=60))
+    finally:
+        os.close(master)
+        for proc in (tty_proc, pipe_proc):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    # terminal: tqdm bars redrawn in place, a validation bar that reaches 100%
+    assert tty_proc.returncode == 0 and "Traceback" not in tty_err, tty_err
+    assert "FIT DONE" in tty_out
+    assert re.search(r"\r(?!\n)", tty_out), "no in-place redraw in a terminal"
+    assert re.search(r"Epoch 1: 100%\|.*16/16", tty_out)
+    assert "it/s" in tty_out and "train/loss=" in tty_out
+    assert re.search(r"Validation: 100%\|.*8/8", tty_out)
+    assert "Epoch 0/2" not in tty_out  # no line-mode output
+
+    # pipe: plain lines, no carriage return at all
+    assert pipe_proc.returncode == 0 and "Traceback" not in pipe_err, pipe_err
+    assert "\r" not in pipe_out and "\r" not in pipe_err
+    lines = pipe_out.splitlines()
+    assert lines[-1] == "FIT DONE"
+    progress = [ln for ln in lines if ln.startswith("Epoch 0/2  ")]
+    assert [re.match(r"Epoch 0/2  (\d+)/16", ln).group(1) for ln in progress] == [str(n) for n in range(2, 17, 2)]
+    assert all("it/s" in ln and "train/loss=" in ln for ln in progress)
+    done = [ln for ln in lines if " done " in ln]
+    assert [ln.split("  ")[0] for ln in done] == ["Validation done", "Epoch 0/2 done", "Validation done",
+                                                  "Epoch 1/2 done"]
+    assert all(re.search(r"val/loss=\S+", ln) for ln in done)
+    assert not any(ln.startswith("Sanity check") for ln in lines)
+    assert all(len(ln) < 200 for ln in lines)
+
+
+class Tiny(ember.TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", F.mse_loss(self.net(x), y), prog_bar=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test/loss", F.mse_loss(self.net(x), y), prog_bar=True)
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        return self.net(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def data(n=32, bs=4):
+    ds = TensorDataset(torch.randn(n, 4), torch.randn(n, 1))
+    return DataLoader(ds, batch_size=bs)
+
+
+def run(bar, strategy="auto", epochs=2):
+    trainer = ember.Trainer(max_epochs=epochs, logger=False, enable_checkpointing=False, callbacks=[bar],
+                            num_sanity_val_steps=1, strategy=strategy)
+    module = Tiny()
+    trainer.fit(module, data(), data(16, 8))
+    return trainer, module
+
+
+def test_line_mode_on_a_non_terminal_stream(tmp_path):
+    out = io.StringIO()
+    bar = ProgressBar(line_interval=3600.0, stream=out)  # only the closing lines
+    trainer, module = run(bar)
+    assert bar.is_line_mode
+    trainer.test(module, data(16, 8))
+    trainer.predict(module, data(16, 8))
+    lines = out.getvalue().splitlines()
+    assert [ln.split("  ")[0] for ln in lines] == ["Validation done", "Epoch 0/2 done", "Validation done",
+                                                   "Epoch 1/2 done", "Testing done", "Predicting done"]
+    assert re.match(r"Epoch 1/2 done  8/8 \(100%\)  [\d.]+ it/s  \d\d:\d\d  train/loss=\S+ val/loss=\S+$", lines[3])
+    assert "test/loss=" in lines[4]
+    assert "\r" not in out.getvalue()
+
+
+def test_forced_bar_mode_and_zero_refresh_rate():
+    out = io.StringIO()
+    run(ProgressBar(mode="bar", stream=out), epochs=1)
+    assert "\r" in out.getvalue() and "Epoch 0" in out.getvalue()
+    silent = io.StringIO()
+    run(ProgressBar(refresh_rate=0, stream=silent), epochs=1)
+    run(ProgressBar(refresh_rate=0, mode="bar", stream=silent), epochs=1)
+    assert silent.getvalue() == ""
+
+
+def test_metrics_are_converted_only_when_something_is_printed(monkeypatch):
+    calls = []
+    real = progress_bar_module.to_floats
+
+    def counting(metrics):
+        calls.append(1)
+        return real(metrics)
+
+    monkeypatch.setattr(progress_bar_module, "to_floats", counting)
+    out = io.StringIO()
+    run(ProgressBar(line_interval=3600.0, stream=out))
+    assert len(calls) == len(out.getvalue().splitlines()) == 4  # 16 batches, 4 lines, 4 conversions
+
+
+class _OtherRank(SingleDeviceStrategy):
+    """A single-device strategy that reports being rank 1 of 2, as a DDP worker would."""
+
+    @property
+    def global_rank(self) -> int:
+        return 1
+
+    @property
+    def is_global_zero(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("mode", ["bar", "lines"])
+def test_nothing_is_printed_on_other_ranks(mode, capsys):
+    out = io.StringIO()
+    run(ProgressBar(mode=mode, stream=out, line_interval=0.0), strategy=_OtherRank())
+    run(ProgressBar(mode=mode, line_interval=0.0), strategy=_OtherRank(), epochs=1)
+    assert out.getvalue() == ""
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="refresh_rate"):
+        ProgressBar(refresh_rate=-1)
+    with pytest.raises(ValueError, match="mode"):
+        ProgressBar(mode="fancy")
+    with pytest.raises(ValueError, match="line_interval"):
+        ProgressBar(line_interval=-1)
