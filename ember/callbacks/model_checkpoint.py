@@ -1,0 +1,390 @@
+"""ModelCheckpoint: save the training state on a cadence, keep the best k, keep ``last.ckpt``.
+
+Every write is atomic (see ``ember.trainer.checkpoint``), and checkpoints are written only where
+a resume continues exactly: at a step boundary (after the optimizer step, the step-interval LR
+schedulers and any validation of that batch), at the end of a validation, or at the end of a
+training epoch. A resumed fit does not repeat a validation or an epoch end that already ran.
+
+Differences from Lightning, on purpose:
+
+- ``save_last`` defaults to True, so ``fit(..., ckpt_path="last")`` always has something to resume
+  from. ``last.ckpt`` is a hard link to the checkpoint just written when possible (no second write).
+- Slashes in metric names become ``_`` in file names (``{val/acc}`` -> ``val_acc=0.812``) instead
+  of creating directories.
+- A file that was resumed from is never deleted by top-k rotation.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import re
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ember.callbacks.callback import Callback
+
+if TYPE_CHECKING:
+    from ember.module import TrainModule
+    from ember.trainer.trainer import Trainer
+
+_FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
+
+
+class ModelCheckpoint(Callback):
+    """Save checkpoints during ``fit``.
+
+    Args:
+        dirpath: directory for the files; default ``<logger version dir>/checkpoints`` with a logger,
+            else ``<default_root_dir>/checkpoints``.
+        filename: a template such as ``"{epoch}-{val/acc:.3f}"``; each ``{name[:format]}`` is the
+            epoch, the global step or a logged metric. Default ``"{epoch}-{step}"``.
+        monitor: the logged metric ranking checkpoints for ``save_top_k``; None keeps the latest.
+        verbose: print a line for every file written.
+        save_last: also keep ``last.ckpt`` (the most recent save), updated atomically.
+        save_top_k: how many checkpoints to keep (-1: all, 0: none except ``last``).
+        save_weights_only: save the module's weights only (cannot resume a fit).
+        mode: "min" or "max": which ``monitor`` values are better.
+        auto_insert_metric_name: write ``name=value`` instead of only ``value`` for each template field.
+        every_n_train_steps: save every n optimizer steps.
+        train_time_interval: save when this much time (a timedelta or seconds) has passed since the last save.
+        every_n_epochs: save every n epochs (default 1 when no other cadence is given).
+        save_on_train_epoch_end: save at the end of the training epoch instead of after validation
+            (default: only when no validation runs).
+        save_on_exception: also write ``on_exception.ckpt`` when fit raises (Ctrl-C included).
+        enable_version_counter: add ``-v1``, ``-v2``... when a file name would overwrite a file
+            this callback does not own.
+    """
+
+    monitors_metrics = True
+    CHECKPOINT_JOIN_CHAR = "-"
+    CHECKPOINT_EQUALS_CHAR = "="
+    CHECKPOINT_NAME_LAST = "last"
+    FILE_EXTENSION = ".ckpt"
+    STARTING_VERSION = 1
+
+    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None, monitor: str | None = None,
+                 verbose: bool = False, save_last: bool = True, save_top_k: int = 1, save_weights_only: bool = False,
+                 mode: str = "min", auto_insert_metric_name: bool = True, every_n_train_steps: int | None = None,
+                 train_time_interval: datetime.timedelta | float | None = None, every_n_epochs: int | None = None,
+                 save_on_train_epoch_end: bool | None = None, save_on_exception: bool = False,
+                 enable_version_counter: bool = True) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"ModelCheckpoint mode must be 'min' or 'max', got {mode!r}.")
+        if not isinstance(save_top_k, int) or isinstance(save_top_k, bool) or save_top_k < -1:
+            raise ValueError(f"ModelCheckpoint save_top_k must be an int >= -1 (-1 keeps all), got {save_top_k!r}.")
+        if monitor is None and save_top_k not in (-1, 0, 1):
+            raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None): keeping the best {save_top_k} "
+                             "needs a metric to rank them by. Set monitor='...' or use save_top_k=1 (latest) / -1 (all).")
+        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"ModelCheckpoint {name} must be a non-negative int or None, got {value!r}.")
+        if isinstance(train_time_interval, (int, float)) and not isinstance(train_time_interval, bool):
+            train_time_interval = datetime.timedelta(seconds=train_time_interval)
+        if train_time_interval is not None and (not isinstance(train_time_interval, datetime.timedelta)
+                                                or train_time_interval.total_seconds() <= 0):
+            raise ValueError(f"ModelCheckpoint train_time_interval must be a positive timedelta or number of seconds, "
+                             f"got {train_time_interval!r}.")
+        given = [n for n, v in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs),
+                                ("train_time_interval", train_time_interval)) if v]
+        if len(given) > 1:
+            raise ValueError(f"ModelCheckpoint: {', '.join(given)} are mutually exclusive; choose one cadence.")
+        self.dirpath: str | None = os.path.abspath(os.fspath(dirpath)) if dirpath is not None else None
+        self.filename = filename
+        self.monitor = monitor
+        self.verbose = verbose
+        self.save_last = bool(save_last)
+        self.save_top_k = save_top_k
+        self.save_weights_only = save_weights_only
+        self.mode = mode
+        self.auto_insert_metric_name = auto_insert_metric_name
+        self.every_n_train_steps = every_n_train_steps or 0
+        self.train_time_interval = train_time_interval
+        self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (0 if given else 1)
+        self.save_on_train_epoch_end = save_on_train_epoch_end
+        self.save_on_exception = save_on_exception
+        self.enable_version_counter = enable_version_counter
+
+        self.best_k_models: dict[str, float] = {}
+        self.kth_best_model_path = ""
+        self.kth_value: float | None = None
+        self.best_model_path = ""
+        self.best_model_score: torch.Tensor | None = None
+        self.current_score: torch.Tensor | None = None
+        self.last_model_path = ""
+        self._last_global_step_saved = -1
+        self._last_time = time.monotonic()
+        self._validation_ran = False
+        self._warned_missing = False
+
+    # ------------------------------------------------------------------ identity and state
+    def _state_key_args(self) -> dict[str, Any]:
+        return {"monitor": self.monitor, "mode": self.mode, "every_n_train_steps": self.every_n_train_steps,
+                "every_n_epochs": self.every_n_epochs,
+                "train_time_interval": self.train_time_interval.total_seconds() if self.train_time_interval else None}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "monitor": self.monitor, "dirpath": self.dirpath, "best_k_models": dict(self.best_k_models),
+            "kth_best_model_path": self.kth_best_model_path, "kth_value": self.kth_value,
+            "best_model_path": self.best_model_path,
+            "best_model_score": None if self.best_model_score is None else float(self.best_model_score),
+            "current_score": None if self.current_score is None else float(self.current_score),
+            "last_model_path": self.last_model_path, "last_global_step_saved": self._last_global_step_saved,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        score = state.get("best_model_score")
+        self.best_model_score = None if score is None else torch.tensor(score)
+        self.best_model_path = state.get("best_model_path", "")
+        self._last_global_step_saved = state.get("last_global_step_saved", -1)
+        if state.get("dirpath") != self.dirpath:
+            warnings.warn(f"ModelCheckpoint: the checkpoint's callback state is for directory {state.get('dirpath')!r}, "
+                          f"this one writes to {self.dirpath!r}; its top-k list is not carried over.", UserWarning)
+            return
+        self.best_k_models = {k: float(v) for k, v in state.get("best_k_models", {}).items()}
+        self.kth_best_model_path = state.get("kth_best_model_path", "")
+        self.kth_value = state.get("kth_value")
+        self.last_model_path = state.get("last_model_path", "")
+
+    # ------------------------------------------------------------------ hooks
+    def _resolve_dirpath(self, trainer: Trainer) -> str:
+        if self.dirpath is not None:
+            return self.dirpath
+        return os.path.abspath(os.path.join(trainer.log_dir, "checkpoints"))
+
+    def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        if stage == "fit":
+            self.dirpath = trainer.strategy.broadcast(self._resolve_dirpath(trainer))
+            self._validation_ran = False
+
+    def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
+        self._last_time = time.monotonic()
+
+    def on_train_step_boundary(self, trainer: Trainer, module: TrainModule) -> None:
+        step = trainer.global_step
+        if step == self._last_global_step_saved:
+            return
+        due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0
+        if not due and self.train_time_interval is not None:
+            elapsed = time.monotonic() - self._last_time
+            # Ranks' clocks differ: rank zero decides for everyone.
+            due = trainer.strategy.broadcast(elapsed >= self.train_time_interval.total_seconds())
+        if due:
+            self._save(trainer, at_epoch_end=False)
+
+    def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if trainer.sanity_checking or trainer.state != "fitting":
+            return
+        self._validation_ran = True
+        if self._on_train_epoch_end(trainer) or not self._epoch_due(trainer):
+            return
+        if trainer.global_step == self._last_global_step_saved and not self.every_n_epochs:
+            return
+        self._save(trainer, at_epoch_end=False)
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if self._on_train_epoch_end(trainer) and self._epoch_due(trainer):
+            self._save(trainer, at_epoch_end=True)
+
+    def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
+        if self.save_on_exception:
+            _save_on_exception(trainer, self.dirpath or self._resolve_dirpath(trainer), "on_exception", exception)
+
+    # ------------------------------------------------------------------ when
+    def _epoch_due(self, trainer: Trainer) -> bool:
+        return self.every_n_epochs >= 1 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+
+    def _on_train_epoch_end(self, trainer: Trainer) -> bool:
+        if self.save_on_train_epoch_end is not None:
+            return self.save_on_train_epoch_end
+        # Save after validation when validation runs at all; otherwise at the end of the training epoch.
+        return not (trainer._val_loaders and any(trainer.num_val_batches))
+
+    # ------------------------------------------------------------------ what
+    def _candidates(self, trainer: Trainer) -> dict[str, Any]:
+        metrics = {k: v for k, v in trainer.callback_metrics.items()}
+        metrics.setdefault("epoch", trainer.current_epoch)
+        metrics.setdefault("step", trainer.global_step)
+        return metrics
+
+    def _save(self, trainer: Trainer, at_epoch_end: bool) -> None:
+        metrics = self._candidates(trainer)
+        written: str | None = None
+        if self.save_top_k != 0:
+            written = self._save_top_k(trainer, metrics, at_epoch_end)
+        if self.save_last:
+            self._write_last(trainer, written)
+        self._last_global_step_saved = trainer.global_step
+        self._last_time = time.monotonic()
+
+    def _monitored(self, trainer: Trainer, metrics: dict[str, Any], at_epoch_end: bool) -> float | None:
+        if self.monitor in metrics:
+            value = float(metrics[self.monitor])
+            if math.isnan(value):  # a NaN never ranks as better
+                value = math.inf if self.mode == "min" else -math.inf
+            return value
+        logged = sorted(k for k in metrics if k not in ("epoch", "step"))
+        message = (f"ModelCheckpoint(monitor={self.monitor!r}) could not find {self.monitor!r} in the logged metrics. "
+                   f"Logged keys: {logged}. Log it with self.log({self.monitor!r}, value) in your module, or "
+                   "change monitor to one of the logged keys.")
+        if self._validation_ran or at_epoch_end:
+            raise ValueError(message)
+        if not self._warned_missing:  # saving before the first validation: the key may not exist yet
+            warnings.warn(message + " (Skipping top-k until it is logged.)", UserWarning)
+            self._warned_missing = True
+        return None
+
+    def _save_top_k(self, trainer: Trainer, metrics: dict[str, Any], at_epoch_end: bool) -> str | None:
+        if self.monitor is None:
+            path = self._new_path(trainer, metrics)
+            self._write(trainer, path)
+            previous = self.best_model_path
+            self.best_model_path = path
+            if self.save_top_k == 1 and previous and previous != path:
+                self._remove(trainer, previous)
+            return path
+        value = self._monitored(trainer, metrics, at_epoch_end)
+        if value is None:
+            return None
+        self.current_score = torch.tensor(value)
+        full = self.save_top_k != -1 and len(self.best_k_models) >= self.save_top_k
+        if full and not self._better(value, self.kth_value):
+            return None
+        path = self._new_path(trainer, metrics)
+        self._write(trainer, path)
+        self.best_k_models[path] = value
+        if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
+            worst = self._worst()
+            del self.best_k_models[worst]
+            if worst != path:
+                self._remove(trainer, worst)
+        worst = self._worst()
+        self.kth_best_model_path, self.kth_value = worst, self.best_k_models[worst]
+        best = min(self.best_k_models, key=self.best_k_models.get) if self.mode == "min" \
+            else max(self.best_k_models, key=self.best_k_models.get)
+        self.best_model_path = best
+        self.best_model_score = torch.tensor(self.best_k_models[best])
+        return path
+
+    def _better(self, value: float, than: float | None) -> bool:
+        if than is None:
+            return True
+        return value < than if self.mode == "min" else value > than
+
+    def _worst(self) -> str:
+        pick = max if self.mode == "min" else min
+        return pick(self.best_k_models, key=self.best_k_models.get)
+
+    # ------------------------------------------------------------------ names
+    def format_checkpoint_name(self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None) -> str:
+        """The file path for ``metrics`` under this callback's template (and version ``ver``)."""
+        template = filename or self.filename or "{epoch}" + self.CHECKPOINT_JOIN_CHAR + "{step}"
+
+        def field(match: re.Match[str]) -> str:
+            name, spec = match.group(1).strip(), (match.group(2) or "")[1:]
+            if name not in metrics:
+                logged = sorted(k for k in metrics if k not in ("epoch", "step"))
+                raise ValueError(f"ModelCheckpoint(filename={template!r}) uses {{{name}}}, which was not logged. "
+                                 f"Available: epoch, step and the logged keys {logged}.")
+            value = metrics[name]
+            if isinstance(value, torch.Tensor):
+                value = value.item()
+            text = format(value, spec) if spec else str(value)
+            safe = name.replace("/", "_").replace("\\", "_")
+            return f"{safe}{self.CHECKPOINT_EQUALS_CHAR}{text}" if self.auto_insert_metric_name else text
+
+        name = _FIELD.sub(field, template)
+        if ver is not None:
+            name += f"{self.CHECKPOINT_JOIN_CHAR}v{ver}"
+        return os.path.join(self.dirpath or "", name + self.FILE_EXTENSION)
+
+    def _new_path(self, trainer: Trainer, metrics: dict[str, Any]) -> str:
+        path = self.format_checkpoint_name(metrics)
+        if self.enable_version_counter:
+            version = self.STARTING_VERSION
+            while os.path.exists(path) and path not in self.best_k_models and path != self.best_model_path:
+                path = self.format_checkpoint_name(metrics, ver=version)
+                version += 1
+        return trainer.strategy.broadcast(path)
+
+    # ------------------------------------------------------------------ files
+    def _write(self, trainer: Trainer, path: str) -> None:
+        trainer.save_checkpoint(path, weights_only=self.save_weights_only)
+        if self.verbose and trainer.is_global_zero:
+            print(f"ModelCheckpoint: epoch {trainer.current_epoch}, step {trainer.global_step}: saved {path}")
+
+    def _write_last(self, trainer: Trainer, written: str | None) -> None:
+        last = os.path.join(self.dirpath or "", self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+        linked = False
+        if written is not None and trainer.is_global_zero:
+            linked = _link_atomic(written, last)
+        linked = trainer.strategy.broadcast(linked)
+        if not linked:
+            self._write(trainer, last)
+        self.last_model_path = last
+
+    def _remove(self, trainer: Trainer, path: str) -> None:
+        if not trainer.is_global_zero or not path:
+            return
+        protected = {os.path.abspath(p) for p in (trainer.ckpt_path, self.last_model_path, self.best_model_path) if p}
+        if os.path.abspath(path) in protected:
+            return
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def _link_atomic(src: str, dst: str) -> bool:
+    """Make ``dst`` another name of ``src`` atomically (hard link + rename); False where links are unsupported."""
+    tmp = f"{dst}.{os.getpid()}.link.tmp"
+    try:
+        os.link(src, tmp)
+        os.replace(tmp, dst)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False
+    from ember.trainer.checkpoint import _fsync_dir
+
+    _fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    return True
+
+
+def _save_on_exception(trainer: Trainer, dirpath: str, name: str, exception: BaseException) -> None:
+    from ember.trainer.signals import Preempted
+
+    if isinstance(exception, Preempted) or trainer.module is None:
+        return  # preemption already saved at a step boundary
+    if trainer.world_size > 1:
+        # Saving gathers state from every rank; a rank that raised alone would leave the others waiting.
+        warnings.warn("Exception checkpoints are only written in single-process runs; use preemption (SIGTERM) "
+                      "for multi-process runs.", UserWarning)
+        return
+    trainer.save_checkpoint(os.path.join(dirpath, name + ModelCheckpoint.FILE_EXTENSION))
+
+
+class OnExceptionCheckpoint(Callback):
+    """Write ``<dirpath>/<filename>.ckpt`` when fit raises (Ctrl-C included).
+
+    The state is whatever it was when the exception arrived, which may be mid-step; resuming from
+    it is exact only if the exception was raised at a step boundary (for clean stops, send SIGTERM:
+    see ``ember.trainer.signals``).
+
+    Args:
+        dirpath: the directory.
+        filename: the file name without extension.
+    """
+
+    def __init__(self, dirpath: str | os.PathLike, filename: str = "on_exception") -> None:
+        self.dirpath = os.path.abspath(os.fspath(dirpath))
+        self.filename = filename
+
+    def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
+        _save_on_exception(trainer, self.dirpath, self.filename, exception)

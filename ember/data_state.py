@@ -1,0 +1,115 @@
+"""Making a user's training DataLoader resumable mid-epoch.
+
+``make_resumable(loader)`` rebuilds a plain ``DataLoader`` around a resumable sampler, keeping
+the dataset, batch size, workers, collate function, drop_last and every other setting; ember then
+skips the batches an interrupted epoch already consumed *at the sampler level*, so no sample is
+loaded only to be thrown away. Loaders that cannot be rebuilt safely (DataLoader subclasses,
+iterable datasets, custom samplers or batch samplers) are returned unchanged; resuming one of them
+mid-epoch falls back to iterating past the consumed batches, with a warning.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+
+
+def resumable_sampler_of(loader: Any) -> Any:
+    """The sampler of ``loader`` that can be restored (``state_dict``/``load_state_dict``/``set_epoch``), or None."""
+    for obj in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if obj is not None and all(hasattr(obj, a) for a in ("state_dict", "load_state_dict", "set_epoch")):
+            return obj
+    return None
+
+
+def why_not_swappable(loader: Any) -> str | None:
+    """Why ``loader``'s sampler cannot be replaced, or None when it can."""
+    if type(loader) is not DataLoader and type(loader) is not _ResumableDataLoader:
+        return f"it is a {type(loader).__name__}, not a plain torch DataLoader"
+    if isinstance(loader.dataset, IterableDataset):
+        return "its dataset is an IterableDataset"
+    if loader.batch_size is None:
+        return "it has batch_size=None (no automatic batching)"
+    if type(loader.batch_sampler) is not BatchSampler:
+        return f"it has a custom batch_sampler ({type(loader.batch_sampler).__name__})"
+    sampler = loader.sampler
+    if isinstance(sampler, RandomSampler):
+        if sampler.replacement or sampler.num_samples != len(loader.dataset):
+            return "its RandomSampler draws with replacement or a custom num_samples"
+    elif type(sampler) is not SequentialSampler:
+        return f"it has a custom sampler ({type(sampler).__name__})"
+    return None
+
+
+class _ResumableDataLoader(DataLoader):
+    """A DataLoader whose iterator, while continuing a restored epoch, draws nothing from torch's
+    global RNG (a fresh DataLoader iterator draws its workers' base seed from it), so that the
+    global stream restored from the checkpoint stays exactly where the interrupted run had it."""
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self.sampler
+        if getattr(sampler, "resuming", False) and self.generator is None:
+            g = torch.Generator()
+            g.manual_seed(int(getattr(sampler, "seed", None) or 0) ^ 0x5DEECE66D)
+            self.generator = g
+            try:
+                return super().__iter__()
+            finally:
+                self.generator = None
+        return super().__iter__()
+
+
+def rebuild_with_sampler(loader: DataLoader, sampler: Sampler) -> DataLoader:
+    """A copy of ``loader`` drawing indices from ``sampler``; every other setting is kept."""
+    kwargs: dict[str, Any] = dict(
+        batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+        persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if hasattr(loader, "in_order"):
+        kwargs["in_order"] = loader.in_order
+    return _ResumableDataLoader(loader.dataset, **kwargs)
+
+
+def make_resumable(loader: Any, sampler_factory: Callable[[int, bool, Any], Sampler] | None = None) -> Any:
+    """``loader`` with its sampler replaced by a resumable one, or ``loader`` itself when it can't be.
+
+    Args:
+        loader: the user's training loader.
+        sampler_factory: ``(num_samples, shuffle, user_sampler) -> sampler``; defaults to ember's
+            single-process :class:`~ember.trainer.resumable.ResumableSampler`.
+    """
+    if resumable_sampler_of(loader) is not None or why_not_swappable(loader) is not None:
+        return loader
+    shuffle = isinstance(loader.sampler, RandomSampler)
+    if sampler_factory is None:
+        from ember.trainer.resumable import ResumableSampler
+
+        def sampler_factory(n: int, shuffle: bool, user_sampler: Any) -> Sampler:
+            return ResumableSampler(n, shuffle, generator=getattr(user_sampler, "generator", None))
+    return rebuild_with_sampler(loader, sampler_factory(len(loader.dataset), shuffle, loader.sampler))
+
+
+class SkipFirstBatches:
+    """Wraps a loader that cannot resume at the sampler level: its next iteration skips ``n``
+    batches by loading and discarding them; later iterations are untouched."""
+
+    def __init__(self, loader: Any, n: int) -> None:
+        self.loader = loader
+        self.skip = n
+
+    def __iter__(self) -> Iterator[Any]:
+        n, self.skip = self.skip, 0
+        return itertools.islice(iter(self.loader), n, None)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)

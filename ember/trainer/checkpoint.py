@@ -1,0 +1,570 @@
+"""Checkpoint contents, atomic durable writes, and validated loading.
+
+A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so it loads with
+``torch.load(path, weights_only=True)`` and loading a file never runs code. Keys:
+
+=====================  ==================================================================
+``format``             ``"ember.checkpoint"``; ``format_version`` and ``ember_version`` beside it
+``state_dict``         the module's weights (unwrapped from any strategy wrapper)
+``hyper_parameters``   what ``save_hyperparameters`` stored (entries that are not plain data are dropped)
+``module_class``       ``"package.module.ClassName"`` of the module, for messages
+``weights_only``       True when only the above was saved (``save_weights_only``)
+``optimizer_states``   one ``state_dict`` per optimizer
+``lr_schedulers``      one ``state_dict`` per LR scheduler
+``precision``          GradScaler state (empty unless 16-mixed)
+``progress``           epoch, global step, batches consumed in the epoch, validation progress
+``sampler``            ``{"seed", "epoch", "position"}`` of the training sampler, or None
+``callbacks``          ``{callback.state_key: callback.state_dict()}``
+``callback_metrics``   the latest logged values (what monitors compare against)
+``rng``                torch / CUDA / Python / NumPy generator states, one entry per rank
+``strategy``           strategy name, world size
+=====================  ==================================================================
+
+``TrainModule.on_save_checkpoint`` and callbacks' ``on_save_checkpoint`` may add keys of their
+own, with the same plain-data rule (checked before anything is written).
+
+Writes are atomic and durable: the file is written under a temporary name in the same directory,
+flushed and fsynced, then renamed over the target, and the directory is fsynced. A crash at any
+moment leaves either the previous file or the new one under the checkpoint's name, never a
+truncated one. Only global rank zero writes; the others wait at a barrier.
+
+Resuming under a different world size continues the epoch from the first sample of the global
+order that no rank has seen. What cannot carry over is each rank's RNG stream: ranks that did not
+exist in the saved run keep the stream ``seed_everything`` gave them.
+"""
+from __future__ import annotations
+
+import glob
+import math
+import os
+import pickle
+import random
+import tempfile
+import warnings
+import zipfile
+from collections import OrderedDict, Counter
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from ember.module import TrainModule
+    from ember.trainer.trainer import Trainer
+
+FORMAT = "ember.checkpoint"
+FORMAT_VERSION = 1
+_REQUIRED = ("format", "format_version", "state_dict")
+# Exact types: a subclass (e.g. torch's TorchVersion, a str) is pickled by class name and refused on load.
+_SAFE_LEAVES = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
+_SAFE_CONTAINERS = (dict, OrderedDict, Counter, list, tuple)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used, with what is wrong and what to do about it."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint file at the given path."""
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def write_atomic(obj: Any, path: str, before_rename: Callable[[str], None] | None = None) -> None:
+    """``torch.save(obj)`` to ``path`` so that a crash never leaves a partial file under ``path``.
+
+    Args:
+        obj: what to save.
+        path: the final file name.
+        before_rename: called with the temporary file's name after it is durable and before the
+            rename (tests use it to simulate a crash at the worst moment).
+    """
+    path = os.path.abspath(path)
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        # torch.save to a path uses its C++ writer (no Python callbacks per chunk): fastest.
+        torch.save(obj, tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if before_rename is not None:
+            before_rename(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def check_plain_data(obj: Any, where: str = "checkpoint") -> None:
+    """Raise if ``obj`` holds anything ``torch.load(weights_only=True)`` would refuse."""
+    if type(obj) in _SAFE_LEAVES or isinstance(obj, torch.Tensor):
+        return
+    if type(obj) in _SAFE_CONTAINERS:
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for k, v in items:
+            if isinstance(obj, dict) and type(k) not in (str, int, float, bool, type(None), tuple):
+                raise CheckpointError(f"{where} has a key of type {type(k).__name__} ({k!r}); checkpoint keys must "
+                                      "be strings or numbers.")
+            check_plain_data(v, f"{where}[{k!r}]")
+        return
+    raise CheckpointError(
+        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which a checkpoint cannot hold: checkpoints "
+        "contain only tensors, numbers, strings, lists and dicts so that loading one never runs code. Store plain "
+        "data instead (e.g. its state_dict(), or a string naming it)."
+    )
+
+
+def _plain_hparams(module: TrainModule) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in dict(module.hparams).items():
+        try:
+            check_plain_data(v)
+        except CheckpointError:
+            warnings.warn(f"Hyper-parameter {k!r} ({type(v).__name__}) is not plain data and is left out of the "
+                          f"checkpoint. Pass ignore=[{k!r}] to save_hyperparameters to silence this.", UserWarning)
+            continue
+        out[k] = v
+    return out
+
+
+def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
+    """Everything needed to resume ``trainer``'s fit (or only the weights). Runs on every rank."""
+    import ember
+
+    module = trainer.module
+    strategy = trainer.strategy
+    ckpt: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "ember_version": ember.__version__,
+        "torch_version": str(torch.__version__),
+        "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
+        "state_dict": strategy.model_state_dict(),
+        "hyper_parameters": _plain_hparams(module),
+        "weights_only": weights_only,
+        "epoch": trainer.progress.current_epoch,
+        "global_step": trainer.progress.global_step,
+        "strategy": {"name": strategy.strategy_name, "world_size": strategy.world_size},
+    }
+    if not weights_only:
+        ckpt["optimizer_states"] = [opt.state_dict() for opt in trainer._optim.optimizers]
+        ckpt["lr_schedulers"] = [cfg.scheduler.state_dict() for cfg in trainer._optim.schedulers]
+        ckpt["precision"] = trainer._precision.state_dict()
+        ckpt["progress"] = trainer.progress.state_dict()
+        ckpt["sampler"] = _sampler_state(trainer)
+        ckpt["callbacks"] = {cb.state_key: cb.state_dict() for cb in trainer.callbacks}
+        ckpt["callback_metrics"] = {k: (v.detach().to("cpu") if isinstance(v, torch.Tensor) else v)
+                                    for k, v in trainer.callback_metrics.items()}
+        ckpt["rng"] = _gather_rng(strategy)
+        for cb in trainer.callbacks:
+            if type(cb).on_save_checkpoint is not _callback_base().on_save_checkpoint:
+                cb.on_save_checkpoint(trainer, module, ckpt)
+    module.on_save_checkpoint(ckpt)
+    return ckpt
+
+
+def save(trainer: Trainer, filepath: str, weights_only: bool = False,
+         before_rename: Callable[[str], None] | None = None) -> str:
+    """Write ``trainer``'s checkpoint to ``filepath`` (rank zero writes, every rank returns the path)."""
+    if trainer.module is None:
+        raise RuntimeError("save_checkpoint needs a module: call it during or after trainer.fit(...).")
+    strategy = trainer.strategy
+    filepath = strategy.broadcast(os.path.abspath(os.fspath(filepath)))
+    ckpt = dump(trainer, weights_only)
+    check_plain_data(ckpt)
+
+    def writer(obj: dict[str, Any], path: str) -> None:
+        write_atomic(obj, path, before_rename)
+
+    strategy.save_checkpoint(ckpt, filepath, writer)
+    strategy.barrier("save_checkpoint")
+    return filepath
+
+
+def _callback_base() -> Any:
+    from ember.callbacks.callback import Callback
+
+    return Callback
+
+
+def _sampler_state(trainer: Trainer) -> dict[str, Any] | None:
+    from ember.data_state import resumable_sampler_of
+
+    loader = trainer._train_loader
+    sampler = resumable_sampler_of(loader)
+    if sampler is None:
+        return None
+    state = dict(sampler.state_dict())
+    # Batches the loop consumed, not what the sampler handed out: workers prefetch ahead.
+    batch_size = getattr(loader, "batch_size", None) or 1
+    consumed = trainer.progress.batch_in_epoch * batch_size * trainer.strategy.world_size
+    total = _dataset_len(loader)
+    state["position"] = min(consumed, total) if total is not None else consumed
+    state["epoch"] = trainer.progress.current_epoch
+    state["batch_size"] = batch_size
+    return state
+
+
+def _dataset_len(loader: Any) -> int | None:
+    try:
+        return len(loader.dataset)
+    except (AttributeError, TypeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- RNG
+def capture_rng() -> dict[str, Any]:
+    """This process's generator states as plain data."""
+    version, mt, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss_next": gauss},
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
+        "numpy": None,
+    }
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    return state
+
+
+def apply_rng(state: dict[str, Any]) -> None:
+    """Restore what :func:`capture_rng` returned."""
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss_next"]))
+    if state.get("cuda") and torch.cuda.is_available():
+        cuda = state["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+    npst = state.get("numpy")
+    if npst is not None:
+        try:
+            import numpy as np
+        except ImportError:
+            return
+        np.random.set_state((npst["name"], npst["keys"].numpy().astype("uint32"), npst["pos"], npst["has_gauss"],
+                             npst["cached_gaussian"]))
+
+
+def _gather_rng(strategy: Any) -> dict[str, Any]:
+    mine = capture_rng()
+    world = strategy.world_size
+    if world == 1:
+        return {"world_size": 1, "per_rank": [mine]}
+    # Every rank's state travels as fixed-shape tensors through all_gather (one collective each).
+    flat = _rng_to_tensor(mine)
+    gathered = strategy.all_gather(flat.to(strategy.root_device)).to("cpu")
+    return {"world_size": world, "per_rank": [_rng_from_tensor(gathered[r], mine) for r in range(world)]}
+
+
+def _rng_to_tensor(state: dict[str, Any]) -> torch.Tensor:
+    py = state["python"]
+    parts = [state["torch"].to(torch.int64), torch.tensor([py["version"]]), py["state"],
+             torch.tensor([0 if py["gauss_next"] is None else 1]),
+             torch.tensor([py["gauss_next"] or 0.0], dtype=torch.float64).view(torch.int64)]
+    npst = state["numpy"]
+    if npst is not None:
+        parts += [npst["keys"], torch.tensor([npst["pos"], npst["has_gauss"]]),
+                  torch.tensor([npst["cached_gaussian"]], dtype=torch.float64).view(torch.int64)]
+    return torch.cat(parts)
+
+
+def _rng_from_tensor(flat: torch.Tensor, like: dict[str, Any]) -> dict[str, Any]:
+    i = 0
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal i
+        out = flat[i:i + n]
+        i += n
+        return out
+    nt = like["torch"].numel()
+    out: dict[str, Any] = {"torch": take(nt).to(torch.uint8), "cuda": [], "numpy": None}
+    version = int(take(1))
+    mt = take(like["python"]["state"].numel()).clone()
+    has_gauss = int(take(1))
+    gauss = float(take(1).view(torch.float64))
+    out["python"] = {"version": version, "state": mt, "gauss_next": gauss if has_gauss else None}
+    if like["numpy"] is not None:
+        keys = take(like["numpy"]["keys"].numel()).clone()
+        pos, hg = take(2).tolist()
+        cached = float(take(1).view(torch.float64))
+        out["numpy"] = {"name": like["numpy"]["name"], "keys": keys, "pos": pos, "has_gauss": hg, "cached_gaussian": cached}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load(path: str, map_location: Any = "cpu") -> dict[str, Any]:
+    """Load and validate an ember checkpoint, with an explanatory error for every way it can be wrong."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        directory = os.path.dirname(os.path.abspath(path))
+        nearby = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, "*.ckpt")))
+        hint = f" Checkpoints in {directory}: {nearby}." if nearby else ""
+        raise CheckpointNotFoundError(f"No checkpoint file at {path!r}.{hint} Pass the path of an existing "
+                                      "checkpoint, or ckpt_path='last' to resume from the latest one if any.")
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path!r} is a directory; pass the path of a .ckpt file inside it.")
+    size = os.path.getsize(path)
+    if size == 0:
+        raise CheckpointError(f"Checkpoint {path!r} is empty (0 bytes): it is truncated. Use an earlier checkpoint.")
+    if zipfile.is_zipfile(path):
+        try:
+            with zipfile.ZipFile(path) as zf:
+                bad = zf.testzip()  # reads every record and checks its CRC32
+        except (zipfile.BadZipFile, OSError, EOFError) as err:
+            raise CheckpointError(f"Checkpoint {path!r} is corrupt ({err}). Use an earlier checkpoint.") from err
+        if bad is not None:
+            raise CheckpointError(f"Checkpoint {path!r} is corrupt: record {bad!r} fails its checksum. "
+                                  "Use an earlier checkpoint.")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "Weights only load failed" in str(err):
+            raise CheckpointError(
+                f"{path!r} contains pickled Python objects that torch.load(weights_only=True) refuses "
+                f"({_first_line_with(str(err), 'Unsupported global') or 'not plain data'}). ember only loads "
+                "tensors, numbers, strings, lists and dicts, because unpickling an object can run arbitrary code. "
+                "If you trust the file, load it with torch.load(path, weights_only=False) and keep only plain data."
+            ) from None
+        raise _corrupt(path, size, err) from None
+    except (RuntimeError, EOFError, KeyError, ValueError, OSError) as err:
+        raise _corrupt(path, size, err) from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        what = f"a dict with keys {sorted(map(str, ckpt))[:12]}" if isinstance(ckpt, dict) else f"a {type(ckpt).__name__}"
+        hint = ""
+        if isinstance(ckpt, dict) and any("lightning" in str(k) for k in ckpt):
+            hint = " It looks like a PyTorch Lightning checkpoint; load its 'state_dict' into the module instead."
+        elif isinstance(ckpt, dict) and ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
+            hint = " It looks like a bare state_dict: use module.load_state_dict(torch.load(path)) instead."
+        raise CheckpointError(f"{path!r} is not an ember checkpoint: it holds {what}, without format={FORMAT!r}.{hint}")
+    if not isinstance(ckpt.get("format_version"), int) or ckpt["format_version"] > FORMAT_VERSION:
+        raise CheckpointError(f"{path!r} has checkpoint format version {ckpt.get('format_version')!r}, newer than "
+                              f"this ember reads ({FORMAT_VERSION}; written by ember {ckpt.get('ember_version')}). "
+                              "Upgrade ember to load it.")
+    missing = [k for k in _REQUIRED if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path!r} is an incomplete ember checkpoint: keys {missing} are missing.")
+    return ckpt
+
+
+def _first_line_with(text: str, needle: str) -> str:
+    for line in text.splitlines():
+        if needle in line:
+            return line.strip().strip(".")
+    return ""
+
+
+def _corrupt(path: str, size: int, err: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"Checkpoint {path!r} ({size} bytes) cannot be read: it is truncated, corrupt, or not a torch file "
+        f"({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else 'unexpected end of data'}). "
+        "Use an earlier checkpoint."
+    )
+
+
+def check_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], path: str) -> None:
+    """Raise, changing nothing, unless ``state_dict`` has exactly ``module``'s keys and shapes."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    shapes = [f"{k}: checkpoint {tuple(state_dict[k].shape)} vs module {tuple(v.shape)}"
+              for k, v in own.items() if k in state_dict and isinstance(state_dict[k], torch.Tensor)
+              and isinstance(v, torch.Tensor) and state_dict[k].shape != v.shape]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing keys (in the module, not in the checkpoint): {_short(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys (in the checkpoint, not in the module): {_short(unexpected)}")
+        if shapes:
+            parts.append(f"shape mismatches: {_short(shapes)}")
+        raise CheckpointError(f"Checkpoint {path!r} does not fit {type(module).__name__}: " + "; ".join(parts)
+                              + ". Was it saved from a different model or configuration? Nothing was loaded.")
+
+
+def _short(items: list[str], n: int = 10) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+# ---------------------------------------------------------------------------------------------- resuming
+def _checkpoint_callbacks(trainer: Trainer) -> list[Any]:
+    return [cb for cb in trainer.callbacks if hasattr(cb, "best_model_path") and hasattr(cb, "dirpath")]
+
+
+def default_dir(trainer: Trainer) -> str:
+    return os.path.join(trainer.default_root_dir, "checkpoints")
+
+
+def find_last(trainer: Trainer) -> tuple[str | None, list[str]]:
+    """The newest ``last*.ckpt`` in the checkpoint directories, and the directories searched."""
+    dirs: list[str] = []
+    for cb in _checkpoint_callbacks(trainer):
+        d = cb.dirpath or (cb._resolve_dirpath(trainer) if hasattr(cb, "_resolve_dirpath") else None)
+        if d and d not in dirs:
+            dirs.append(d)
+    if default_dir(trainer) not in dirs:
+        dirs.append(default_dir(trainer))
+    found = [p for d in dirs for p in glob.glob(os.path.join(glob.escape(d), "last*.ckpt"))]
+    if not found:
+        return None, dirs
+    return max(found, key=os.path.getmtime), dirs
+
+
+def resolve(trainer: Trainer, ckpt_path: str) -> str | None:
+    """Turn ``"last"``, ``"best"`` or a path into a file path (None: start fresh)."""
+    strategy = trainer.strategy
+    if ckpt_path == "last":
+        found, dirs = find_last(trainer) if strategy.is_global_zero else (None, [])
+        found = strategy.broadcast(found)
+        if found is None:
+            if strategy.is_global_zero:
+                warnings.warn(f"ckpt_path='last' found no checkpoint (searched {dirs}); starting from scratch.",
+                              UserWarning, stacklevel=4)
+            return None
+        return found
+    if ckpt_path == "best":
+        best = [cb.best_model_path for cb in _checkpoint_callbacks(trainer) if cb.best_model_path]
+        if not best:
+            raise CheckpointError("ckpt_path='best' but no ModelCheckpoint of this Trainer has saved a best "
+                                  "checkpoint yet. Pass a path, or 'last'.")
+        return best[0]
+    return os.fspath(ckpt_path)
+
+
+def restore(trainer: Trainer, ckpt_path: str, weights_only: bool = False) -> dict[str, Any] | None:
+    """Load ``ckpt_path`` into ``trainer`` (the module only, with ``weights_only``). Validates first:
+    on any error, nothing has been changed."""
+    path = resolve(trainer, ckpt_path)
+    if path is None:
+        return None
+    ckpt = load(path)
+    module = trainer.module
+    check_state_dict(module, ckpt["state_dict"], path)
+    if weights_only:
+        module.on_load_checkpoint(ckpt)
+        module.load_state_dict(ckpt["state_dict"])
+        trainer.ckpt_path = path
+        return ckpt
+    if ckpt.get("weights_only") or "progress" not in ckpt:
+        raise CheckpointError(f"{path!r} holds weights only (save_weights_only=True), not the optimizer and progress "
+                              "state a fit resumes from. Start a new fit from it with "
+                              f"{type(module).__name__}.load_from_checkpoint(path), or resume from a full checkpoint.")
+    _check_optimizers(trainer, ckpt, path)
+    module.on_load_checkpoint(ckpt)
+    module.load_state_dict(ckpt["state_dict"])
+    base = _callback_base()
+    for cb in trainer.callbacks:
+        if type(cb).on_load_checkpoint is not base.on_load_checkpoint:
+            cb.on_load_checkpoint(trainer, module, ckpt)
+        state = ckpt.get("callbacks", {}).get(cb.state_key)
+        if state:
+            cb.load_state_dict(state)
+    for opt, state in zip(trainer._optim.optimizers, ckpt["optimizer_states"]):
+        opt.load_state_dict(state)
+    for cfg, state in zip(trainer._optim.schedulers, ckpt["lr_schedulers"]):
+        cfg.scheduler.load_state_dict(state)
+    trainer._precision.load_state_dict(ckpt.get("precision") or {})
+    trainer.progress.load_state_dict(ckpt["progress"])
+    trainer._metrics.callback_metrics.update(ckpt.get("callback_metrics") or {})
+    _restore_data_position(trainer, ckpt, path)
+    _restore_rng(trainer, ckpt)
+    trainer.ckpt_path = path
+    return ckpt
+
+
+def _check_optimizers(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
+    opts, scheds = trainer._optim.optimizers, trainer._optim.schedulers
+    saved_opts, saved_scheds = ckpt.get("optimizer_states", []), ckpt.get("lr_schedulers", [])
+    if len(saved_opts) != len(opts) or len(saved_scheds) != len(scheds):
+        raise CheckpointError(f"{path!r} has {len(saved_opts)} optimizer(s) and {len(saved_scheds)} LR scheduler(s) "
+                              f"but configure_optimizers returned {len(opts)} and {len(scheds)}. Resume with the "
+                              "configuration the checkpoint was written with.")
+    for i, (opt, state) in enumerate(zip(opts, saved_opts)):
+        groups = state.get("param_groups", [])
+        ours = [len(g["params"]) for g in opt.param_groups]
+        theirs = [len(g["params"]) for g in groups]
+        if ours != theirs:
+            raise CheckpointError(f"Optimizer {i} in {path!r} has parameter groups of sizes {theirs}, but the "
+                                  f"optimizer now has {ours}. Resume with the configuration it was written with.")
+
+
+def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
+    from ember.data_state import SkipFirstBatches, resumable_sampler_of
+
+    progress = trainer.progress
+    saved = ckpt.get("sampler")
+    saved_world = int(ckpt.get("strategy", {}).get("world_size", 1))
+    world = trainer.strategy.world_size
+    loader = trainer._train_loader
+    sampler = resumable_sampler_of(loader)
+    if saved is not None and saved_world != world and progress.batch_in_epoch and not progress.epoch_finished:
+        # Continue from the next unseen sample of the global order, counted in this run's batches.
+        batch_size = getattr(loader, "batch_size", None) or saved.get("batch_size", 1)
+        progress.batch_in_epoch = math.ceil(saved["position"] / (batch_size * world))
+    if sampler is not None:
+        if saved is not None:
+            sampler.load_state_dict({"seed": saved["seed"], "epoch": saved["epoch"], "position": saved["position"]})
+        return
+    if progress.batch_in_epoch and not progress.epoch_finished:
+        warnings.warn(f"Resuming mid-epoch from {path!r} with a train loader ember cannot resume at the sampler level: "
+                      f"the first {progress.batch_in_epoch} batches of the epoch are loaded again and skipped, and the "
+                      "order matches the interrupted run only if the loader's order is deterministic. Use a plain "
+                      "DataLoader (map-style dataset, default sampler) for an exact resume.", UserWarning)
+        trainer._train_loader = SkipFirstBatches(loader, progress.batch_in_epoch)
+
+
+def _restore_rng(trainer: Trainer, ckpt: dict[str, Any]) -> None:
+    rng = ckpt.get("rng")
+    if not rng:
+        return
+    rank, world = trainer.strategy.global_rank, trainer.strategy.world_size
+    per_rank = rng["per_rank"]
+    if world != rng.get("world_size", len(per_rank)) and trainer.strategy.is_global_zero:
+        warnings.warn(f"The checkpoint was written by {len(per_rank)} process(es) and this run has {world}: per-rank "
+                      "random streams cannot carry over exactly; ranks that did not exist keep their current streams.",
+                      UserWarning)
+    if rank < len(per_rank):
+        apply_rng(per_rank[rank])
+
+
+def read_for_module(path: str, cls: type[TrainModule], overrides: dict[str, Any], strict: bool = True,
+                    map_location: Any = "cpu") -> TrainModule:
+    """Build ``cls`` from the hyper-parameters saved in ``path`` (``overrides`` win) and load its weights."""
+    ckpt = load(path, map_location=map_location)
+    hparams = {**dict(ckpt.get("hyper_parameters") or {}), **overrides}
+    try:
+        module = cls(**hparams)
+    except TypeError as err:
+        raise CheckpointError(f"Could not build {cls.__name__} from the hyper-parameters saved in {path!r} "
+                              f"({sorted(hparams)}): {err}. Pass the missing arguments as keyword overrides to "
+                              "load_from_checkpoint, or call save_hyperparameters() in __init__.") from err
+    if strict:
+        check_state_dict(module, ckpt["state_dict"], path)
+    module.on_load_checkpoint(ckpt)
+    module.load_state_dict(ckpt["state_dict"], strict=strict)
+    return module
