@@ -103,6 +103,21 @@ class TrainModule(nn.Module):
                 hp[pname] = init_locals[pname]
         self._hparams.update(copy.deepcopy(hp))
 
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str, map_location: Any = "cpu", strict: bool = True,
+                             **overrides: Any) -> TrainModule:
+        """Rebuild this module from a checkpoint's saved hyper-parameters and load its weights.
+
+        Args:
+            checkpoint_path: an ember checkpoint file.
+            map_location: where tensors are loaded (as in ``torch.load``).
+            strict: require the checkpoint's keys and shapes to match the module exactly.
+            **overrides: constructor arguments that replace (or add to) the saved hyper-parameters.
+        """
+        from ember.trainer.checkpoint import read_for_module
+
+        return read_for_module(checkpoint_path, cls, overrides, strict=strict, map_location=map_location)
+
     # ------------------------------------------------------------------ logging
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
             on_epoch: bool | None = None, reduce_fx: str = "mean", batch_size: int | None = None,

@@ -98,7 +98,15 @@ class Strategy:
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: Any, stage: str) -> Any:
-        """Return the loader to iterate for ``stage`` ("fit", "validate", "test", "predict")."""
+        """Return the loader to iterate for ``stage`` ("fit", "validate", "test", "predict").
+
+        For "fit", a plain DataLoader gets a resumable sampler (same order, batch size, workers,
+        collate and drop_last) so a checkpoint can continue an epoch where it stopped.
+        """
+        if stage == "fit":
+            from ember.data_state import make_resumable
+
+            return make_resumable(dataloader)
         return dataloader
 
     def batch_to_device(self, batch: Any) -> Any:

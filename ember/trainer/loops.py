@@ -112,6 +112,9 @@ class FitLoop:
         strategy = t.strategy
         loader = t._train_loader
         n_batches = t.num_training_batches
+        if p.epoch_finished:  # resumed from a checkpoint written at this epoch's end: only its bookkeeping is left
+            self._finish_epoch()
+            return
         start = p.batch_in_epoch  # > 0 only when resuming mid-epoch
         if start == 0:
             metrics.start_stage("train")
@@ -124,6 +127,9 @@ class FitLoop:
         # Look up per-step hooks once: a hook nobody overrides costs nothing inside the loop.
         batch_start = t._hooks("on_train_batch_start")
         batch_end = t._hooks("on_train_batch_end")
+        # After a batch's bookkeeping and any validation: where checkpoints resume exactly (see checkpoint.py).
+        boundary = [getattr(cb, "on_train_step_boundary") for cb in t.callbacks if hasattr(cb, "on_train_step_boundary")]
+        preemption = getattr(t, "_preemption", None)
         automatic = t.module.automatic_optimization
         self._bind_step_hooks()
         stream = _lookahead(loader) if n_batches == math.inf else ((b, False) for b in loader)
@@ -161,6 +167,10 @@ class FitLoop:
             if t._val_due(batch_idx, is_last):
                 t._run_evaluation("validate")
                 metrics.resume_stage("train")
+            for h in boundary:
+                h(t, t.module)
+            if preemption is not None:
+                preemption.check()  # on a stop signal (any rank): saves, then raises ember.trainer.signals.Preempted
             # current_epoch counts finished epochs: before min_epochs, finish this one whole.
             if t.should_stop and p.current_epoch >= t.min_epochs:
                 break
@@ -178,7 +188,13 @@ class FitLoop:
         t._call("on_train_epoch_end", monitoring=False)
         epoch_metrics = t._metrics.end_stage()
         t._record_epoch(epoch_metrics)
+        p.epoch_finished = True  # checkpoints written by the monitoring callbacks resume after this point
         t._call("on_train_epoch_end", monitoring=True)
+        self._finish_epoch()
+
+    def _finish_epoch(self) -> None:
+        t, p = self.trainer, self.trainer.progress
+        p.epoch_finished = False
         p.current_epoch += 1
         p.batch_in_epoch = 0
         p.val_checks_in_epoch = 0

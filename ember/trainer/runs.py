@@ -100,7 +100,10 @@ class _Runs:
             if ckpt_path is not None:
                 self._restore(ckpt_path)
             module.train()
-            self._loop.run()
+            from ember.trainer.signals import preemption
+
+            with preemption(self):  # SIGTERM -> checkpoint at the next step boundary -> Preempted exit
+                self._loop.run()
             self._call("on_fit_end")
             self._finalize_loggers("success")
         except BaseException as exc:
