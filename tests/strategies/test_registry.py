@@ -1,0 +1,98 @@
+"""The strategy registry: built-in names, clear errors, and third-party strategies registered by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.strategies import SingleDeviceStrategy, Strategy, available_strategies, get_strategy, register_strategy
+from ember.strategies import registry
+from tests.helpers.models import BoringModel, fast_trainer, regression_loader
+
+
+@pytest.fixture
+def clean_registry(monkeypatch):
+    """Registrations made by a test disappear after it."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
+
+def test_builtin_names():
+    assert {"single", "dp", "ddp", "ddp_spawn"} <= set(available_strategies())
+    assert available_strategies() == sorted(available_strategies())
+
+
+def test_get_single():
+    s = get_strategy("single")
+    assert isinstance(s, SingleDeviceStrategy) and s.strategy_name == "single"
+
+
+def test_unknown_name_lists_the_registered_ones_and_suggests():
+    with pytest.raises(ValueError) as info:
+        get_strategy("ddp_spwan")
+    msg = str(info.value)
+    assert msg.startswith("Unknown strategy 'ddp_spwan'. Did you mean 'ddp_spawn'?")
+    assert "Registered strategies: " + ", ".join(available_strategies()) in msg
+    assert "ember.strategies.register_strategy(name, factory)" in msg
+
+
+class Recording(SingleDeviceStrategy):
+    """A third-party strategy: a single device that counts backward calls."""
+
+    def __init__(self, tag: str = "none", **kwargs):
+        super().__init__(**kwargs)
+        self.tag = tag
+        self.backwards = 0
+
+    def backward(self, loss):
+        self.backwards += 1
+        super().backward(loss)
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_register_a_class_by_name_and_use_it_in_the_trainer():
+    register_strategy("recording", Recording, "counts backward calls", tag="bound")
+    assert "recording" in available_strategies()
+    trainer = fast_trainer(strategy="recording")
+    assert isinstance(trainer.strategy, Recording) and trainer.strategy.tag == "bound"
+    assert trainer.strategy.strategy_name == "recording"
+    trainer.fit(BoringModel(), regression_loader())
+    assert trainer.strategy.backwards == 4
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_register_a_factory_function_and_a_module_path():
+    register_strategy("fn", lambda tag="fn", **kw: Recording(tag=tag, **kw))
+    register_strategy("path", "ember.strategies.single:SingleDeviceStrategy")
+    assert get_strategy("fn").tag == "fn"
+    assert type(get_strategy("path")) is SingleDeviceStrategy
+    assert get_strategy("fn", tag="extra").tag == "extra"  # call-time arguments win over bound ones
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_registering_a_taken_name_needs_override():
+    with pytest.raises(ValueError, match=r"A strategy named 'single' is already registered. Pass override=True"):
+        register_strategy("single", Recording)
+    register_strategy("single", Recording, override=True)
+    assert isinstance(get_strategy("single"), Recording)
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_registered_strategy_shows_up_in_suggestions():
+    register_strategy("my_fancy_strategy", Recording)
+    with pytest.raises(ValueError, match="Did you mean 'my_fancy_strategy'"):
+        get_strategy("my_fancy_strateg")
+
+
+def test_base_strategy_single_process_verbs_are_identities():
+    s = Strategy()
+    t = torch.tensor([1.0, 2.0])
+    assert s.reduce(t, "sum") is t
+    assert s.all_gather(t).shape == (1, 2)
+    assert s.broadcast({"a": 1}) == {"a": 1}
+    assert s.reduce_boolean_decision(True) is True
+    assert (s.world_size, s.global_rank, s.local_rank, s.is_global_zero) == (1, 0, 0, True)
+    assert s.root_device == torch.device("cpu")
+    with s.no_backward_sync():
+        pass
+    with pytest.raises(ValueError, match=r"reduce op must be one of \('mean', 'sum', 'min', 'max'\), got 'avg'"):
+        s.reduce(t, "avg")
+    assert s.launch(lambda a, b=0: a + b, 1, b=2) == 3
