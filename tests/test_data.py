@@ -1,0 +1,86 @@
+"""DataModule: its hooks, the order the Trainer calls them in, and its defaults."""
+from __future__ import annotations
+
+import pytest
+
+import ember
+from tests.helpers.models import BoringModel, RecordingCallback, fast_trainer, regression_loader
+
+
+class DM(ember.DataModule):
+    def __init__(self, calls: list[str], with_val: bool = True) -> None:
+        super().__init__()
+        self.calls = calls
+        self.with_val = with_val
+
+    def prepare_data(self):
+        self.calls.append("DataModule.prepare_data")
+
+    def setup(self, stage):
+        self.calls.append(f"DataModule.setup:{stage}")
+
+    def teardown(self, stage):
+        self.calls.append(f"DataModule.teardown:{stage}")
+
+    def train_dataloader(self):
+        self.calls.append("DataModule.train_dataloader")
+        return regression_loader()
+
+    def val_dataloader(self):
+        self.calls.append("DataModule.val_dataloader")
+        return regression_loader(n=8) if self.with_val else None
+
+    def test_dataloader(self):
+        self.calls.append("DataModule.test_dataloader")
+        return regression_loader(n=8)
+
+    def predict_dataloader(self):
+        self.calls.append("DataModule.predict_dataloader")
+        return regression_loader(n=8)
+
+
+def test_fit_with_a_datamodule_calls_its_hooks_in_order():
+    calls: list[str] = []
+    dm = DM(calls)
+    trainer = fast_trainer(callbacks=[RecordingCallback(calls)], num_sanity_val_steps=0)
+    trainer.fit(BoringModel(), datamodule=dm)
+    assert calls[:4] == ["DataModule.prepare_data", "DataModule.setup:fit", "Callback.setup:fit",
+                         "DataModule.train_dataloader"]
+    assert calls.count("DataModule.val_dataloader") == 1
+    assert calls[-2:] == ["Callback.teardown:fit", "DataModule.teardown:fit"]
+    assert dm.trainer is trainer and trainer.datamodule is dm
+    assert trainer.global_step == 4 and "val_loss" in trainer.callback_metrics
+
+
+def test_datamodule_without_validation_data_skips_validation():
+    calls: list[str] = []
+    trainer = fast_trainer()
+    trainer.fit(BoringModel(), datamodule=DM(calls, with_val=False))
+    assert "val_loss" not in trainer.callback_metrics and trainer.global_step == 4
+
+
+@pytest.mark.parametrize("entry,stage,loader", [
+    ("validate", "validate", "val_dataloader"),
+    ("test", "test", "test_dataloader"),
+    ("predict", "predict", "predict_dataloader"),
+])
+def test_eval_entry_points_with_a_datamodule(entry, stage, loader):
+    calls: list[str] = []
+    out = getattr(fast_trainer(), entry)(BoringModel(), datamodule=DM(calls))
+    assert calls == ["DataModule.prepare_data", f"DataModule.setup:{stage}", f"DataModule.{loader}",
+                     f"DataModule.teardown:{stage}"]
+    assert len(out) == 1
+
+
+def test_datamodule_defaults():
+    dm = ember.DataModule()
+    assert dm.trainer is None and dm.val_dataloader() is None and dm.state_dict() == {}
+    dm.prepare_data(), dm.setup("fit"), dm.teardown("fit"), dm.load_state_dict({})
+    for name, verb in (("train_dataloader", "fit"), ("test_dataloader", "test"), ("predict_dataloader", "predict")):
+        with pytest.raises(NotImplementedError, match=rf"DataModule defines no {name}\(\); define it to {verb}"):
+            getattr(dm, name)()
+
+
+def test_fit_with_an_empty_datamodule_explains():
+    with pytest.raises(NotImplementedError, match=r"DataModule defines no train_dataloader\(\); define it to fit"):
+        fast_trainer().fit(BoringModel(), datamodule=ember.DataModule())
