@@ -1,0 +1,109 @@
+"""LearningRateMonitor: log every optimizer's learning rate (per param group) to the loggers."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ember.callbacks.callback import Callback
+
+if TYPE_CHECKING:
+    import torch
+
+    from ember.module import TrainModule
+    from ember.trainer.trainer import Trainer
+
+
+def logs_after_this_batch(trainer: Trainer) -> bool:
+    """Called in ``on_train_batch_end``: will the loop write step metrics once this batch is done?
+
+    The loop increments ``global_step`` after ``on_train_batch_end`` when the batch stepped an
+    optimizer, and writes step metrics when the new step is a multiple of ``log_every_n_steps``.
+    """
+    return getattr(trainer._loop, "stepped_this_batch", False) and (trainer.global_step + 1) % trainer.log_every_n_steps == 0
+
+
+def write_to_loggers(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
+    """Hand ``metrics`` (floats) to every logger at ``step``, on global rank zero only."""
+    if not trainer.is_global_zero:
+        return
+    trainer.logged_metrics.update(metrics)
+    for lg in trainer.loggers:
+        lg.log_metrics(metrics, step)
+
+
+class LearningRateMonitor(Callback):
+    """Log the learning rate of each optimizer and param group.
+
+    Names are ``lr-<OptimizerClass>`` (``-1``, ``-2``... for repeated classes, or the scheduler
+    config's ``name``), with ``/pg<i>`` per param group when an optimizer has several.
+
+    Args:
+        logging_interval: "step" (at the Trainer's ``log_every_n_steps`` cadence, with the global
+            step of the optimizer step that used the rate), "epoch" (at each epoch start), or None:
+            "step" when a scheduler steps per step, else "epoch".
+        log_momentum: also log ``<name>-momentum`` (SGD momentum, or Adam's beta1).
+        log_weight_decay: also log ``<name>-weight_decay``.
+    """
+
+    def __init__(self, logging_interval: str | None = None, log_momentum: bool = False,
+                 log_weight_decay: bool = False) -> None:
+        if logging_interval not in (None, "step", "epoch"):
+            raise ValueError(f"logging_interval must be None, 'step' or 'epoch', got {logging_interval!r}.")
+        self.logging_interval = logging_interval
+        self.log_momentum = log_momentum
+        self.log_weight_decay = log_weight_decay
+        self._interval = "epoch"
+        self._names: list[tuple[torch.optim.Optimizer, list[str]]] = []
+        self._last_step = -1
+        #: The values written last, for tests and notebooks.
+        self.last_stats: dict[str, float] = {}
+
+    def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
+        if not trainer.loggers:
+            raise ValueError("LearningRateMonitor writes to the Trainer's loggers, but it has none (logger=False). "
+                             "Pass logger=True or a logger, or remove the LearningRateMonitor.")
+        schedulers = trainer.lr_scheduler_configs
+        if self.logging_interval is not None:
+            self._interval = self.logging_interval
+        else:
+            self._interval = "step" if any(c.interval == "step" for c in schedulers) else "epoch"
+        named = {id(c.scheduler.optimizer): c.name for c in schedulers
+                 if c.name and hasattr(c.scheduler, "optimizer")}
+        seen: dict[str, int] = {}
+        self._names = []
+        for opt in trainer.optimizers:
+            base = named.get(id(opt)) or f"lr-{type(opt).__name__}"
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            if count:
+                base = f"{base}-{count}"
+            groups = opt.param_groups
+            self._names.append((opt, [base if len(groups) == 1 else f"{base}/pg{i + 1}" for i in range(len(groups))]))
+        self._last_step = -1
+
+    def _stats(self) -> dict[str, float]:
+        stats: dict[str, float] = {}
+        for opt, names in self._names:
+            for group, name in zip(opt.param_groups, names):
+                stats[name] = float(group["lr"])
+                if self.log_momentum:
+                    momentum = group.get("momentum", group.get("betas", (0.0,))[0])
+                    stats[f"{name}-momentum"] = float(momentum)
+                if self.log_weight_decay:
+                    stats[f"{name}-weight_decay"] = float(group.get("weight_decay", 0.0))
+        return stats
+
+    def _log(self, trainer: Trainer, step: int) -> None:
+        if step == self._last_step:
+            return
+        self._last_step = step
+        self.last_stats = self._stats()
+        write_to_loggers(trainer, self.last_stats, step)
+
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Schedulers step after this hook, so the rates read here are the ones this step used.
+        if self._interval == "step" and logs_after_this_batch(trainer):
+            self._log(trainer, trainer.global_step + 1)
+
+    def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        if self._interval == "epoch":
+            self._log(trainer, trainer.global_step)

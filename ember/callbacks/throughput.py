@@ -1,0 +1,89 @@
+"""ThroughputMonitor: samples/s, batches/s, and how much of the time went to waiting for data."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from ember.callbacks.callback import Callback
+from ember.callbacks.lr_monitor import logs_after_this_batch, write_to_loggers
+from ember.utils import infer_batch_size
+
+if TYPE_CHECKING:
+    from ember.module import TrainModule
+    from ember.trainer.trainer import Trainer
+
+
+class ThroughputMonitor(Callback):
+    """Measure training throughput per process and log it at the Trainer's logging cadence.
+
+    "Data wait" is the time from the end of one training batch to the start of the next (fetching
+    and collating the batch, plus the Trainer's own work between batches); "compute" is from batch
+    start to batch end (the step: forward, backward, optimizer). Validation time is left out.
+    Per batch this costs two clock reads and a look at the batch's first tensor; the numbers are
+    only divided out when they are logged.
+
+    Logged (with ``prefix``, default "throughput/"): ``samples_per_sec``, ``batches_per_sec``,
+    ``data_wait_frac`` (share of the time spent waiting for data), ``data_ms_per_batch`` and
+    ``compute_ms_per_batch``, all over the batches since the previous write; also at the end of each
+    epoch for the batches not yet reported.
+
+    Args:
+        batch_size_fn: ``batch -> int`` samples in a batch; default: the length of the first
+            dimension of the batch's first tensor.
+        prefix: put in front of the logged names.
+    """
+
+    def __init__(self, batch_size_fn: Callable[[Any], int] | None = None, prefix: str = "throughput/") -> None:
+        self.batch_size_fn = batch_size_fn or infer_batch_size
+        self.prefix = prefix
+        #: The values computed last (also without a logger), for tests and notebooks.
+        self.last_metrics: dict[str, float] = {}
+        self._reset()
+        self._last_end = 0.0
+        self._batch_start = 0.0
+
+    def _reset(self) -> None:
+        self._samples = 0
+        self._batches = 0
+        self._wait = 0.0
+        self._compute = 0.0
+
+    def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        self._last_end = time.perf_counter()
+
+    def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
+        self._last_end = time.perf_counter()  # validation is neither data wait nor training compute
+
+    def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        self._wait += now - self._last_end
+        self._batch_start = now
+        self._samples += self.batch_size_fn(batch)
+
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        self._compute += now - self._batch_start
+        self._batches += 1
+        if logs_after_this_batch(trainer):
+            self._emit(trainer, trainer.global_step + 1)
+        self._last_end = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if self._batches:  # the epoch's tail since the last write (all of it in short epochs)
+            self._emit(trainer, trainer.global_step)
+
+    def _emit(self, trainer: Trainer, step: int) -> None:
+        total = self._wait + self._compute
+        if not self._batches or total <= 0:
+            return
+        p = self.prefix
+        self.last_metrics = {
+            f"{p}samples_per_sec": self._samples / total,
+            f"{p}batches_per_sec": self._batches / total,
+            f"{p}data_wait_frac": self._wait / total,
+            f"{p}data_ms_per_batch": 1000.0 * self._wait / self._batches,
+            f"{p}compute_ms_per_batch": 1000.0 * self._compute / self._batches,
+        }
+        self._reset()
+        if trainer.loggers:
+            write_to_loggers(trainer, self.last_metrics, step)

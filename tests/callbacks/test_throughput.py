@@ -1,0 +1,91 @@
+"""ThroughputMonitor: rates, and data wait told apart from compute."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ember
+from ember.callbacks import Logger, ThroughputMonitor
+
+
+class Recorder(Logger):
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics, step):
+        self.calls.append((step, dict(metrics)))
+
+
+class SlowLoader:
+    """Batches of ``bs`` samples that take ``data_s`` to produce."""
+
+    def __init__(self, n: int, bs: int, data_s: float) -> None:
+        self.n, self.bs, self.data_s = n, bs, data_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        for _ in range(self.n):
+            time.sleep(self.data_s)
+            yield torch.randn(self.bs, 2), torch.randn(self.bs, 1)
+
+
+class SlowStep(ember.TrainModule):
+    def __init__(self, compute_s: float) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(2, 1)
+        self.compute_s = compute_s
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(self.compute_s)
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def fit(cb, data_s, compute_s, n=8, bs=4, logger=None, **kw):
+    rec = Recorder() if logger is None else logger
+    trainer = ember.Trainer(max_epochs=1, log_every_n_steps=4, enable_progress_bar=False, enable_checkpointing=False,
+                            logger=rec, callbacks=[cb], **kw)
+    trainer.fit(SlowStep(compute_s), SlowLoader(n, bs, data_s))
+    return rec
+
+
+def test_rates_and_data_wait_are_logged_at_the_logging_cadence():
+    cb = ThroughputMonitor()
+    rec = fit(cb, data_s=0.02, compute_s=0.005)
+    logged = [(s, m) for s, m in rec.calls if "throughput/samples_per_sec" in m]
+    assert [s for s, _ in logged] == [4, 8]
+    for _, m in logged:
+        assert m["throughput/samples_per_sec"] == pytest.approx(4 * m["throughput/batches_per_sec"])
+        # sleeps only last longer than asked on a busy machine, so the lower bounds of time are firm
+        assert 5 <= m["throughput/batches_per_sec"] <= 40  # at least 25 ms per batch
+        assert 0.5 <= m["throughput/data_wait_frac"] < 1.0  # 20 ms of data wait to 5 ms of compute
+        assert 19 <= m["throughput/data_ms_per_batch"] <= 200
+        assert 4.5 <= m["throughput/compute_ms_per_batch"] <= 100
+
+
+def test_compute_bound_and_custom_batch_size():
+    cb = ThroughputMonitor(batch_size_fn=lambda batch: 10, prefix="tp/")
+    rec = fit(cb, data_s=0.0, compute_s=0.01)
+    m = cb.last_metrics
+    assert set(m) == {"tp/samples_per_sec", "tp/batches_per_sec", "tp/data_wait_frac", "tp/data_ms_per_batch",
+                      "tp/compute_ms_per_batch"}
+    assert m["tp/samples_per_sec"] == pytest.approx(10 * m["tp/batches_per_sec"])
+    assert m["tp/data_wait_frac"] < 0.5
+    assert rec.calls[-1][1]["tp/compute_ms_per_batch"] >= 9
+
+
+def test_short_epochs_still_report_and_no_logger_is_fine():
+    cb = ThroughputMonitor()
+    rec = fit(cb, data_s=0.0, compute_s=0.0, n=3)  # fewer batches than log_every_n_steps
+    assert [s for s, m in rec.calls if "throughput/batches_per_sec" in m] == [3]
+    cb = ThroughputMonitor()
+    fit(cb, data_s=0.0, compute_s=0.0, n=5, logger=False)
+    assert cb.last_metrics["throughput/batches_per_sec"] > 0
