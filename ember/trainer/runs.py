@@ -256,7 +256,6 @@ class _Runs:
         self.history.append(row)
         if self.loggers and self.is_global_zero:
             keys = self._metrics.logger_keys()
-            self._log_step_metrics()
             logged = {k: v for k, v in floats.items() if k in keys}
             if logged:
                 self._write_logs(logged)
