@@ -91,7 +91,7 @@ class FitLoop:
     def run(self) -> None:
         t = self.trainer
         p = t.progress
-        if t.num_sanity_val_steps and t._val_loaders and p.global_step == 0 and p.batch_in_epoch == 0:
+        if t.num_sanity_val_steps and any(t.num_val_batches) and p.global_step == 0 and p.batch_in_epoch == 0:
             t._run_evaluation("sanity")
         t._call("on_train_start")
         while not self._done():
