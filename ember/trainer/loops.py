@@ -44,6 +44,14 @@ def num_batches(loader: Any, limit: int | float) -> float:
     return min(n, limit)
 
 
+def _has_len(loader: Any) -> bool:
+    try:
+        len(loader)
+    except TypeError:
+        return False
+    return True
+
+
 def _lookahead(iterable: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
     """Yield ``(item, is_last)``: used when a loader has no length, to find the last batch."""
     it = iter(iterable)
@@ -86,6 +94,7 @@ class FitLoop:
         self.trainer = trainer
         self.stepped_this_batch = False
         self._window_has_grad = False
+        self._sized = True  # whether the train loader has a length (set per epoch)
 
     # ------------------------------------------------------------------ fit
     def run(self) -> None:
@@ -132,14 +141,16 @@ class FitLoop:
         preemption = getattr(t, "_preemption", None)
         automatic = t.module.automatic_optimization
         self._bind_step_hooks()
-        stream = _lookahead(loader) if n_batches == math.inf else ((b, False) for b in loader)
+        # Without a length, the stream may end before an int limit does: look ahead to find its last batch.
+        self._sized = _has_len(loader)
+        stream = ((b, False) for b in loader) if self._sized else _lookahead(loader)
         batch_idx = start - 1
         for batch, is_last in stream:
             batch_idx += 1
             if batch_idx >= n_batches:
                 break
             if n_batches != math.inf:
-                is_last = batch_idx == n_batches - 1
+                is_last = is_last or batch_idx == n_batches - 1
             metrics.set_batch(batch)
             if batch_start:
                 metrics.fx = "on_train_batch_start"
@@ -238,7 +249,7 @@ class FitLoop:
                 if k > 1:
                     # Scale by the window's real size so a short final window still averages its batches.
                     n = t.num_training_batches
-                    window = k if n == math.inf else min(k, n - (batch_idx - pos))
+                    window = min(k, n - (batch_idx - pos)) if self._sized else k
                     scaled = loss / window
                 if self._h_before_backward:
                     metrics.fx = "on_before_backward"
@@ -251,7 +262,7 @@ class FitLoop:
                         h()
                 self._window_has_grad = True
         if steps_now and self._window_has_grad:
-            if t.num_training_batches == math.inf and pos + 1 < k:
+            if not self._sized and pos + 1 < k:
                 # A short final window of a loader without a length: rescale the 1/k-scaled gradients.
                 self._rescale_grads(optimizer, k / (pos + 1))
             self._optimizer_step(optimizer)
