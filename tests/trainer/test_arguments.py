@@ -8,7 +8,8 @@ import torch
 
 import ember
 from ember.callbacks import Callback
-from tests.helpers.models import (BoringModel, RecordingLogger, TrainOnlyModel, fast_trainer, regression_loader)
+from tests.helpers.models import (BoringModel, RecordingCallback, RecordingLogger, TrainOnlyModel, UnsizedBatches,
+                                  fast_trainer, regression_loader)
 
 
 class Counter(Callback):
@@ -196,6 +197,26 @@ def test_limit_test_and_predict_batches(limit, expected):
     assert counter.predict_batches == expected == len(out)
 
 
+def test_int_limit_larger_than_a_stream_without_length():
+    # The stream has 5 batches, the limit allows 10: the epoch still ends (and validates, and closes its
+    # accumulation window) when the stream runs out.
+    counter = Counter()
+    trainer = fast_trainer(callbacks=[counter], max_epochs=2, accumulate_grad_batches=2, limit_train_batches=10,
+                           num_sanity_val_steps=0)
+    trainer.fit(BoringModel(), UnsizedBatches(n=40), regression_loader(n=8))
+    assert len(counter.train) == 10
+    assert trainer.global_step == 6  # windows of 2, 2 and 1 in each epoch
+    assert counter.val_runs == [(0, 5), (1, 5)]
+
+
+def test_int_limit_shorter_than_a_stream_without_length():
+    counter = Counter()
+    trainer = fast_trainer(callbacks=[counter], max_epochs=2, limit_train_batches=3, num_sanity_val_steps=0)
+    trainer.fit(BoringModel(), UnsizedBatches(n=40), regression_loader(n=8))
+    assert counter.train == [(e, b) for e in range(2) for b in range(3)]
+    assert counter.val_runs == [(0, 3), (1, 3)]
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "all", True])
 def test_limit_bad_values(bad):
     with pytest.raises(ValueError, match=r"limit_train_batches.*(fraction|int)"):
@@ -208,6 +229,13 @@ def test_num_sanity_val_steps(steps, expected):
     trainer, c = fit(num_sanity_val_steps=steps, limit_val_batches=1.0)
     assert c.sanity_batches == expected
     assert c.val_batches == 4  # the real validation is not affected
+
+
+def test_no_sanity_check_without_validation_batches():
+    calls: list[str] = []
+    trainer = fast_trainer(callbacks=[RecordingCallback(calls)], limit_val_batches=0, num_sanity_val_steps=2)
+    trainer.fit(BoringModel(), regression_loader(), regression_loader())
+    assert not [c for c in calls if "sanity" in c or "validation" in c]
 
 
 def test_sanity_check_metrics_are_thrown_away():
@@ -237,6 +265,14 @@ def test_log_every_n_steps_with_a_recording_logger():
     step, metrics = logger.records[0]
     assert metrics["epoch"] == 0.0 and isinstance(metrics["train_loss"], float)
     assert logger.status == "success"
+
+
+def test_log_every_n_steps_is_kept_across_epoch_ends():
+    # 5 steps per epoch, every 2nd step logged: steps 2, 4, 6, 8, 10 (no extra write at an epoch's last step).
+    logger = RecordingLogger()
+    trainer = fast_trainer(logger=logger, log_every_n_steps=2, max_epochs=2)
+    trainer.fit(TrainOnlyModel(), regression_loader(n=40, batch_size=8))
+    assert logger.steps_with("train_loss") == [2, 4, 6, 8, 10]
 
 
 def test_log_every_n_steps_counts_optimizer_steps():

@@ -125,12 +125,14 @@ def test_accumulation_with_limit_train_batches_closes_the_window_at_the_limit():
     assert trainer.global_step == 2
 
 
-def test_accumulation_on_a_loader_without_length():
+@pytest.mark.parametrize("limit", [None, 10])
+def test_accumulation_on_a_loader_without_length(limit):
     # The trainer cannot know the last window is short until the stream ends: the gradients are rescaled.
+    # With limit=10 the int limit is larger than the 5-batch stream, so the stream's end still decides.
     a, b = _pair()
     stream = UnsizedBatches(n=40, batch_size=8)
     plain_loop(b, list(stream), epochs=2, accumulate=2)
-    trainer = fast_trainer(max_epochs=2, accumulate_grad_batches=2)
+    trainer = fast_trainer(max_epochs=2, accumulate_grad_batches=2, limit_train_batches=limit)
     torch.manual_seed(0)
     trainer.fit(a, stream)
     assert_same_weights(a, b)
