@@ -347,7 +347,7 @@ def load(path: str, map_location: Any = "cpu") -> dict[str, Any]:
         if "Weights only load failed" in str(err):
             raise CheckpointError(
                 f"{path!r} contains pickled Python objects that torch.load(weights_only=True) refuses "
-                f"({_first_line_with(str(err), 'Unsupported global') or 'not plain data'}). ember only loads "
+                f"({_first_line_with(str(err), 'GLOBAL') or 'not plain data'}). ember only loads "
                 "tensors, numbers, strings, lists and dicts, because unpickling an object can run arbitrary code. "
                 "If you trust the file, load it with torch.load(path, weights_only=False) and keep only plain data."
             ) from None
@@ -486,6 +486,10 @@ def restore(trainer: Trainer, ckpt_path: str, weights_only: bool = False) -> dic
             cb.load_state_dict(state)
     for opt, state in zip(trainer._optim.optimizers, ckpt["optimizer_states"]):
         opt.load_state_dict(state)
+        if ckpt["progress"].get("global_step", 0) > 0:
+            # The optimizer has stepped in the saved run: keep torch's "scheduler stepped before the optimizer"
+            # warning quiet when a resumed epoch end steps a scheduler first.
+            opt._opt_called = True  # type: ignore[attr-defined]
     for cfg, state in zip(trainer._optim.schedulers, ckpt["lr_schedulers"]):
         cfg.scheduler.load_state_dict(state)
     trainer._precision.load_state_dict(ckpt.get("precision") or {})

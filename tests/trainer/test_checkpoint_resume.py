@@ -1,0 +1,254 @@
+"""Exact resume: a fit stopped anywhere and resumed from its checkpoint ends bitwise identical.
+
+Also run as a script (``python test_checkpoint_resume.py ROOT WORKERS KILL_STEP``) by the
+``kill -9`` test: it trains with step checkpoints and SIGKILLs itself at ``KILL_STEP``.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import random
+import signal
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.callbacks import Callback, ModelCheckpoint
+from ember.trainer.signals import Preempted
+
+N, BATCH, EPOCHS = 48, 4, 3  # 12 batches per epoch, 36 steps
+
+
+class DropoutNet(ember.TrainModule):
+    """An MLP with dropout, Adam and a step-interval LR schedule: every source of state a resume must carry."""
+
+    def __init__(self, hidden: int = 16, lr: float = 0.01) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                       torch.nn.Linear(hidden, 1))
+        self.seen: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        self.seen.extend(idx.tolist())
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val/loss", F.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g), torch.arange(N))
+
+
+class StopAt(Callback):
+    """Raise (or run ``action``) when the loop is about to run the batch after ``step`` optimizer steps."""
+
+    def __init__(self, step: int, action: Any = None) -> None:
+        self.step = step
+        self.action = action
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            if self.action is not None:
+                self.action()
+            else:
+                raise RuntimeError(f"stop at step {self.step}")
+
+
+def fit(root: str, workers: int = 0, callbacks: list[Callback] | None = None, ckpt_path: str | None = None,
+        checkpoint: ModelCheckpoint | None = None, val: bool = False, **trainer_kwargs: Any) -> tuple[DropoutNet, ember.Trainer]:
+    ember.seed_everything(0)
+    module = DropoutNet()
+    cbs = [checkpoint or ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=4)]
+    trainer_kwargs.setdefault("max_epochs", EPOCHS)
+    trainer = ember.Trainer(enable_progress_bar=False, logger=False, default_root_dir=root,
+                            callbacks=cbs + list(callbacks or []), num_sanity_val_steps=0, **trainer_kwargs)
+    loader = DataLoader(dataset(), batch_size=BATCH, shuffle=True, num_workers=workers)
+    val_loader = DataLoader(dataset(), batch_size=8) if val else None
+    trainer.fit(module, loader, val_loader, ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    diff = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not diff, f"weights differ after resume: {diff}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, DropoutNet]:
+    """The uninterrupted run, once per worker count."""
+    refs = {}
+    for workers in (0, 2):
+        module, trainer = fit(str(tmp_path_factory.mktemp(f"ref{workers}")), workers)
+        assert trainer.global_step == EPOCHS * N // BATCH
+        refs[workers] = module
+    assert_same_weights(refs[0], refs[2])
+    return refs
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("stop", [17, 12], ids=["mid-epoch", "between-epochs"])
+def test_resume_after_callback_raises_is_bitwise(tmp_path, reference, workers, stop):
+    root = str(tmp_path)
+    with pytest.raises(RuntimeError, match="stop at step"):
+        fit(root, workers, [StopAt(stop)])
+    gc.collect()  # the traceback held the loader's iterator (and its worker processes)
+    resumed, trainer = fit(root, workers, ckpt_path="last")
+    assert trainer.ckpt_path.endswith("last.ckpt")
+    assert trainer.global_step == EPOCHS * N // BATCH
+    assert_same_weights(resumed, reference[workers])
+    # Resumed from the last multiple of 4 steps (12: the boundary after epoch 0's last batch).
+    assert len(resumed.seen) == EPOCHS * N - stop // 4 * 4 * BATCH
+
+
+def test_resume_does_not_rerun_validation_or_epoch_end(tmp_path):
+    """Checkpoints written after a mid-epoch validation and at an epoch end resume after that point."""
+    class Count(Callback):
+        def __init__(self) -> None:
+            self.val = self.epoch_end = 0
+
+        def on_validation_end(self, trainer, module):
+            self.val += 1
+
+        def on_train_epoch_end(self, trainer, module):
+            self.epoch_end += 1
+
+    ref_count = Count()
+    ref, _ = fit(str(tmp_path / "ref"), val=True, val_check_interval=0.5, callbacks=[ref_count],
+                 checkpoint=ModelCheckpoint(dirpath=str(tmp_path / "ref" / "c")))
+    assert (ref_count.val, ref_count.epoch_end) == (6, 3)
+    root = str(tmp_path / "run")
+    ckpt = ModelCheckpoint(dirpath=os.path.join(root, "c"))  # saves after every validation (mid-epoch and end)
+    with pytest.raises(RuntimeError):
+        fit(root, val=True, val_check_interval=0.5, callbacks=[StopAt(20)], checkpoint=ckpt)
+    # Stopped at step 20: the last save was the validation after batch 18 (mid-epoch 1).
+    count = Count()
+    resumed, trainer = fit(root, val=True, val_check_interval=0.5, callbacks=[count], ckpt_path="last",
+                           checkpoint=ModelCheckpoint(dirpath=os.path.join(root, "c")))
+    assert (count.val, count.epoch_end) == (3, 2)  # validations after batches 24, 30, 36; ends of epochs 1, 2
+    assert_same_weights(resumed, ref)
+
+
+def test_resume_from_epoch_end_checkpoint_steps_epoch_schedulers_once(tmp_path):
+    class EpochSched(DropoutNet):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+    def run(root, **kw):
+        ember.seed_everything(0)
+        m = EpochSched()
+        tk = {"max_epochs": 3, **kw.pop("tk", {})}
+        t = ember.Trainer(enable_progress_bar=False, logger=False, num_sanity_val_steps=0,
+                          callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "c"))], **tk)
+        t.fit(m, DataLoader(dataset(), batch_size=BATCH, shuffle=True), **kw)
+        return m, t
+
+    ref, rt = run(str(tmp_path / "ref"))
+    run(str(tmp_path / "a"), tk={"max_epochs": 1})  # last.ckpt written at the end of epoch 0
+    resumed, t = run(str(tmp_path / "a"), ckpt_path="last")
+    assert t.optimizers[0].param_groups[0]["lr"] == rt.optimizers[0].param_groups[0]["lr"] == 0.1 * 0.5 ** 3
+    assert_same_weights(resumed, ref)
+
+
+def test_preemption_sigterm_saves_and_exits_then_resumes_exactly(tmp_path, reference):
+    root = str(tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.warns(UserWarning, match="Preempted by SIGTERM"), pytest.raises(Preempted) as info:
+        fit(root, callbacks=[StopAt(9, lambda: os.kill(os.getpid(), signal.SIGTERM))])
+    assert info.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+    saved = torch.load(info.value.checkpoint_path, weights_only=True)
+    assert saved["progress"]["global_step"] == 10  # stopped at the boundary after the step running when it arrived
+    del info
+    resumed, trainer = fit(root, ckpt_path="last")
+    assert_same_weights(resumed, reference[0])
+
+
+def test_shuffled_order_matches_a_plain_torch_loop():
+    """The swapped-in sampler draws the same permutation, from the same global RNG, as RandomSampler."""
+    ember.seed_everything(3)
+    expected = [int(i) for _, _, idx in DataLoader(dataset(), batch_size=BATCH, shuffle=True) for i in idx]
+    ember.seed_everything(3)
+    module = DropoutNet()
+    ember.seed_everything(3)
+    ember.Trainer(max_epochs=1, enable_progress_bar=False, logger=False, enable_checkpointing=False).fit(
+        module, DataLoader(dataset(), batch_size=BATCH, shuffle=True))
+    assert module.seen == expected
+
+
+def test_last_with_no_checkpoint_starts_fresh_with_notice(tmp_path):
+    with pytest.warns(UserWarning, match="found no checkpoint"):
+        _, trainer = fit(str(tmp_path), ckpt_path="last", max_epochs=1)
+    assert trainer.global_step == N // BATCH and trainer.ckpt_path is None
+
+
+def test_unresumable_loader_falls_back_to_skipping_batches(tmp_path):
+    class MyLoader(DataLoader):
+        pass
+
+    def run(root, ckpt_path=None, stop=None):
+        ember.seed_everything(0)
+        m = DropoutNet()
+        t = ember.Trainer(max_epochs=2, enable_progress_bar=False, logger=False,
+                          callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=5)] + ([StopAt(stop)] if stop else []))
+        t.fit(m, MyLoader(dataset(), batch_size=BATCH), ckpt_path=ckpt_path)  # not shuffled: deterministic order
+        return m
+
+    ref = run(str(tmp_path / "ref"))
+    with pytest.raises(RuntimeError):
+        run(str(tmp_path / "a"), stop=8)
+    with pytest.warns(UserWarning, match="cannot resume at the sampler level"):
+        resumed = run(str(tmp_path / "a"), ckpt_path="last")
+    assert resumed.seen == ref.seen[5 * BATCH:]
+
+
+def _kill_run(root: str, workers: int, kill_step: int) -> None:
+    fit(root, workers, [StopAt(kill_step, lambda: os.kill(os.getpid(), signal.SIGKILL))])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_after_kill_9_is_bitwise(tmp_path, reference, workers):
+    kill_step = random.randrange(6, EPOCHS * N // BATCH - 1)
+    root = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, __file__, root, str(workers), str(kill_step)],
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=50)
+    finally:
+        try:  # the run's DataLoader workers, orphaned by the kill
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == -signal.SIGKILL, out.decode()[-2000:]
+    last = torch.load(os.path.join(root, "ckpts", "last.ckpt"), weights_only=True)
+    assert last["progress"]["global_step"] == kill_step // 4 * 4
+    resumed, _ = fit(root, workers, ckpt_path="last")
+    assert_same_weights(resumed, reference[workers])
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("ignore")
+    _kill_run(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    sys.exit("the run was not killed")
