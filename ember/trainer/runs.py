@@ -131,9 +131,8 @@ class _Runs:
                 self._restore(ckpt_path, weights_only=True)
             results = loops.run_evaluation_loop(self, stage, loaders, limits)
             if self.loggers and self.is_global_zero:
-                flat = {k: v for r in results for k, v in r.items()}
-                for lg in self.loggers:
-                    lg.log_metrics(flat, self.global_step)
+                # Through _write_logs, like fit's metrics: adds "epoch" and fills trainer.logged_metrics.
+                self._write_logs({k: v for r in results for k, v in r.items()})
             return results
         except BaseException as exc:
             self._on_exception(exc)
