@@ -52,8 +52,10 @@ def test_evaluation_metrics_go_to_the_loggers():
     from tests.helpers.models import RecordingLogger
 
     lg = RecordingLogger()
-    fast_trainer(logger=lg).test(ConstEval(), regression_loader())
-    assert lg.records == [(0, {"test_const": 20.0, "test_sum": 4.0})]
+    trainer = fast_trainer(logger=lg)
+    trainer.test(ConstEval(), regression_loader())
+    assert lg.records == [(0, {"test_const": 20.0, "test_sum": 4.0, "epoch": 0.0})]
+    assert trainer.logged_metrics == {"test_const": 20.0, "test_sum": 4.0, "epoch": 0.0}
 
 
 def test_predict_returns_the_outputs():
