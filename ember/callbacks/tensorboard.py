@@ -69,12 +69,17 @@ class TensorBoardLogger(FileLogger):
         writer = self.experiment
         if writer is None:
             return
-        walltime = time.time()
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        # One event holding every value of this call: one queue hand-off to the writer thread
+        # instead of one per scalar (SummaryWriter.add_scalar builds an event per value).
+        values = []
         for key, value in metrics.items():
             tag = self.prefix + key
-            writer.add_scalar(tag, value, step, walltime=walltime)
+            values.append(Summary.Value(tag=tag, simple_value=value))
             if key != "epoch":
                 self._metric_tags[tag] = None
+        writer._get_file_writer().add_summary(Summary(value=values), step, time.time())
 
     def log_hyperparams(self, params: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
         """Write ``params`` to ``hparams.yaml`` and to the HParams dashboard; log ``metrics`` at step 0."""
