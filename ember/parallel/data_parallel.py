@@ -9,7 +9,7 @@ thread so that CPU replicas scale (see :mod:`ember.parallel.parallel_apply`).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -84,6 +84,7 @@ def run_replicas(
     parallel_backward: bool = False,
     threads_per_replica: int | None = None,
     check_leaves: bool = False,
+    on_replicas: Callable[[list[nn.Module]], None] | None = None,
 ) -> list[Any]:
     """Replicate ``module`` onto ``devices[:len(inputs)]`` and run it on the scattered inputs.
 
@@ -103,6 +104,8 @@ def run_replicas(
         threads_per_replica: intra-op threads for each replica's thread.
         check_leaves: with ``parallel_backward``, check once that the replicas' graphs reach no
             tensor requiring grad other than the module's parameters/buffers and the inputs.
+        on_replicas: called with the replicas before they run (not when a single chunk runs on
+            ``module`` itself), e.g. to give each replica its own place to log to.
 
     Returns:
         One output per replica, in replica order.
@@ -112,16 +115,16 @@ def run_replicas(
     if n == 1:
         # One chunk: the first replica would share everything with the module, so skip it.
         return parallel_apply([module], inputs, kwargs, devs, method=method)
-    grad = torch.is_grad_enabled()
-    if not grad:
-        replicas = replicator.replicate(module, devs, "detached").modules
-        return parallel_apply(replicas, inputs, kwargs, devs, method=method,
-                              threads_per_replica=threads_per_replica)
-    if not parallel_backward:
-        replicas = replicator.replicate(module, devs, "graph").modules
+    if not torch.is_grad_enabled() or not parallel_backward:
+        mode = "graph" if torch.is_grad_enabled() else "detached"
+        replicas = replicator.replicate(module, devs, mode).modules
+        if on_replicas is not None:
+            on_replicas(replicas)
         return parallel_apply(replicas, inputs, kwargs, devs, method=method,
                               threads_per_replica=threads_per_replica)
     reps = replicator.replicate(module, devs, "leaf")
+    if on_replicas is not None:
+        on_replicas(reps.modules)
     sources, leaves = list(reps.sources), [list(row) for row in reps.leaves]
     new_inputs, new_kwargs = [], []
     for i in range(n):

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -335,7 +335,8 @@ def scatter_kwargs(inputs: tuple, kwargs: dict[str, Any] | None,
 
 
 def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0,
-           *, warn_on_scalars: bool = True) -> Any:
+           *, warn_on_scalars: bool = True,
+           combine_scalars: Callable[[list[Tensor]], Tensor] | None = None) -> Any:
     """Concatenate replica outputs along ``dim`` on ``target_device``.
 
     Args:
@@ -343,6 +344,8 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0,
         target_device: where the result lives.
         dim: the dimension to concatenate along.
         warn_on_scalars: warn when 0-dim tensors are turned into a vector (one value per replica).
+        combine_scalars: if given, turns the replicas' 0-dim tensors at one place into one
+            tensor (e.g. a weighted mean) instead of a vector.
 
     Returns:
         One structure like each output. ``None`` stays ``None``; another non-tensor leaf is kept
@@ -362,17 +365,21 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0,
             raise ValueError(f"replica 0 and replica {r} returned different structures: "
                              f"{problem}. Every replica must return the same structure.")
     columns = zip(*(leaves for leaves, _ in flat))
-    return unflatten(spec, [_gather_leaf(list(col), device, dim, warn_on_scalars)
+    return unflatten(spec, [_gather_leaf(list(col), device, dim, warn_on_scalars, combine_scalars)
                             for col in columns])
 
 
-def _gather_leaf(values: list[Any], device: torch.device, dim: int, warn: bool) -> Any:
+def _gather_leaf(values: list[Any], device: torch.device, dim: int, warn: bool,
+                 combine: Callable[[list[Tensor]], Tensor] | None) -> Any:
     first = values[0]
     if isinstance(first, Tensor):
         if not all(isinstance(v, Tensor) for v in values):
             raise ValueError(f"replica 0 returned a tensor where another returned "
                              f"{[type(v).__name__ for v in values]}; outputs must match")
-        if warn and first.dim() == 0 and all(v.dim() == 0 for v in values):
+        scalars = all(v.dim() == 0 for v in values)
+        if scalars and combine is not None:
+            return combine(values)
+        if warn and scalars:
             warnings.warn(f"Was asked to gather along dimension {dim}, but all input tensors "
                           "were scalars; will instead unsqueeze and return a vector.",
                           stacklevel=3)
