@@ -1,0 +1,226 @@
+"""The ``dp`` strategy: one process, one replica of the TrainModule per device, run in threads.
+
+Every step splits the batch along its first dimension (``torch.chunk`` sizes), replicates the
+module onto as many devices as there are chunks, runs ``training_step`` (or ``validation_step``,
+``test_step``, ``predict_step``) of each replica on its own thread, and combines the results:
+
+- the loss is the chunk-size-weighted mean of the replicas' losses, so that with a per-sample
+  mean loss the gradients equal those of one device on the whole batch, uneven last batches
+  included; on CPU replicas each replica's backward runs on its own thread too;
+- other 0-dim tensors in the step output are combined the same way, tensors with a batch
+  dimension are concatenated (predictions), other values kept when every replica agrees;
+- values that replicas ``self.log`` are combined per name into one logged value: weighted by
+  chunk size for ``reduce_fx="mean"`` (or by the ``batch_size`` given to ``log``), summed for
+  "sum", max/min for "max"/"min". Hooks other than the ``*_step`` methods run once, on the
+  original module.
+
+When this is not one device on the whole batch: whatever depends on the whole batch at once.
+BatchNorm in train mode normalises each chunk with that chunk's statistics (and only the first
+replica's running statistics are kept); a loss that is not a per-sample mean (a sum, a
+contrastive loss over the batch) is combined as a weighted mean of per-chunk values.
+Manual optimization is not supported (the replicas would each step the optimizer).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ember.parallel.data_parallel import run_replicas
+from ember.parallel.replicate import Replicator
+from ember.parallel.scatter_gather import flatten, gather, scatter_kwargs
+from ember.strategies.strategy import Strategy
+
+__all__ = ["DataParallelStrategy"]
+
+
+class _ReplicaLog:
+    """Takes the place of the metric collector inside one replica: records, publishes nothing."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, dict[str, Any]]] = []
+
+    def log(self, name: str, value: Any, **options: Any) -> None:
+        self.calls.append((name, value.detach() if isinstance(value, Tensor) else value, options))
+
+
+def _chunk_size(args: tuple) -> int:
+    first = next(t for t in flatten(args[0])[0] if isinstance(t, Tensor))
+    return int(first.shape[0])
+
+
+def _weighted_sum(values: list[Any], weights: list[float], device: torch.device) -> Any:
+    """``sum(w * v)``, on ``device`` when any value is a tensor (values may sit on several)."""
+    if not any(isinstance(v, Tensor) for v in values):
+        return sum(v * w for v, w in zip(values, weights))
+    out = None
+    for v, w in zip(values, weights):
+        part = torch.as_tensor(v).to(device) * w
+        out = part if out is None else out + part
+    return out
+
+
+def _weighted_mean(values: list[Any], weights: list[float], device: torch.device) -> Any:
+    total = float(sum(weights))
+    return _weighted_sum(values, [w / total for w in weights], device)
+
+
+def _combine_logs(module: nn.Module, sinks: list[_ReplicaLog], weights: list[int],
+                  device: torch.device) -> None:
+    """Log, on ``module``, one value per name (and per repeated call) from all replicas."""
+    order: list[str] = []
+    by_name: dict[str, list[list[tuple[Any, dict, int]]]] = {}
+    for sink, weight in zip(sinks, weights):
+        seen: dict[str, int] = {}
+        for name, value, options in sink.calls:
+            k = seen[name] = seen.get(name, -1) + 1
+            if name not in by_name:
+                order.append(name)
+                by_name[name] = []
+            calls = by_name[name]
+            while len(calls) <= k:
+                calls.append([])
+            calls[k].append((value, options, weight))
+    for name in order:
+        for calls in by_name[name]:
+            values = [v for v, _, _ in calls]
+            options = dict(calls[0][1])
+            given = [o.get("batch_size") for _, o, _ in calls]
+            fx = options.get("reduce_fx", "mean")
+            if fx == "mean":
+                sizes = [g if g is not None else w for g, (_, _, w) in zip(given, calls)]
+                value = _weighted_mean(values, sizes, device)
+                if all(g is not None for g in given):
+                    options["batch_size"] = sum(given)
+            elif fx == "sum":
+                value = _weighted_sum(values, [1.0] * len(values), device)
+            else:
+                stacked = torch.stack([torch.as_tensor(v, device=device).reshape(())
+                                       for v in values])
+                value = stacked.max() if fx == "max" else stacked.min()
+            module.log(name, value, **options)
+
+
+class DataParallelStrategy(Strategy):
+    """One process, N replicas of the module in threads, one per device (CPU devices allowed).
+
+    Args:
+        accelerator: "cpu" or "cuda"; filled in by the Trainer when not given.
+        devices: the devices, one replica each; filled in by the Trainer (``devices=N``).
+        parallel_backward: run each replica's backward on its own thread. Default: on when all
+            devices are CPUs (each GPU's backward already runs on its own engine thread).
+        threads_per_replica: intra-op threads for each replica's thread. Default on CPU: this
+            process's ``torch.get_num_threads()`` divided among the replicas.
+    """
+
+    strategy_name = "dp"
+
+    def __init__(self, accelerator: str | None = None, devices: list[torch.device] | None = None,
+                 *, parallel_backward: bool | None = None,
+                 threads_per_replica: int | None = None) -> None:
+        super().__init__(accelerator=accelerator, devices=devices)
+        self.parallel_backward = parallel_backward
+        self.threads_per_replica = threads_per_replica
+        self._replicator = Replicator()
+        self._leaves_checked = False
+        self._cpu_only = False
+
+    def setup(self, trainer: Any, module: Any) -> None:
+        if not module.automatic_optimization:
+            raise ValueError(
+                "strategy='dp' supports automatic optimization only: with "
+                "automatic_optimization=False every replica would run its own backward and "
+                "optimizer step. Use strategy='single' or 'ddp' for manual optimization.")
+        super().setup(trainer, module)
+        devices = self.parallel_devices or [self.root_device]
+        self._cpu_only = all(d.type == "cpu" for d in devices)
+        if self.parallel_backward is None:
+            self.parallel_backward = self._cpu_only
+        self._replicator = Replicator()
+        self._leaves_checked = False
+
+    def teardown(self) -> None:
+        self._replicator = Replicator()  # drop the cached structure (and the module it holds)
+
+    def batch_to_device(self, batch: Any) -> Any:
+        # Every device a CPU and CUDA never initialised: nothing can be elsewhere, skip the walk.
+        if self._cpu_only and not torch.cuda.is_initialized():
+            return batch
+        return super().batch_to_device(batch)
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        return self._run("training_step", batch, batch_idx, extra, training=True)
+
+    def validation_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        return self._run("validation_step", batch, batch_idx, extra)
+
+    def test_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        return self._run("test_step", batch, batch_idx, extra)
+
+    def predict_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        return self._run("predict_step", batch, batch_idx, extra)
+
+    def _threads(self, n: int) -> int | None:
+        if self.threads_per_replica is not None or not self._cpu_only:
+            return self.threads_per_replica
+        return max(1, torch.get_num_threads() // n)
+
+    def _run(self, method: str, batch: Any, batch_idx: int, extra: tuple,
+             training: bool = False) -> Any:
+        module = self.module
+        devices = self.parallel_devices
+        if len(devices) <= 1:
+            return getattr(module, method)(batch, batch_idx, *extra)
+        # Only the batch is split; batch_idx and dataloader_idx go to every replica as they are.
+        args, kwargs = scatter_kwargs((batch, batch_idx, *extra), {}, devices)
+        weights = [_chunk_size(a) for a in args]
+        sinks: list[_ReplicaLog] = []
+
+        def give_each_replica_a_log(replicas: list[nn.Module]) -> None:
+            for replica in replicas:
+                sinks.append(_ReplicaLog())
+                replica.__dict__["_log_sink"] = sinks[-1]
+
+        parallel_backward = bool(self.parallel_backward)
+        check = parallel_backward and training and not self._leaves_checked
+        outputs = run_replicas(module, self._replicator, args, kwargs, devices, method=method,
+                               parallel_backward=parallel_backward,
+                               threads_per_replica=self._threads(len(args)), check_leaves=check,
+                               on_replicas=give_each_replica_a_log)
+        if check and len(args) > 1:
+            self._leaves_checked = True
+        root = self.root_device
+        if sinks:
+            _combine_logs(module, sinks, weights, root)
+        return _combine_outputs(outputs, weights, root, training)
+
+
+def _combine_outputs(outputs: list[Any], weights: list[int], device: torch.device,
+                     training: bool) -> Any:
+    if len(outputs) == 1:
+        return outputs[0]
+    skipped = [i for i, out in enumerate(outputs) if out is None]
+    if skipped:
+        if len(skipped) == len(outputs):
+            return None
+        raise ValueError(
+            f"training_step returned None on replicas {skipped} but not on the others. A step "
+            "is skipped for the whole batch or not at all: make the decision independent of the "
+            "chunk (e.g. from batch_idx), or use strategy='single'.")
+
+    def mean(values: list[Tensor]) -> Tensor:
+        return _weighted_mean(values, [float(w) for w in weights], device)
+
+    if training:
+        losses = [out["loss"] if isinstance(out, dict) else out for out in outputs]
+        if all(isinstance(t, Tensor) and t.numel() == 1 for t in losses):
+            # The exact loss: chunk means weighted by chunk size give the whole batch's mean.
+            loss = mean([t.reshape(()) for t in losses]).reshape(losses[0].shape)
+            if not isinstance(outputs[0], dict):
+                return loss
+            rest = gather([{k: v for k, v in out.items() if k != "loss"} for out in outputs],
+                          device, warn_on_scalars=False, combine_scalars=mean)
+            return {"loss": loss, **rest}
+    return gather(outputs, device, warn_on_scalars=False, combine_scalars=mean)
