@@ -124,9 +124,9 @@ class Trainer(_Runs):
         self.log_every_n_steps = log_every_n_steps
         self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
 
-        self.fast_dev_run = int(fast_dev_run)
-        if fast_dev_run is not False and (isinstance(fast_dev_run, bool) is False and int(fast_dev_run) < 0):
+        if not isinstance(fast_dev_run, int) or fast_dev_run < 0:  # bool is an int: True means 1
             raise ValueError(f"fast_dev_run must be a bool or a non-negative int, got {fast_dev_run!r}.")
+        self.fast_dev_run = int(fast_dev_run)
         if self.fast_dev_run:
             n = self.fast_dev_run
             self.limit_train_batches = self.limit_val_batches = n

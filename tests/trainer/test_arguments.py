@@ -313,9 +313,10 @@ def test_fast_dev_run_int_runs_n_batches():
     assert trainer.current_epoch == 1
 
 
-def test_fast_dev_run_negative_is_an_error():
-    with pytest.raises(ValueError, match="fast_dev_run must be a bool or a non-negative int"):
-        ember.Trainer(fast_dev_run=-1, enable_progress_bar=False, logger=False)
+@pytest.mark.parametrize("bad", [-1, "yes", 1.5, None])
+def test_fast_dev_run_bad_values(bad):
+    with pytest.raises(ValueError, match=rf"fast_dev_run must be a bool or a non-negative int, got {bad!r}"):
+        ember.Trainer(fast_dev_run=bad, enable_progress_bar=False, logger=False)
 
 
 # ---------------------------------------------------------------------- deterministic
