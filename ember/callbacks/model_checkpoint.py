@@ -212,14 +212,16 @@ class ModelCheckpoint(Callback):
         return metrics
 
     def _save(self, trainer: Trainer, at_epoch_end: bool) -> None:
+        # This callback's state is updated *before* each write: the checkpoint holds it, and must
+        # already list the file it is written to (or a resumed run would orphan that file).
         metrics = self._candidates(trainer)
+        self._last_global_step_saved = trainer.global_step
+        self._last_time = time.monotonic()
         written: str | None = None
         if self.save_top_k != 0:
             written = self._save_top_k(trainer, metrics, at_epoch_end)
         if self.save_last:
             self._write_last(trainer, written)
-        self._last_global_step_saved = trainer.global_step
-        self._last_time = time.monotonic()
 
     def _monitored(self, trainer: Trainer, metrics: dict[str, Any], at_epoch_end: bool) -> float | None:
         if self.monitor in metrics:
@@ -241,9 +243,9 @@ class ModelCheckpoint(Callback):
     def _save_top_k(self, trainer: Trainer, metrics: dict[str, Any], at_epoch_end: bool) -> str | None:
         if self.monitor is None:
             path = self._new_path(trainer, metrics)
-            self._write(trainer, path)
             previous = self.best_model_path
             self.best_model_path = path
+            self._write(trainer, path)
             if self.save_top_k == 1 and previous and previous != path:
                 self._remove(trainer, previous)
             return path
@@ -255,19 +257,20 @@ class ModelCheckpoint(Callback):
         if full and not self._better(value, self.kth_value):
             return None
         path = self._new_path(trainer, metrics)
-        self._write(trainer, path)
         self.best_k_models[path] = value
+        dropped = None
         if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
-            worst = self._worst()
-            del self.best_k_models[worst]
-            if worst != path:
-                self._remove(trainer, worst)
+            dropped = self._worst()
+            del self.best_k_models[dropped]
         worst = self._worst()
         self.kth_best_model_path, self.kth_value = worst, self.best_k_models[worst]
         best = min(self.best_k_models, key=self.best_k_models.get) if self.mode == "min" \
             else max(self.best_k_models, key=self.best_k_models.get)
         self.best_model_path = best
         self.best_model_score = torch.tensor(self.best_k_models[best])
+        self._write(trainer, path)
+        if dropped is not None and dropped != path:
+            self._remove(trainer, dropped)
         return path
 
     def _better(self, value: float, than: float | None) -> bool:
@@ -320,6 +323,7 @@ class ModelCheckpoint(Callback):
     def _write_last(self, trainer: Trainer, written: str | None) -> None:
         last = os.path.join(self.dirpath or "", self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
         linked = False
+        self.last_model_path = last
         if written is not None and trainer.is_global_zero:
             linked = _link_atomic(written, last)
         linked = trainer.strategy.broadcast(linked)
