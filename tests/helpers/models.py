@@ -42,7 +42,11 @@ class UnsizedBatches(IterableDataset):
 
 
 def fast_trainer(**kwargs: Any) -> ember.Trainer:
-    """A Trainer with the progress bar, loggers and default checkpointing off (unless asked for)."""
+    """A Trainer on the CPU with the progress bar, loggers and default checkpointing off (unless asked for).
+
+    Pinned to the CPU so that exact comparisons with CPU reference loops hold on machines with a GPU too.
+    """
+    kwargs.setdefault("accelerator", "cpu")
     kwargs.setdefault("enable_progress_bar", False)
     kwargs.setdefault("logger", False)
     kwargs.setdefault("enable_checkpointing", False)
