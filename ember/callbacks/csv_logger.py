@@ -117,6 +117,7 @@ class FileLogger(Logger):
         self._save_dir = os.fspath(save_dir) if save_dir is not None else None
         self._name = name or ""
         self._version = version
+        self._fixed_version = version is not None
         self.prefix = prefix
         self.hparams: dict[str, Any] = {}
         self._rank = 0
@@ -162,11 +163,13 @@ class FileLogger(Logger):
         if self._save_dir is None:
             self._save_dir = trainer.default_root_dir
         self._rank = trainer.global_rank
-        if self._version is None:
-            # Resolved here, before anything is written, so that several loggers of one run pick the
-            # same free version_N; and broadcast, so every process agrees on trainer.log_dir.
-            version = self._next_version() if self._rank == 0 else None
-            self._version = trainer.strategy.broadcast(version) if trainer.world_size > 1 else version
+        if not self._fixed_version:
+            # Resolved here at the latest, before anything is written, so that several loggers of one
+            # run pick the same free version_N; rank zero's choice is broadcast (even if another
+            # process already resolved its own, e.g. for a checkpoint path), so every process agrees
+            # on trainer.log_dir.
+            mine = self.version if self._rank == 0 else None
+            self._version = trainer.strategy.broadcast(mine) if trainer.world_size > 1 else mine
 
     def log_hyperparams(self, params: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
         """Remember ``params`` and write them to ``hparams.yaml`` (``metrics`` are logged as usual)."""
