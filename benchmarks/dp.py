@@ -13,6 +13,10 @@ time per variant is reported, with ratios.
    backward in parallel threads (the default) and in one graph (``parallel_backward=False``,
    PyTorch's design). A breakdown shows where the two-replica step spends its time.
 3. With CUDA devices: ember's DataParallel against ``torch.nn.DataParallel`` on all GPUs.
+4. The Trainer: ``strategy="dp"`` with one device against ``strategy="single"`` (overhead,
+   target <= 5 %), and ``dp`` with two CPU replicas against ``single`` with one intra-op thread
+   on the compute-bound MLP. Step time is measured by a callback from on_train_batch_start to
+   on_train_batch_end (training_step, backward, optimizer step), in interleaved fits.
 
 Run: ``python benchmarks/dp.py`` (``--help`` for options).
 """
@@ -25,6 +29,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -33,6 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import ember  # noqa: E402
 from ember.parallel import data_parallel as dp_module  # noqa: E402
 from ember.parallel import parallel_apply as pa_module  # noqa: E402
 from ember.parallel.data_parallel import DataParallel  # noqa: E402
@@ -227,16 +233,90 @@ def cuda(rounds: int) -> None:
           f"ratio {res['ember'] / res['torch']:.2f}")
 
 
+class _Classifier(ember.TrainModule):
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__()
+        self.net = mlp(sizes)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+class _StepTimer(ember.callbacks.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if batch_idx > 0:  # the first step of a fit pays for warm-up
+            self.times.append(time.perf_counter() - self._start)
+
+
+def _fit_step_times(variants: dict[str, tuple[str, int, int]], sizes: list[int], batch: int,
+                    steps: int, rounds: int) -> dict[str, float]:
+    """Median step time per variant: (strategy, devices, caller threads), interleaved fits."""
+    g = torch.Generator().manual_seed(0)
+    n = batch * steps
+    data = torch.utils.data.TensorDataset(torch.randn(n, sizes[0], generator=g),
+                                          torch.randint(0, sizes[-1], (n,), generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=batch)
+    timers = {name: _StepTimer() for name in variants}
+    saved = torch.get_num_threads()
+    try:
+        for _ in range(rounds):
+            for name, (strategy, devices, threads) in variants.items():
+                torch.set_num_threads(threads)
+                trainer = ember.Trainer(strategy=strategy, devices=devices, accelerator="cpu",
+                                        max_epochs=1, callbacks=[timers[name]], logger=False,
+                                        enable_progress_bar=False, enable_checkpointing=False)
+                trainer.fit(_Classifier(sizes), loader)
+    finally:
+        torch.set_num_threads(saved)
+    return {name: statistics.median(t.times) for name, t in timers.items()}
+
+
+def trainer(rounds: int) -> None:
+    print("\n== 4. The Trainer: strategy='dp' vs strategy='single' ==")
+    fits = max(2, rounds // 4)
+    threads = torch.get_num_threads()
+    res = _fit_step_times({"single": ("single", 1, threads), "dp-1": ("dp", 1, threads)},
+                          [512, 1024, 1024, 10], 128, 12, fits)
+    print(f"MLP 512-1024-1024-10, batch 128, {threads} threads, median of {fits} x 11 steps")
+    print(f"  single              {res['single'] * 1e3:8.2f} ms/step")
+    print(f"  dp, 1 device        {res['dp-1'] * 1e3:8.2f} ms/step   "
+          f"overhead {100 * (res['dp-1'] / res['single'] - 1):+.1f} %  (target <= 5 %)")
+    res = _fit_step_times({"single": ("single", 1, 1), "dp-2": ("dp", 2, 1)},
+                          [1024, 2048, 2048, 10], 512, 8, fits)
+    print(f"MLP 1024-2048-2048-10, batch 512, one intra-op thread per replica, median of "
+          f"{fits} x 7 steps")
+    print(f"  single, 1 thread    {res['single'] * 1e3:8.1f} ms/step")
+    print(f"  dp, 2 CPU replicas  {res['dp-2'] * 1e3:8.1f} ms/step   "
+          f"throughput x{res['single'] / res['dp-2']:.2f}  (target >= 1.5x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15, help="measured rounds per variant")
-    parser.add_argument("--only", choices=["overhead", "scaling", "cuda"], action="append",
+    parser.add_argument("--only", choices=["overhead", "scaling", "cuda", "trainer"],
+                        action="append",
                         help="run only these sections (repeatable)")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads by default, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (other processes "
           "running on these CPUs distort the ratios)\n")
-    for name, section in (("overhead", overhead), ("scaling", scaling), ("cuda", cuda)):
+    sections = (("overhead", overhead), ("scaling", scaling), ("cuda", cuda),
+                ("trainer", trainer))
+    for name, section in sections:
         if not args.only or name in args.only:
             section(args.rounds)
 

@@ -9,7 +9,7 @@ chunk-size-weighted mean of the replicas' losses, which is the loss of the whole
 
 The same thing twice:
 
-1. ``ember.parallel.DataParallel`` in a hand-written loop (the drop-in for ``torch.nn.DataParallel``);
+1. ``ember.parallel.DataParallel`` (a drop-in for ``torch.nn.DataParallel``) in a plain loop;
 2. ``ember.Trainer(strategy="dp", devices=N)`` with a ``TrainModule``.
 
 Run::
