@@ -393,6 +393,32 @@ def test_module_configure_callbacks_are_added():
     assert counter in trainer.callbacks and len(counter.train) == 4
 
 
+# ---------------------------------------------------------------------- enable_checkpointing
+def test_enable_checkpointing_adds_a_default_model_checkpoint(tmp_path):
+    from ember.callbacks import ModelCheckpoint
+
+    trainer = fast_trainer(enable_checkpointing=True, default_root_dir=tmp_path)
+    assert sum(isinstance(c, ModelCheckpoint) for c in trainer.callbacks) == 1
+    trainer.fit(BoringModel(), regression_loader())
+    assert list((tmp_path / "checkpoints").glob("*.ckpt"))
+    assert not any(isinstance(c, ModelCheckpoint) for c in fast_trainer(enable_checkpointing=False).callbacks)
+
+
+def test_enable_checkpointing_keeps_the_users_checkpoint(tmp_path):
+    from ember.callbacks import ModelCheckpoint
+
+    mine = ModelCheckpoint(dirpath=tmp_path)
+    trainer = fast_trainer(enable_checkpointing=True, callbacks=[mine])
+    assert [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)] == [mine]
+
+
+def test_enable_checkpointing_false_with_a_model_checkpoint_is_an_error(tmp_path):
+    from ember.callbacks import ModelCheckpoint
+
+    with pytest.raises(ValueError, match=r"enable_checkpointing=False but a ModelCheckpoint is in callbacks; remove one"):
+        fast_trainer(enable_checkpointing=False, callbacks=[ModelCheckpoint(dirpath=tmp_path)])
+
+
 # ---------------------------------------------------------------------- enable_progress_bar
 def test_enable_progress_bar(capsys):
     from ember.callbacks import ProgressBar
