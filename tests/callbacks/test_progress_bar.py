@@ -230,3 +230,51 @@ def test_arguments_are_checked():
         ProgressBar(mode="fancy")
     with pytest.raises(ValueError, match="line_interval"):
         ProgressBar(line_interval=-1)
+
+
+DDP_SCRIPT = r"""
+import sys
+import torch, torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+import ember
+from ember.callbacks import CSVLogger, ProgressBar
+
+class Tiny(ember.TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+if __name__ == "__main__":
+    ds = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    trainer = ember.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", max_epochs=2, log_every_n_steps=1,
+                            enable_checkpointing=False, default_root_dir=sys.argv[1], logger=CSVLogger(),
+                            callbacks=[ProgressBar(mode="lines", line_interval=0.0)])
+    trainer.fit(Tiny(), DataLoader(ds, batch_size=4))
+    print("FIT DONE", flush=True)
+"""
+
+
+def test_only_rank_zero_prints_and_logs_under_ddp(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("ember.strategies.ddp") is None:
+        pytest.skip("the ddp strategy is not in this build yet")
+    script = tmp_path / "ddp_run.py"
+    script.write_text(DDP_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          cwd=str(tmp_path), env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    # each rank runs 4 of the 8 batches per epoch; only rank zero's progress is printed, once
+    assert [ln.split("  ")[0] for ln in lines if " done " in ln] == ["Epoch 0/2 done", "Epoch 1/2 done"]
+    assert len([ln for ln in lines if ln.startswith("Epoch 0/2  ")]) == 4
+    assert os.listdir(tmp_path / "ember_logs") == ["version_0"]
+    rows = (tmp_path / "ember_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows] == ["step", *map(str, range(1, 9))]
