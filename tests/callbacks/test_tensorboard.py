@@ -239,6 +239,19 @@ def test_real_tensorboard_server_serves_the_scalars(tmp_path):
         assert [(p[1], pytest.approx(p[2], rel=1e-6)) for p in points] == \
             [(8, trainer.history[0]["val/loss"]), (16, trainer.history[1]["val/loss"])]
         assert not math.isnan(points[-1][2])
+
+        # the HParams dashboard: the run's hyper-parameters beside its final metric values
+        body = json.dumps({"experimentName": "", "startIndex": 0, "sliceSize": 10, "colParams": [],
+                           "allowedStatuses": ["STATUS_SUCCESS", "STATUS_UNKNOWN"]}).encode()
+        request = urllib.request.Request(base + "/data/plugin/hparams/session_groups", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            groups = json.loads(resp.read().decode())["sessionGroups"]
+        assert len(groups) == 1 and groups[0]["hparams"] == {"lr": 0.05, "tag": "tiny", "fail_at": -1}
+        final = {m["name"]["tag"]: (m["trainingStep"], m["value"]) for m in groups[0]["metricValues"]}
+        assert final == {"train/loss": (16, pytest.approx(module.losses[15], rel=1e-6)),
+                         "val/loss": (16, pytest.approx(trainer.history[1]["val/loss"], rel=1e-6))}
+        assert groups[0]["sessions"][0]["status"] == "STATUS_SUCCESS"
     finally:
         proc.terminate()
         try:
