@@ -155,7 +155,10 @@ class DataParallel(nn.Module):
 
     Beyond PyTorch: ``device_ids`` may name CPU devices (``["cpu", "cpu"]`` gives two replicas
     in threads), dataclasses in the batch are split too, a batch that cannot be split is an error
-    rather than a silent copy, and replicas are cheaper to make (the module tree is cached).
+    rather than a silent copy, ``self.parameters()`` inside a replica's forward lists the
+    replica's tensors (PyTorch's replicas have none), and replicas are cheaper to make (the module
+    tree is cached). Random ops (dropout) in replicas draw from the one global generator in
+    whatever order the threads reach it, so they are not bit-reproducible from run to run.
 
     Args:
         module: the module to parallelise.

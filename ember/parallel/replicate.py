@@ -1,8 +1,12 @@
 """Differentiable replicas of a module, one per device.
 
 A replica is a shallow copy of every submodule (same class, same attributes, hooks shared with
-the original) whose parameters are set as plain tensor attributes, not ``Parameter`` objects.
-How those tensors relate to the original parameters depends on the mode:
+the original) whose parameters are plain tensors, not ``Parameter`` objects (they are not
+leaves). Unlike PyTorch's replicas, whose ``parameters()`` is empty, ember's list these tensors
+in ``_parameters`` too, so ``self.parameters()``, ``next(self.parameters()).device`` or
+``TrainModule.device`` inside a replica's forward or step see the replica's own tensors (and a
+penalty computed from them gets its gradient). How those tensors relate to the original
+parameters depends on the mode:
 
 - ``"graph"``: outputs of :class:`Broadcast`, whose backward (:class:`ReduceAdd`) sums every
   replica's gradient into the original parameter's ``.grad``: one autograd graph spans the
@@ -304,10 +308,11 @@ def _build(plan: _Plan, pslots: list, bslots: list, params: list[Tensor],
         replica = new_object(type(m))
         d = m.__dict__.copy()
         set_attr(replica, "__dict__", d)  # nn.Module.__setattr__ would take its slow path
-        # Parameters become plain attributes: they are not leaves, so not Parameters.
-        d["_parameters"] = {}
+        # The tensors go in _parameters (for parameters()) and in __dict__ too, where attribute
+        # lookup finds them without nn.Module.__getattr__.
+        table = d["_parameters"] = {}
         for name, j in prow:
-            d[name] = None if j is None else params[j]
+            d[name] = table[name] = None if j is None else params[j]
         d["_buffers"] = {name: None if j is None else buffers[j] for name, j in brow}
         d["_is_replica"] = True
         copies.append(replica)

@@ -18,6 +18,8 @@ When this is not one device on the whole batch: whatever depends on the whole ba
 BatchNorm in train mode normalises each chunk with that chunk's statistics (and only the first
 replica's running statistics are kept); a loss that is not a per-sample mean (a sum, a
 contrastive loss over the batch) is combined as a weighted mean of per-chunk values.
+Random ops (dropout) draw from the one global generator in whatever order the replica threads
+reach it, so a dp run is not bit-reproducible, and does not draw the same masks as "single".
 Manual optimization is not supported (the replicas would each step the optimizer).
 """
 from __future__ import annotations

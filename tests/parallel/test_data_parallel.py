@@ -146,6 +146,28 @@ def test_inplace_buffer_updates_persist_only_from_the_first_replica():
     assert counter.calls.item() == 1 and counter.python_calls == 0
 
 
+def test_parameters_inside_a_replica_forward_are_the_replicas_own():
+    class Penalised(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            device = next(self.parameters()).device  # empty in PyTorch's replicas
+            penalty = sum(p.pow(2).sum() for p in self.parameters())
+            return self.lin(x.to(device)).sum(1) + penalty
+
+    module = Penalised()
+    reference = copy.deepcopy(module)
+    x = torch.randn(6, 3)
+    for pb in (True, False):
+        module.zero_grad()
+        DataParallel(module, ["cpu"] * 3, parallel_backward=pb)(x).sum().backward()
+        reference.zero_grad()
+        reference(x).sum().backward()
+        assert_same_grads(module, reference)
+
+
 def test_kwargs_are_scattered_and_structures_gathered():
     @dataclasses.dataclass
     class Out:
