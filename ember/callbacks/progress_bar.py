@@ -55,11 +55,11 @@ def _tqdm_class() -> Any:
 class _Span:
     """Line-mode state of one running loop (a training epoch, or one evaluation)."""
 
-    __slots__ = ("head", "total", "t0", "last_t", "last_n", "next_t", "n")
+    __slots__ = ("head", "total", "t0", "n0", "last_t", "last_n", "next_t", "n")
 
     def __init__(self, head: str, total: float, n: int, interval: float) -> None:
         now = time.monotonic()
-        self.head, self.total, self.n = head, total, n
+        self.head, self.total, self.n, self.n0 = head, total, n, n  # n0 > 0 when resuming mid-epoch
         self.t0 = self.last_t = now
         self.last_n = n
         self.next_t = now + interval
@@ -72,7 +72,7 @@ class _Span:
         known = total != math.inf and total > 0
         count = f"{n}/{int(total)} ({100 * n / total:.0f}%)" if known else f"{n}"
         # the rate since the previous line (the whole span's rate for the closing line)
-        since_t, since_n = (self.t0, 0) if done else (self.last_t, self.last_n)
+        since_t, since_n = (self.t0, self.n0) if done else (self.last_t, self.last_n)
         dt = now - since_t
         rate = (n - since_n) / dt if dt > 0 else 0.0
         eta = f"<{_hms((total - n) / rate)}" if known and rate > 0 and not done else ""
