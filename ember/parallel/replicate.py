@@ -68,7 +68,7 @@ def _copy_to(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
                 size += tensors[i].numel() * tensors[i].element_size()
             if bucket and (i < 0 or size >= _COALESCE_BYTES):
                 flat = torch.cat([tensors[j].reshape(-1) for j in bucket])
-                moved = flat.to(device, non_blocking=True)
+                moved = flat.to(device, non_blocking=device.type == "cuda")
                 for j, piece in zip(bucket, moved.split([tensors[j].numel() for j in bucket])):
                     out[j] = piece.view(tensors[j].shape)
                 bucket, size = [], 0
@@ -110,7 +110,9 @@ class ReduceAdd(torch.autograd.Function):
         ctx.devices = [grads[k].device for k in range(0, len(grads), num_inputs)]
         sums = []
         for j in range(num_inputs):
-            parts = [g.to(destination, non_blocking=True) for g in grads[j::num_inputs]]
+            # Only towards a GPU may the copy be asynchronous: a CPU result is read at once.
+            parts = [g.to(destination, non_blocking=destination.type == "cuda")
+                     for g in grads[j::num_inputs]]
             total = parts[0] + parts[1] if len(parts) > 1 else parts[0].clone()
             for g in parts[2:]:
                 total.add_(g)

@@ -33,12 +33,13 @@ __all__ = [
 def as_device(device: DeviceLike) -> torch.device:
     """Turn ``0`` / ``"cuda:1"`` / ``"cpu"`` / ``torch.device`` into a ``torch.device``.
 
-    Integers mean CUDA device indices, as in ``torch.nn.DataParallel(device_ids=[0, 1])``.
+    Integers mean CUDA device indices, as in ``torch.nn.DataParallel(device_ids=[0, 1])``;
+    ``-1`` means the CPU, as for PyTorch's ``output_device`` / ``gather(target_device=-1)``.
     """
     if isinstance(device, torch.device):
         return device
     if isinstance(device, int):
-        return torch.device("cuda", device)
+        return torch.device("cpu") if device == -1 else torch.device("cuda", device)
     if isinstance(device, str):
         return torch.device(device)
     raise TypeError(f"expected a device (torch.device, 'cpu', 'cuda:0' or an int), got {device!r}")
@@ -231,7 +232,9 @@ class Gather(torch.autograd.Function):
             inputs = tuple(t.view(1) for t in inputs)
             ctx.dim = dim = 0
         ctx.sizes = [t.size(dim) for t in inputs]
-        return torch.cat([t.to(device, non_blocking=True) for t in inputs], dim)
+        # Asynchronous only towards a GPU: torch.cat would read a CPU copy before it landed.
+        async_copy = device.type == "cuda"
+        return torch.cat([t.to(device, non_blocking=async_copy) for t in inputs], dim)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:

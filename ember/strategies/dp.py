@@ -129,11 +129,6 @@ class DataParallelStrategy(Strategy):
         self._cpu_only = False
 
     def setup(self, trainer: Any, module: Any) -> None:
-        if not module.automatic_optimization:
-            raise ValueError(
-                "strategy='dp' supports automatic optimization only: with "
-                "automatic_optimization=False every replica would run its own backward and "
-                "optimizer step. Use strategy='single' or 'ddp' for manual optimization.")
         super().setup(trainer, module)
         devices = self.parallel_devices or [self.root_device]
         self._cpu_only = all(d.type == "cpu" for d in devices)
@@ -153,6 +148,11 @@ class DataParallelStrategy(Strategy):
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        if not self.module.automatic_optimization and len(self.parallel_devices) > 1:
+            raise ValueError(
+                "strategy='dp' trains with automatic optimization only: with "
+                "automatic_optimization=False every replica would run its own backward and "
+                "optimizer step. Use strategy='single' or 'ddp' for manual optimization.")
         return self._run("training_step", batch, batch_idx, extra, training=True)
 
     def validation_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from ember.parallel.scatter_gather import (
     Gather,
     Scatter,
+    as_device,
     chunk_sizes,
     flatten,
     gather,
@@ -48,6 +49,14 @@ class Tagged(dict):
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def test_as_device_follows_pytorch_conventions():
+    assert as_device(1) == torch.device("cuda", 1)
+    assert as_device(-1) == torch.device("cpu")  # output_device=-1 means the CPU
+    assert as_device("cpu") == as_device(torch.device("cpu"))
+    with pytest.raises(TypeError, match="expected a device"):
+        as_device(1.5)
 
 
 @pytest.mark.parametrize("batch, n", [(10, 4), (5, 4), (3, 4), (8, 2), (7, 3), (1, 2), (9, 9)])
