@@ -214,18 +214,47 @@ class DataParallel(nn.Module):
                 self._check_single_device()
                 args, kw = _to_device((inputs, kwargs), self.src_device_obj)
                 return self.module(*args, **kw)
-            args, kw = scatter_kwargs(inputs, kwargs, self.devices, self.dim)
+            args, kw = self.scatter(inputs, kwargs, self.devices)
             if not args and not kw:
                 args, kw = [()], [{}]
-            check = self.parallel_backward and not self._leaves_checked
-            outputs = run_replicas(
-                self.module, self._replicator, args, kw, self.devices,
-                parallel_backward=self.parallel_backward,
-                threads_per_replica=self._threads_per_replica(len(args)),
-                check_leaves=check)
-            if check and torch.is_grad_enabled():
-                self._leaves_checked = True
-            return gather(outputs, self.output_device, self.dim)
+            if self._classic_path():
+                replicas = self.replicate(self.module, self.devices[:len(args)])
+                outputs = self.parallel_apply(replicas, args, kw)
+            else:
+                check = self.parallel_backward and not self._leaves_checked
+                outputs = run_replicas(
+                    self.module, self._replicator, args, kw, self.devices,
+                    parallel_backward=self.parallel_backward,
+                    threads_per_replica=self._threads_per_replica(len(args)),
+                    check_leaves=check)
+                if check and torch.is_grad_enabled():
+                    self._leaves_checked = True
+            return self.gather(outputs, self.output_device)
+
+    # The four steps as overridable methods, with PyTorch's signatures: subclasses written for
+    # torch.nn.DataParallel (a custom scatter for ragged inputs, say) keep working.
+    def scatter(self, inputs: tuple, kwargs: dict[str, Any] | None,
+                device_ids: Sequence[DeviceLike]) -> tuple[list[tuple], list[dict[str, Any]]]:
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
+        mode = "graph" if torch.is_grad_enabled() else "detached"
+        return self._replicator.replicate(module, device_ids, mode).modules
+
+    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any],
+                       kwargs: Sequence[dict[str, Any]] | None) -> list[Any]:
+        return parallel_apply(replicas, inputs, kwargs, self.devices[:len(replicas)],
+                              threads_per_replica=self._threads_per_replica(len(replicas)))
+
+    def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
+        return gather(outputs, output_device, dim=self.dim)
+
+    def _classic_path(self) -> bool:
+        # A subclass that replaces replicate or parallel_apply gets exactly those calls, in one
+        # graph; otherwise run_replicas does both (with the parallel backward where enabled).
+        cls = type(self)
+        return (cls.replicate is not DataParallel.replicate
+                or cls.parallel_apply is not DataParallel.parallel_apply)
 
     def _threads_per_replica(self, n: int) -> int | None:
         if self.threads_per_replica is not None or self.devices[0].type != "cpu":

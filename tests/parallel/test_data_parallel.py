@@ -282,6 +282,31 @@ def test_state_dict_pickle_and_deepcopy():
         torch.testing.assert_close(clone(x), model(x))
 
 
+def test_subclass_hooks_with_pytorchs_method_names():
+    calls = []
+
+    class Custom(DataParallel):
+        def scatter(self, inputs, kwargs, device_ids):
+            calls.append("scatter")
+            return super().scatter(inputs, kwargs, device_ids)
+
+        def parallel_apply(self, replicas, inputs, kwargs):
+            calls.append(("parallel_apply", len(replicas)))
+            return super().parallel_apply(replicas, inputs, kwargs)
+
+        def gather(self, outputs, output_device):
+            calls.append("gather")
+            return super().gather(outputs, output_device)
+
+    module, reference = mlp(), mlp()
+    reference.load_state_dict(module.state_dict())
+    x = torch.randn(5, 5)
+    Custom(module, ["cpu"] * 3)(x).sum().backward()
+    reference(x).sum().backward()
+    assert calls == ["scatter", ("parallel_apply", 3), "gather"]
+    assert_same_grads(module, reference)
+
+
 def test_functional_data_parallel():
     module = mlp()
     x = torch.randn(5, 5)
