@@ -1,6 +1,7 @@
 """Small helpers shared across the package. Kept import-light: this is on ``import ember``'s path."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -23,7 +24,10 @@ def move_to_device(batch: Any, device: torch.device, dtype: torch.dtype | None =
             return type(batch)(*moved)
         return moved if type(batch) is list else type(batch)(moved)
     if isinstance(batch, dict):
-        return type(batch)((k, move_to_device(v, device, dtype)) for k, v in batch.items())
+        items = [(k, move_to_device(v, device, dtype)) for k, v in batch.items()]
+        if isinstance(batch, collections.defaultdict):  # its first constructor argument is the factory
+            return type(batch)(batch.default_factory, items)
+        return type(batch)(items)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         changes = {f.name: move_to_device(getattr(batch, f.name), device, dtype)
                    for f in dataclasses.fields(batch) if f.init}
