@@ -221,15 +221,14 @@ class _JoinReplicaGraphs(torch.autograd.Function):
         keep = _keep_graph()
         n_sources = len(graphs.sources)  # the last input is the anchor, which needs nothing
         wanted = [j for j, need in enumerate(ctx.needs_input_grad[1:1 + n_sources]) if need]
-        jobs, job_devices, pos = [], [], 0
+        jobs, pos = [], 0
         for i, outs in enumerate(graphs.outputs):
             pairs = [(o, g) for o, g in zip(outs, grads[pos:pos + len(outs)]) if g is not None]
             pos += len(outs)
             targets = [graphs.leaves[i][j] for j in wanted if graphs.leaves[i][j] is not None]
-            if pairs and targets:
-                jobs.append(_replica_backward(pairs, targets, keep))
-                job_devices.append(graphs.devices[i])
-        parallel_apply(jobs, [()] * len(jobs), devices=job_devices,
+            # One job per replica, even an empty one, so an error names the right replica.
+            jobs.append(_replica_backward(pairs, targets, keep))
+        parallel_apply(jobs, [()] * len(jobs), devices=graphs.devices,
                        threads_per_replica=graphs.threads_per_replica)
         # Leaves shared by replicas on one device already hold those replicas' sum.
         summed: list[Tensor | None] = [None] * n_sources
@@ -262,6 +261,8 @@ def _sum(grads: list[Tensor]) -> Tensor | None:
 def _replica_backward(pairs: list[tuple[Tensor, Tensor]], targets: list[Tensor],
                       keep: bool) -> Callable[[], None]:
     def run() -> None:
+        if not pairs or not targets:
+            return
         # inputs= limits accumulation to this replica's leaves: tensors outside the replicas
         # are left alone, and only gradients somebody asked for are computed.
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs],

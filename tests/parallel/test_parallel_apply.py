@@ -185,6 +185,19 @@ def test_autograd_grad_leaves_dot_grad_alone():
     assert all(row[0].grad is None for row in leaves)
 
 
+def test_error_in_a_replicas_backward_names_it():
+    w = torch.randn(3, 2, requires_grad=True)
+    outputs, leaves = _replica_graphs(w, [torch.randn(2, 3), torch.randn(2, 3)], shared=False)
+
+    def fail(grad):
+        raise OverflowError("bad gradient")
+
+    outputs[1].register_hook(fail)
+    loss = torch.cat(attach_replica_graphs(outputs, [w], leaves, [CPU, CPU])).sum()
+    with pytest.raises(OverflowError, match="(?s)replica 1 on device cpu.*bad gradient"):
+        loss.backward()
+
+
 def test_outputs_without_grad_are_returned_unchanged():
     outs = [torch.ones(2), {"n": 3}]
     assert attach_replica_graphs(outs, [], [[], []], [CPU, CPU]) is outs
