@@ -192,6 +192,7 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
         ckpt["callbacks"] = {cb.state_key: cb.state_dict() for cb in trainer.callbacks}
         ckpt["callback_metrics"] = {k: (v.detach().to("cpu") if isinstance(v, torch.Tensor) else v)
                                     for k, v in trainer.callback_metrics.items()}
+        ckpt["epoch_metrics"] = _train_accumulators(trainer)
         ckpt["rng"] = _gather_rng(strategy)
         for cb in trainer.callbacks:
             if type(cb).on_save_checkpoint is not _callback_base().on_save_checkpoint:
@@ -240,6 +241,39 @@ def _sampler_state(trainer: Trainer) -> dict[str, Any] | None:
     state["epoch"] = trainer.progress.current_epoch
     state["batch_size"] = batch_size
     return state
+
+
+_ENTRY_FIELDS = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist")
+
+
+def _train_accumulators(trainer: Trainer) -> list[dict[str, Any]]:
+    """The running sums behind this epoch's ``on_epoch`` training metrics, so that a mid-epoch resume
+    logs the same epoch values. Single-process only: other ranks' sums are not gathered."""
+    p = trainer.progress
+    if trainer.strategy.world_size != 1 or not p.batch_in_epoch or p.epoch_finished:
+        return []
+    out = []
+    for e in trainer._metrics._stages.get("train", {}).values():
+        d = {f: getattr(e, f) for f in _ENTRY_FIELDS}
+        d["total"] = e.total.detach().to("cpu") if isinstance(e.total, torch.Tensor) else e.total
+        d["weight"] = e.weight.detach().to("cpu") if isinstance(e.weight, torch.Tensor) else e.weight
+        out.append(d)
+    return out
+
+
+def _restore_train_accumulators(trainer: Trainer, saved: list[dict[str, Any]]) -> None:
+    from ember.trainer.metrics import _Entry
+
+    if not saved or trainer.strategy.world_size != 1:
+        return
+    device = trainer.strategy.root_device
+    stage = {}
+    for d in saved:
+        e = _Entry(*(d[f] for f in _ENTRY_FIELDS))
+        e.total = d["total"].to(device) if isinstance(d["total"], torch.Tensor) else d["total"]
+        e.weight = d["weight"].to(device) if isinstance(d["weight"], torch.Tensor) else d["weight"]
+        stage[e.name] = e
+    trainer._metrics._stages["train"] = stage
 
 
 def _dataset_len(loader: Any) -> int | None:
@@ -512,6 +546,7 @@ def restore(trainer: Trainer, ckpt_path: str, weights_only: bool = False) -> dic
     trainer._precision.load_state_dict(ckpt.get("precision") or {})
     trainer.progress.load_state_dict(ckpt["progress"])
     trainer._metrics.callback_metrics.update(ckpt.get("callback_metrics") or {})
+    _restore_train_accumulators(trainer, ckpt.get("epoch_metrics") or [])
     _restore_data_position(trainer, ckpt, path)
     _restore_rng(trainer, ckpt)
     trainer.ckpt_path = path

@@ -40,7 +40,7 @@ class DropoutNet(ember.TrainModule):
         x, y, idx = batch
         self.seen.extend(idx.tolist())
         loss = F.mse_loss(self.net(x), y)
-        self.log("train/loss", loss)
+        self.log("train/loss", loss, on_epoch=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -94,6 +94,9 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
     assert not diff, f"weights differ after resume: {diff}"
 
 
+REF_HISTORY: dict[int, list[dict[str, float]]] = {}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, DropoutNet]:
     """The uninterrupted run, once per worker count."""
@@ -102,6 +105,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, DropoutNet]
         module, trainer = fit(str(tmp_path_factory.mktemp(f"ref{workers}")), workers)
         assert trainer.global_step == EPOCHS * N // BATCH
         refs[workers] = module
+        REF_HISTORY[workers] = trainer.history
     assert_same_weights(refs[0], refs[2])
     return refs
 
@@ -117,6 +121,8 @@ def test_resume_after_callback_raises_is_bitwise(tmp_path, reference, workers, s
     assert trainer.ckpt_path.endswith("last.ckpt")
     assert trainer.global_step == EPOCHS * N // BATCH
     assert_same_weights(resumed, reference[workers])
+    # The resumed epoch's train metrics are the uninterrupted epoch's (its running sums were in the checkpoint).
+    assert trainer.history == REF_HISTORY[workers][-len(trainer.history):]
     # Resumed from the last multiple of 4 steps (12: the boundary after epoch 0's last batch).
     assert len(resumed.seen) == EPOCHS * N - stop // 4 * 4 * BATCH
 
