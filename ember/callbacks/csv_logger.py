@@ -28,6 +28,8 @@ _RESERVED = {"true", "false", "yes", "no", "on", "off", "y", "n", "null", "~"}
 
 
 def _yaml_scalar(value: Any) -> str:
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d tensor or numpy scalar
+        value = value.item()
     if value is None:
         return "null"
     if isinstance(value, bool):

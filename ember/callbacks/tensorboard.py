@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
 
-_STATUS = {"success": "STATUS_SUCCESS", "failed": "STATUS_FAILURE", "interrupted": "STATUS_ABORTED"}
+# The HParams plugin knows only success, failure, running and unknown: an interrupted run did not succeed.
+_STATUS = {"success": "STATUS_SUCCESS", "failed": "STATUS_FAILURE", "interrupted": "STATUS_FAILURE"}
 
 
 class TensorBoardLogger(FileLogger):

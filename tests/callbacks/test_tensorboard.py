@@ -260,3 +260,24 @@ def test_real_tensorboard_server_serves_the_scalars(tmp_path):
             proc.kill()
             proc.wait(timeout=10)
         proc.stderr.close()
+
+
+def test_nested_and_odd_hparams(tmp_path):
+    logger = TensorBoardLogger(save_dir=tmp_path, version=0)
+    logger.log_hyperparams({"opt": {"lr": 0.1, "betas": [0.9, 0.99]}, "act": None, "flag": True,
+                            "dtype": torch.float16, "n": torch.tensor(3)}, metrics={"hp_metric": 0.5})
+    logger.finalize("interrupted")
+    ea = read(logger.log_dir)
+    data = hparams_data(ea)
+    hp = data["_hparams_/session_start_info"].session_start_info.hparams
+    assert hp["opt/lr"].number_value == 0.1 and hp["opt/betas"].string_value == "[0.9, 0.99]"
+    assert hp["act"].string_value == "None" and hp["flag"].bool_value is True
+    assert hp["dtype"].string_value == "torch.float16" and hp["n"].number_value == 3
+    types_ = {h.name: api_pb2.DataType.Name(h.type) for h in data["_hparams_/experiment"].experiment.hparam_infos}
+    assert types_ == {"opt/lr": "DATA_TYPE_FLOAT64", "opt/betas": "DATA_TYPE_STRING", "act": "DATA_TYPE_STRING",
+                      "flag": "DATA_TYPE_BOOL", "dtype": "DATA_TYPE_STRING", "n": "DATA_TYPE_FLOAT64"}
+    assert data["_hparams_/session_end_info"].session_end_info.status == api_pb2.STATUS_FAILURE
+    assert [(e.step, e.value) for e in ea.Scalars("hp_metric")] == [(0, 0.5)]
+    with open(os.path.join(logger.log_dir, "hparams.yaml")) as fh:
+        assert fh.read() == ("opt:\n  lr: 0.1\n  betas: [0.9, 0.99]\nact: null\nflag: true\n"
+                             "dtype: torch.float16\n\"n\": 3\n")
