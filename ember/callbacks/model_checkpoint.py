@@ -16,6 +16,7 @@ Differences from Lightning, on purpose:
 from __future__ import annotations
 
 import datetime
+import glob
 import math
 import os
 import re
@@ -160,6 +161,8 @@ class ModelCheckpoint(Callback):
         if stage == "fit":
             self.dirpath = trainer.strategy.broadcast(self._resolve_dirpath(trainer))
             self._validation_ran = False
+            if trainer.is_global_zero:
+                _remove_stale_temporaries(self.dirpath)
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._last_time = time.monotonic()
@@ -340,6 +343,15 @@ class ModelCheckpoint(Callback):
         try:
             os.remove(path)
         except FileNotFoundError:
+            pass
+
+
+def _remove_stale_temporaries(dirpath: str) -> None:
+    """Delete temporary files a killed writer left behind (``.<name>.ckpt.<random>.tmp``)."""
+    for tmp in glob.glob(os.path.join(glob.escape(dirpath), ".*.ckpt.*.tmp")):
+        try:
+            os.remove(tmp)
+        except OSError:
             pass
 
 

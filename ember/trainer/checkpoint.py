@@ -188,6 +188,8 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
         ckpt["lr_schedulers"] = [cfg.scheduler.state_dict() for cfg in trainer._optim.schedulers]
         ckpt["precision"] = trainer._precision.state_dict()
         ckpt["progress"] = trainer.progress.state_dict()
+        if trainer._metrics.stage == "validate":  # saved from inside a validation the loop has not counted yet
+            ckpt["progress"]["val_checks_in_epoch"] += 1
         ckpt["sampler"] = _sampler_state(trainer)
         ckpt["callbacks"] = {cb.state_key: cb.state_dict() for cb in trainer.callbacks}
         ckpt["callback_metrics"] = {k: (v.detach().to("cpu") if isinstance(v, torch.Tensor) else v)

@@ -238,6 +238,7 @@ def test_crash_between_write_and_rename_keeps_previous_last(tmp_path):
                       callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c"))])
     t.fit(Net(), loader(), ckpt_path="last")
     assert t.global_step == 8
+    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path / "c")), "the stale temporary file was not removed"
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -317,3 +318,31 @@ def test_directory_and_optimizer_mismatch_errors(tmp_path, ckpt_file):
     with pytest.raises(CheckpointError, match=r"1 optimizer\(s\) and 1 LR scheduler\(s\) but configure_optimizers "
                                               r"returned 1 and 0"):
         _fit_from(ckpt_file, TwoGroups())
+
+
+def test_grad_scaler_state_round_trips(tmp_path):
+    try:
+        torch.amp.GradScaler("cpu")
+        with torch.autocast("cpu", dtype=torch.float16):
+            torch.ones(2, 2) @ torch.ones(2, 2)
+    except Exception:
+        pytest.skip("no float16 autocast on this CPU build")
+    _, trainer = trained(tmp_path, precision="16-mixed")
+    saved = torch.load(tmp_path / "c" / "last.ckpt", weights_only=True)["precision"]
+    assert saved["scale"] == trainer._precision.scaler.get_scale() and "_growth_tracker" in saved
+    t = ember.Trainer(max_epochs=2, enable_progress_bar=False, logger=False, precision="16-mixed",
+                      callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c"))])
+    t.fit(Net(), loader(), ckpt_path="last")
+    assert t._precision.scaler.get_scale() == saved["scale"]
+
+
+def test_validation_progress_is_saved_after_the_validation(tmp_path):
+    class WithVal(Net):
+        def validation_step(self, batch, batch_idx):
+            self.log("v", 1.0)
+
+    t = ember.Trainer(max_epochs=1, enable_progress_bar=False, logger=False, val_check_interval=0.5,
+                      num_sanity_val_steps=0, callbacks=[ModelCheckpoint(dirpath=str(tmp_path), save_top_k=-1)])
+    t.fit(WithVal(), loader(), loader())
+    mid = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=True)["progress"]
+    assert (mid["batch_in_epoch"], mid["val_checks_in_epoch"]) == (2, 1)
