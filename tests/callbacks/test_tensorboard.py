@@ -281,3 +281,22 @@ def test_nested_and_odd_hparams(tmp_path):
     with open(os.path.join(logger.log_dir, "hparams.yaml")) as fh:
         assert fh.read() == ("opt:\n  lr: 0.1\n  betas: [0.9, 0.99]\nact: null\nflag: true\n"
                              "dtype: torch.float16\n\"n\": 3\n")
+
+
+class Interrupted(Tiny):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 3:
+            raise KeyboardInterrupt
+        return super().training_step(batch, batch_idx)
+
+
+def test_keyboard_interrupt_flushes_both_loggers(tmp_path):
+    tb, csv_logger = TensorBoardLogger(save_dir=tmp_path, flush_secs=600), CSVLogger(save_dir=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        fit(tmp_path, [tb, csv_logger], Interrupted(), log_every_n_steps=1)
+    assert tb._writer is None
+    ea = read(tb.log_dir)
+    assert [e.step for e in ea.Scalars("train/loss")] == [1, 2, 3]
+    assert hparams_data(ea)["_hparams_/session_end_info"].session_end_info.status == api_pb2.STATUS_FAILURE
+    with open(csv_logger.metrics_file) as fh:
+        assert [ln.split(",")[0] for ln in fh.read().splitlines()] == ["step", "1", "2", "3"]
