@@ -189,6 +189,10 @@ class _Runs:
             raise ValueError(f"val_check_interval={v} is larger than the {int(self.num_training_batches)} training "
                              "batches per epoch, so validation would never run. Lower it, or set "
                              "check_val_every_n_epoch=None to count batches across epochs.")
+        if isinstance(v, float) and v != 1.0 and self._val_loaders and self.num_training_batches == math.inf:
+            raise ValueError(f"val_check_interval={v} is a fraction of an epoch, but the train dataloader has no "
+                             "length, so validation would never run mid-epoch. Pass an int number of batches, or an "
+                             "int limit_train_batches.")
 
     def _val_due(self, batch_idx: int, is_last: bool) -> bool:
         if not self._val_loaders or not any(self.num_val_batches):
