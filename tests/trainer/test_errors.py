@@ -192,6 +192,22 @@ def test_empty_train_stream_without_length():
         fast_trainer().fit(BoringModel(), Nothing())
 
 
+def test_fractional_limit_on_a_loader_without_length():
+    from tests.helpers.models import UnsizedBatches
+
+    with pytest.raises(ValueError, match=r"A fractional limit_\*_batches needs a dataloader with a length; pass an int"):
+        fast_trainer(limit_train_batches=0.5).fit(BoringModel(), UnsizedBatches())
+
+
+def test_fractional_val_check_interval_on_a_train_loader_without_length():
+    # Without a length there is no "half an epoch": it would silently never validate.
+    from tests.helpers.models import UnsizedBatches
+
+    with pytest.raises(ValueError, match=r"val_check_interval=0.5 is a fraction of an epoch, but the train dataloader "
+                                         r"has no length.*int"):
+        fast_trainer(val_check_interval=0.5).fit(BoringModel(), UnsizedBatches(), regression_loader())
+
+
 def test_fit_without_training_data():
     with pytest.raises(ValueError, match=r"fit needs training data: pass train_dataloaders, or a datamodule with "
                                          r"train_dataloader\(\)"):
