@@ -2,7 +2,7 @@
 
 During ``fit``, SIGTERM (what schedulers send before killing a job) is caught. The handler only
 records the signal; at the next step boundary (after a batch's optimizer step, scheduler step and
-any validation) every rank asks ``strategy.reduce_boolean_decision(received, all=False)``, so all
+any validation; with ``accumulate_grad_batches``, once the accumulation window closes) every rank asks ``strategy.reduce_boolean_decision(received, all=False)``, so all
 ranks stop at the same step even if only one got the signal. Then ``last.ckpt`` is written in
 the first ModelCheckpoint's directory (``<default_root_dir>/checkpoints`` without one) and
 :class:`Preempted` is raised, a ``SystemExit`` whose exit status is ``128 + signal number`` (143
@@ -81,7 +81,11 @@ class PreemptionHandler:
 
     def check(self) -> None:
         """At a step boundary: stop (save, raise) if any rank got a signal."""
-        strategy = self.trainer.strategy
+        t = self.trainer
+        k, done = t.accumulate_grad_batches, t.progress.batch_in_epoch
+        if k > 1 and done % k and done != t.num_training_batches:
+            return  # inside a gradient-accumulation window (same counters on every rank): stop once it closes
+        strategy = t.strategy
         received = self.received is not None
         if strategy.world_size > 1:
             received = strategy.reduce_boolean_decision(received, all=False)

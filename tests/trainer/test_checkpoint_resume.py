@@ -191,6 +191,21 @@ def test_preemption_sigterm_saves_and_exits_then_resumes_exactly(tmp_path, refer
     assert_same_weights(resumed, reference[0])
 
 
+def test_preemption_waits_for_the_accumulation_window_to_close(tmp_path):
+    ref, _ = fit(str(tmp_path / "ref"), accumulate_grad_batches=5, max_epochs=2)
+    root = str(tmp_path / "run")
+    # 12 batches an epoch in windows of 5, 5, 2: step 3 is done after epoch 0; the signal arrives during
+    # epoch 1's first batch, and the run stops after its fifth, when the window closes.
+    kill = StopAt(3, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    with pytest.warns(UserWarning, match="Preempted"), pytest.raises(Preempted) as info:
+        fit(root, callbacks=[kill], accumulate_grad_batches=5, max_epochs=2)
+    progress = torch.load(info.value.checkpoint_path, weights_only=True)["progress"]
+    assert (progress["current_epoch"], progress["batch_in_epoch"], progress["global_step"]) == (1, 5, 4)
+    del info
+    resumed, _ = fit(root, ckpt_path="last", accumulate_grad_batches=5, max_epochs=2)
+    assert_same_weights(resumed, ref)
+
+
 def test_shuffled_order_matches_a_plain_torch_loop():
     """The swapped-in sampler draws the same permutation, from the same global RNG, as RandomSampler."""
     ember.seed_everything(3)
