@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
@@ -184,3 +186,29 @@ def test_gradient_clip_val_zero_or_none_does_not_clip():
     torch.manual_seed(0)
     fast_trainer(gradient_clip_val=0.0).fit(a, loader)
     assert_same_weights(a, b)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n_batches=st.integers(1, 7), k=st.integers(1, 4), limit=st.one_of(st.none(), st.integers(1, 9)),
+       sized=st.booleans(), epochs=st.integers(1, 2))
+def test_accumulation_property(n_batches, k, limit, sized, epochs):
+    """Any loader length, window size and int limit, with or without a length: the hand-written loop's weights."""
+    torch.manual_seed(0)
+    a = Linear()
+    b = copy.deepcopy(a)
+    stream = UnsizedBatches(n=4 * n_batches, batch_size=4)
+    loader = DataLoader(regression_data(4 * n_batches), batch_size=4) if sized else stream
+    used = n_batches if limit is None else min(limit, n_batches)
+    plain_loop(b, list(stream), epochs=epochs, accumulate=k, n_batches=used)
+    trainer = fast_trainer(max_epochs=epochs, accumulate_grad_batches=k, limit_train_batches=limit)
+    trainer.fit(a, loader)
+    assert_same_weights(a, b)
+    assert trainer.global_step == epochs * -(-used // k)
+
+
+class Linear(MLP):
+    """No dropout: the property test needs no RNG alignment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
