@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
@@ -257,3 +259,21 @@ def test_log_rejects_neither_step_nor_epoch():
 def test_log_rejects_empty_name():
     with pytest.raises(ValueError, match="self.log needs a non-empty string name"):
         run(only("training_step", lambda m, b, i: m.log("", 1.0)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(values=st.lists(st.floats(-100, 100, width=32), min_size=1, max_size=13), batch_size=st.integers(1, 5))
+def test_epoch_reductions_property(values, batch_size):
+    """For any data and batch size: the weighted mean is the per-sample mean; sum/min/max reduce batch values."""
+    def log(m, b, i):
+        x = b[0]
+        m.log("mean", x.mean(), on_step=False, on_epoch=True)
+        m.log("sum", x.sum(), on_step=False, on_epoch=True, reduce_fx="sum")
+        m.log("min", x.min(), on_step=False, on_epoch=True, reduce_fx="min")
+        m.log("max", x.max(), on_step=False, on_epoch=True, reduce_fx="max")
+
+    trainer = run(only("training_step", log), values=values, batch_size=batch_size)
+    cm, t = trainer.callback_metrics, torch.tensor(values)
+    assert float(cm["mean"]) == pytest.approx(float(t.mean()), abs=1e-3)
+    assert float(cm["sum"]) == pytest.approx(float(t.sum()), abs=1e-3)
+    assert float(cm["min"]) == float(t.min()) and float(cm["max"]) == float(t.max())
