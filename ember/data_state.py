@@ -30,10 +30,10 @@ def why_not_swappable(loader: Any) -> str | None:
         return f"it is a {type(loader).__name__}, not a plain torch DataLoader"
     if isinstance(loader.dataset, IterableDataset):
         return "its dataset is an IterableDataset"
+    if loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler:
+        return f"it has a custom batch_sampler ({type(loader.batch_sampler).__name__})"
     if loader.batch_size is None:
         return "it has batch_size=None (no automatic batching)"
-    if type(loader.batch_sampler) is not BatchSampler:
-        return f"it has a custom batch_sampler ({type(loader.batch_sampler).__name__})"
     sampler = loader.sampler
     if isinstance(sampler, RandomSampler):
         if sampler.replacement or sampler.num_samples != len(loader.dataset):

@@ -1,0 +1,119 @@
+"""The resumable sampler swap (ember.data_state, ember.trainer.resumable) and preemption signal choice."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, TensorDataset
+
+import ember
+from ember.data_state import SkipFirstBatches, make_resumable, resumable_sampler_of, why_not_swappable
+from ember.trainer import signals
+from ember.trainer.resumable import ResumableSampler
+
+
+def ds(n: int = 10) -> TensorDataset:
+    return TensorDataset(torch.arange(n))
+
+
+def collate(items):
+    return torch.stack([i[0] for i in items]) * 10
+
+
+def test_swap_keeps_every_loader_setting():
+    def init(worker_id):
+        pass
+
+    user = DataLoader(ds(), batch_size=3, shuffle=True, num_workers=2, collate_fn=collate, drop_last=True,
+                      worker_init_fn=init, persistent_workers=True, prefetch_factor=3, timeout=7)
+    swapped = make_resumable(user)
+    assert isinstance(swapped, DataLoader) and swapped is not user
+    for attr in ("dataset", "batch_size", "num_workers", "collate_fn", "drop_last", "worker_init_fn",
+                 "persistent_workers", "prefetch_factor", "timeout", "pin_memory"):
+        assert getattr(swapped, attr) == getattr(user, attr), attr
+    sampler = resumable_sampler_of(swapped)
+    assert isinstance(sampler, ResumableSampler) and sampler.shuffle
+    assert len(swapped) == len(user) == 3
+    assert not isinstance(make_resumable(DataLoader(ds(), batch_size=3)).sampler, SequentialSampler)
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda: type("Sub", (DataLoader,), {})(ds(), batch_size=2), "not a plain torch DataLoader"),
+    (lambda: DataLoader(type("It", (IterableDataset,), {"__iter__": lambda s: iter([1])})(), batch_size=2),
+     "IterableDataset"),
+    (lambda: DataLoader(ds(), batch_size=None), "batch_size=None"),
+    (lambda: DataLoader(ds(), sampler=list(range(10)), batch_size=2), "custom sampler"),
+    (lambda: DataLoader(ds(), batch_sampler=[[0, 1], [2, 3]]), "custom batch_sampler"),
+])
+def test_loaders_that_cannot_be_rebuilt_are_left_alone(make, reason):
+    loader = make()
+    assert reason in why_not_swappable(loader)
+    assert make_resumable(loader) is loader
+
+
+def test_sampler_state_and_resume_position():
+    s = ResumableSampler(10, shuffle=True, seed=5)
+    s.set_epoch(2)
+    full = list(s)
+    assert sorted(full) == list(range(10)) and full != list(range(10))
+    assert s.state_dict() == {"seed": 7, "epoch": 2, "position": 0}
+    resumed = ResumableSampler(10, shuffle=True, seed=5)
+    resumed.load_state_dict({"seed": 7, "epoch": 2, "position": 4})
+    resumed.set_epoch(2)  # the trainer calls this at the resumed epoch's start: it keeps the position
+    assert list(resumed) == full[4:]
+    assert list(resumed) == full  # the next iteration is a whole epoch again
+    resumed.set_epoch(3)
+    assert list(resumed) != full
+
+
+def test_resumed_iteration_draws_nothing_from_the_global_rng():
+    s = ResumableSampler(10, shuffle=True)  # per-epoch seeds from the global generator, like RandomSampler
+    loader = make_resumable(DataLoader(ds(), batch_size=2, shuffle=True))
+    sampler = resumable_sampler_of(loader)
+    sampler.load_state_dict({"seed": 123, "epoch": 0, "position": 4})
+    state = torch.get_rng_state()
+    batches = [b[0].tolist() for b in loader]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert len(batches) == 3
+    del s
+
+
+def test_skip_first_batches_wrapper():
+    loader = DataLoader(ds(), batch_size=2)
+    wrapped = SkipFirstBatches(loader, 3)
+    assert [b[0].tolist() for b in wrapped] == [[6, 7], [8, 9]]
+    assert len(list(wrapped)) == 5 and len(wrapped) == 5 and wrapped.batch_size == 2
+
+
+def test_default_signals_add_sigusr1_under_slurm(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert signals.default_signals() == (signal.SIGTERM,)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert signals.default_signals() == (signal.SIGTERM, signal.SIGUSR1)
+
+
+def test_configured_signal_preempts_with_its_exit_status(tmp_path):
+    class Net(ember.TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return self.layer(batch[0].float().unsqueeze(1)).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = ember.Trainer(max_epochs=1, enable_progress_bar=False, logger=False, default_root_dir=str(tmp_path))
+    trainer.preemption_signals = (signal.SIGUSR1,)
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.warns(UserWarning, match="SIGUSR1"), pytest.raises(signals.Preempted) as info:
+        trainer.fit(Net(), DataLoader(ds(), batch_size=2))
+    assert info.value.code == 128 + signal.SIGUSR1 == signals.exit_code(signal.SIGUSR1)
+    assert info.value.checkpoint_path == str(tmp_path / "checkpoints" / "last.ckpt")
+    assert torch.load(info.value.checkpoint_path, weights_only=True)["progress"]["global_step"] == 3
+    assert signal.getsignal(signal.SIGUSR1) is before
