@@ -514,3 +514,13 @@ def test_cpu_accelerator_and_devices(accelerator, devices, monkeypatch):
 def test_devices_bad_values(bad):
     with pytest.raises(ValueError, match="devices"):
         fast_trainer(accelerator="cpu", devices=bad)
+
+
+def test_gpu_is_an_alias_of_cuda_and_devices_picks_indices(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    trainer = fast_trainer(accelerator="gpu", devices=[1])
+    assert trainer.strategy.root_device == torch.device("cuda", 1)
+    assert fast_trainer(accelerator="auto", devices=1).strategy.root_device == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"strategy='single' runs on one device but devices=2"):
+        fast_trainer(accelerator="cuda", devices=-1, strategy="single")
