@@ -108,7 +108,8 @@ class MetricCollector:
                     "Reduce it first (e.g. .mean()) or log its elements under separate names."
                 )
             value = value.detach()
-            if not value.is_floating_point():
+            # Half-precision values (bf16/16-mixed autocast) would accumulate in half precision: use float32.
+            if not value.is_floating_point() or value.dtype in (torch.float16, torch.bfloat16):
                 value = value.float()
             if value.ndim:
                 value = value.reshape(())
