@@ -277,3 +277,18 @@ def test_epoch_reductions_property(values, batch_size):
     assert float(cm["mean"]) == pytest.approx(float(t.mean()), abs=1e-3)
     assert float(cm["sum"]) == pytest.approx(float(t.sum()), abs=1e-3)
     assert float(cm["min"]) == float(t.min()) and float(cm["max"]) == float(t.max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_values_are_reduced_in_float32(dtype):
+    # 300 batches of a bf16/fp16 value: accumulating in half precision drifts far from the true mean and sum.
+    value = torch.tensor(1.0078125, dtype=dtype)
+
+    def log(m, b, i):
+        m.log("mean", value, on_step=False, on_epoch=True, batch_size=64)
+        m.log("sum", value, on_step=False, on_epoch=True, reduce_fx="sum")
+
+    trainer = run(only("training_step", log), values=[0.0] * 300, batch_size=1)
+    assert trainer.callback_metrics["mean"].dtype == torch.float32
+    assert float(trainer.callback_metrics["mean"]) == pytest.approx(1.0078125, rel=1e-6)
+    assert float(trainer.callback_metrics["sum"]) == pytest.approx(300 * 1.0078125, rel=1e-6)
