@@ -188,7 +188,7 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
         ckpt["lr_schedulers"] = [cfg.scheduler.state_dict() for cfg in trainer._optim.schedulers]
         ckpt["precision"] = trainer._precision.state_dict()
         ckpt["progress"] = trainer.progress.state_dict()
-        if trainer._metrics.stage == "validate":  # saved from inside a validation the loop has not counted yet
+        if trainer.state == "fitting" and trainer._metrics.stage == "validate":  # inside a validation not yet counted
             ckpt["progress"]["val_checks_in_epoch"] += 1
         ckpt["sampler"] = _sampler_state(trainer)
         ckpt["callbacks"] = {cb.state_key: cb.state_dict() for cb in trainer.callbacks}
@@ -586,7 +586,9 @@ def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) ->
         progress.batch_in_epoch = math.ceil(saved["position"] / (batch_size * world))
     if sampler is not None:
         if saved is not None:
-            sampler.load_state_dict({"seed": saved["seed"], "epoch": saved["epoch"], "position": saved["position"]})
+            # An epoch whose end already ran continues with the next epoch, from its first sample.
+            position = 0 if progress.epoch_finished else saved["position"]
+            sampler.load_state_dict({"seed": saved["seed"], "epoch": saved["epoch"], "position": position})
         return
     if progress.batch_in_epoch and not progress.epoch_finished:
         warnings.warn(f"Resuming mid-epoch from {path!r} with a train loader ember cannot resume at the sampler level: "
