@@ -215,6 +215,8 @@ class Trainer(_Runs):
             ckpt_path: resume from this checkpoint, or "last" / "best".
         """
         self._check_module(module)
+        if isinstance(train_dataloaders, DataModule) and datamodule is None:  # Lightning's fit(model, dm)
+            train_dataloaders, datamodule = None, train_dataloaders
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
             raise ValueError("Pass either dataloaders or a datamodule to fit, not both.")
         self.state = "fitting"
@@ -234,12 +236,16 @@ class Trainer(_Runs):
                 ckpt_path: str | None = None) -> list[Any]:
         """Run ``predict_step``; returns the outputs (a list per loader when there are several)."""
         module = self._module_for_eval(module)
+        if isinstance(dataloaders, DataModule) and datamodule is None:  # Lightning's predict(model, dm)
+            dataloaders, datamodule = None, dataloaders
         self.state = "predicting"
         return self.strategy.launch(self._run_predict, module, dataloaders, datamodule, ckpt_path)
 
     def _evaluate(self, stage: str, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
                   ckpt_path: str | None) -> list[dict[str, float]]:
         module = self._module_for_eval(module)
+        if isinstance(dataloaders, DataModule) and datamodule is None:  # Lightning's validate/test(model, dm)
+            dataloaders, datamodule = None, dataloaders
         self.state = "validating" if stage == "validate" else "testing"
         return self.strategy.launch(self._run_eval, stage, module, dataloaders, datamodule, ckpt_path)
 
