@@ -84,3 +84,15 @@ def test_datamodule_defaults():
 def test_fit_with_an_empty_datamodule_explains():
     with pytest.raises(NotImplementedError, match=r"DataModule defines no train_dataloader\(\); define it to fit"):
         fast_trainer().fit(BoringModel(), datamodule=ember.DataModule())
+
+
+def test_a_datamodule_passed_in_the_dataloaders_position():
+    # Lightning accepts trainer.fit(model, dm) and trainer.test(model, dm); so does ember.
+    calls: list[str] = []
+    dm = DM(calls)
+    trainer = fast_trainer(num_sanity_val_steps=0)
+    trainer.fit(BoringModel(), dm)
+    assert trainer.datamodule is dm and trainer.global_step == 4 and "val_loss" in trainer.callback_metrics
+    assert trainer.validate(BoringModel(), dm)[0].keys() == {"val_loss"}
+    assert trainer.test(BoringModel(), dm)[0].keys() == {"test_loss"}
+    assert len(trainer.predict(BoringModel(), dm)) == 1
