@@ -83,8 +83,11 @@ def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[Sch
                     raise ValueError(f"configure_optimizers returned a dict without 'optimizer' (keys: {sorted(d)}). "
                                      f"It may return {_FORMS}.")
                 opts.append(_check_optimizer(d["optimizer"]))
-                if d.get("lr_scheduler") is not None:
-                    scheds.append(_scheduler_config(d["lr_scheduler"]))
+                sched = d.get("lr_scheduler")
+                if sched is not None:
+                    if d.get("monitor") is not None and not isinstance(sched, (dict, SchedulerConfig)):
+                        sched = {"scheduler": sched, "monitor": d["monitor"]}  # Lightning's top-level "monitor"
+                    scheds.append(_scheduler_config(sched))
             return opts, scheds
         return [_check_optimizer(o) for o in result], []
     raise TypeError(f"configure_optimizers returned {type(result).__name__}; it may return {_FORMS}.")
