@@ -220,3 +220,20 @@ def test_parse_bad_scheduler_configs():
         parse_optimizers({"optimizer": o, "lr_scheduler": {"scheduler": s, "frequency": 0}})
     with pytest.raises(TypeError, match="str is not an LR scheduler"):
         parse_optimizers({"optimizer": o, "lr_scheduler": "cosine"})
+
+
+def test_dict_with_a_top_level_monitor():
+    # Lightning's {"optimizer": opt, "lr_scheduler": plateau, "monitor": "val_loss"} spelling.
+    class Plateau(BoringModel):
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            self.log("val_loss", torch.tensor(1.0))
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=1.0)
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+            return {"optimizer": opt, "lr_scheduler": sched, "monitor": "val_loss"}
+
+    trainer = fast_trainer(max_epochs=3)
+    trainer.fit(Plateau(), regression_loader(), regression_loader())
+    assert trainer.lr_scheduler_configs[0].monitor == "val_loss"
+    assert lr_of(trainer) == pytest.approx(0.25)
