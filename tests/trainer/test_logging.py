@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from tests.helpers.models import RecordingLogger, fast_trainer, regression_loader
+from tests.helpers.models import RecordingLogger, fast_trainer
 
 
 def value_loader(values: list[float], batch_size: int) -> DataLoader:
