@@ -69,7 +69,6 @@ def test_sampler_state_and_resume_position():
 
 
 def test_resumed_iteration_draws_nothing_from_the_global_rng():
-    s = ResumableSampler(10, shuffle=True)  # per-epoch seeds from the global generator, like RandomSampler
     loader = make_resumable(DataLoader(ds(), batch_size=2, shuffle=True))
     sampler = resumable_sampler_of(loader)
     sampler.load_state_dict({"seed": 123, "epoch": 0, "position": 4})
@@ -77,7 +76,6 @@ def test_resumed_iteration_draws_nothing_from_the_global_rng():
     batches = [b[0].tolist() for b in loader]
     assert torch.equal(torch.get_rng_state(), state)
     assert len(batches) == 3
-    del s
 
 
 def test_skip_first_batches_wrapper():

@@ -206,6 +206,32 @@ def test_preemption_waits_for_the_accumulation_window_to_close(tmp_path):
     assert_same_weights(resumed, ref)
 
 
+def test_checkpoint_from_two_ranks_resumes_on_one_from_the_next_unseen_sample(tmp_path):
+    """Simulated 2 -> 1: positions count samples of the global order, so a smaller world continues it."""
+    root = str(tmp_path)
+    with pytest.raises(RuntimeError):
+        fit(root, callbacks=[StopAt(17)])
+    path = os.path.join(root, "ckpts", "last.ckpt")
+    ckpt = torch.load(path, weights_only=True)
+    assert (ckpt["progress"]["batch_in_epoch"], ckpt["sampler"]["position"]) == (4, 16)  # step 16 = epoch 1, batch 4
+    # The same point as 2 ranks would record it: 2 batches each, 16 samples of the global order consumed.
+    ckpt["strategy"]["world_size"] = 2
+    ckpt["progress"]["batch_in_epoch"] = 2
+    ckpt["rng"] = {"world_size": 2, "per_rank": ckpt["rng"]["per_rank"] * 2}
+    torch.save(ckpt, path)
+    with pytest.warns(UserWarning, match="per-rank random streams cannot carry over"):
+        resumed, trainer = fit(root, ckpt_path="last")
+    first_epoch_rest = resumed.seen[: N - 16]
+    assert sorted(first_epoch_rest + ckpt_order(ckpt)[:16]) == list(range(N))  # each sample once in the epoch
+    assert trainer.global_step == 16 + (N - 16) // BATCH + N // BATCH
+
+
+def ckpt_order(ckpt: dict) -> list[int]:
+    g = torch.Generator()
+    g.manual_seed(ckpt["sampler"]["seed"])
+    return torch.randperm(N, generator=g).tolist()
+
+
 def test_shuffled_order_matches_a_plain_torch_loop():
     """The swapped-in sampler draws the same permutation, from the same global RNG, as RandomSampler."""
     ember.seed_everything(3)
