@@ -4,8 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.strategies import SingleDeviceStrategy, Strategy, available_strategies, get_strategy, register_strategy
-from ember.strategies import registry
+from ember.strategies import (
+    SingleDeviceStrategy,
+    Strategy,
+    available_strategies,
+    get_strategy,
+    register_strategy,
+    registry,
+)
 from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 

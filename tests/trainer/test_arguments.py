@@ -8,8 +8,15 @@ import torch
 
 import ember
 from ember.callbacks import Callback
-from tests.helpers.models import (BoringModel, RecordingCallback, RecordingLogger, TrainOnlyModel, UnsizedBatches,
-                                  fast_trainer, regression_loader)
+from tests.helpers.models import (
+    BoringModel,
+    RecordingCallback,
+    RecordingLogger,
+    TrainOnlyModel,
+    UnsizedBatches,
+    fast_trainer,
+    regression_loader,
+)
 
 
 class Counter(Callback):
@@ -226,7 +233,7 @@ def test_limit_bad_values(bad):
 # ---------------------------------------------------------------------- num_sanity_val_steps
 @pytest.mark.parametrize("steps,expected", [(0, 0), (1, 1), (2, 2), (-1, 4), (10, 4)])
 def test_num_sanity_val_steps(steps, expected):
-    trainer, c = fit(num_sanity_val_steps=steps, limit_val_batches=1.0)
+    _, c = fit(num_sanity_val_steps=steps, limit_val_batches=1.0)
     assert c.sanity_batches == expected
     assert c.val_batches == 4  # the real validation is not affected
 
@@ -263,6 +270,7 @@ def test_log_every_n_steps_with_a_recording_logger():
     trainer.fit(TrainOnlyModel(), regression_loader(n=64, batch_size=8))
     assert logger.steps_with("train_loss") == [2, 4, 6, 8, 10, 12, 14, 16]
     step, metrics = logger.records[0]
+    assert step == 2
     assert metrics["epoch"] == 0.0 and isinstance(metrics["train_loss"], float)
     assert logger.status == "success"
 

@@ -6,7 +6,7 @@ import torch
 
 import ember
 from ember.callbacks import Callback
-from tests.helpers.models import (RecordingCallback, RecordingModule, fast_trainer, regression_loader)
+from tests.helpers.models import RecordingCallback, RecordingModule, fast_trainer, regression_loader
 
 
 def both(*names: str) -> list[str]:

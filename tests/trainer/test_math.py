@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import ember
