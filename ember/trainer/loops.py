@@ -65,6 +65,14 @@ def _lookahead(iterable: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
     yield prev, True
 
 
+def _as_output_dict(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return {"loss": output.detach()}
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return {**output, "loss": output["loss"].detach()}
+    return output
+
+
 def check_loss(output: Any) -> torch.Tensor | None:
     """The loss inside what ``training_step`` returned, or None to skip the batch."""
     if output is None:
@@ -166,6 +174,8 @@ class FitLoop:
             p.total_batches += 1
             if batch_end:
                 metrics.fx = "on_train_batch_end"
+                if automatic:  # as Lightning: callbacks always see a dict with a detached "loss"
+                    outputs = _as_output_dict(outputs)
                 for h in batch_end:
                     h(outputs, batch, batch_idx)
             if self.stepped_this_batch:
@@ -183,9 +193,12 @@ class FitLoop:
             if preemption is not None:
                 preemption.check()  # on a stop signal (any rank): saves, then raises ember.trainer.signals.Preempted
             # current_epoch counts finished epochs: before min_epochs, finish this one whole.
-            if t.should_stop and p.current_epoch >= t.min_epochs:
-                break
-            if t.max_steps != -1 and p.global_step >= t.max_steps:
+            if (t.should_stop and p.current_epoch >= t.min_epochs) or (t.max_steps != -1 and p.global_step >= t.max_steps):
+                # Stopping mid-epoch: run the epoch-end validation that would otherwise be skipped,
+                # so monitored metrics (checkpointing, early stopping) reflect the final weights.
+                if not is_last and t._val_due_at_epoch_end() and p.val_checks_in_epoch == 0:
+                    t._run_evaluation("validate")
+                    metrics.resume_stage("train")
                 break
         if batch_idx < start:  # the loader yielded nothing
             if start == 0:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ember.data import DataModule
 from ember.module import TrainModule
 from ember.trainer import loops
-from ember.trainer.metrics import to_floats
+from ember.trainer.metrics import MetricCollector, to_floats
 from ember.trainer.optim import OptimizerState, parse_optimizers
 from ember.trainer.progress import FitProgress
 from ember.utils import move_to_device
@@ -29,6 +29,9 @@ class _Runs:
         self.module = module
         self.datamodule = datamodule
         module.trainer = self
+        # Each fit / validate / test / predict starts from empty metrics, as in Lightning.
+        self._metrics = MetricCollector(self.strategy)
+        self.logged_metrics = {}
         module._log_sink = self._metrics
         if datamodule is not None:
             datamodule.trainer = self
@@ -209,6 +212,13 @@ class _Runs:
         if self.check_val_every_n_epoch is None:
             return self.progress.total_batches % v == 0
         return (batch_idx + 1) % v == 0
+
+    def _val_due_at_epoch_end(self) -> bool:
+        """Whether this epoch validates at its end (used when training stops before the end)."""
+        if not self._val_loaders or not any(self.num_val_batches) or not isinstance(self.val_check_interval, float):
+            return False
+        n = self.check_val_every_n_epoch
+        return n is not None and (self.progress.current_epoch + 1) % n == 0
 
     def _batch_to_device_cast(self, batch: Any) -> Any:
         return move_to_device(batch, self.strategy.root_device, self._input_dtype)

@@ -199,8 +199,11 @@ class Trainer(_Runs):
         return table
 
     def _call(self, name: str, *args: Any, monitoring: bool | None = None) -> None:
-        for h in self._hooks(name, monitoring):
-            h(*args)
+        hooks = self._hooks(name, monitoring)
+        if hooks:
+            self._metrics.fx = name  # decides self.log's on_step/on_epoch defaults inside the hook
+            for h in hooks:
+                h(*args)
 
     # ------------------------------------------------------------------ entry points
     def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
