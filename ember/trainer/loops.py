@@ -239,46 +239,53 @@ class FitLoop:
         t = self.trainer
         k = t.accumulate_grad_batches
         pos = batch_idx % k
-        steps_now = pos == k - 1 or is_last
         optimizer = t._optim.optimizers[0]
-        metrics = t._metrics
-        with (t.strategy.no_backward_sync() if not steps_now else _NULL):
-            if self._autocast is None:
+        if pos == k - 1 or is_last:
+            outputs = self._forward_backward(batch, batch_idx, pos, optimizer)
+            if self._window_has_grad:
+                if not self._sized and pos + 1 < k:
+                    # A short final window of a loader without a length: rescale the 1/k-scaled gradients.
+                    self._rescale_grads(optimizer, k / (pos + 1))
+                self._optimizer_step(optimizer)
+            return outputs
+        with t.strategy.no_backward_sync():  # not the window's last batch: no gradient communication
+            return self._forward_backward(batch, batch_idx, pos, optimizer)
+
+    def _forward_backward(self, batch: Any, batch_idx: int, pos: int, optimizer: torch.optim.Optimizer) -> Any:
+        t = self.trainer
+        if self._autocast is None:
+            outputs = t.strategy.training_step(batch, batch_idx)
+        else:
+            with self._autocast():
                 outputs = t.strategy.training_step(batch, batch_idx)
-            else:
-                with self._autocast():
-                    outputs = t.strategy.training_step(batch, batch_idx)
-            loss = check_loss(outputs)
-            if pos == 0:
-                for h in self._h_zero_grad:
-                    h(optimizer)
-                optimizer.zero_grad(set_to_none=True)
-                self._window_has_grad = False
-            if loss is None:
-                warnings.warn(f"training_step returned None for batch {batch_idx}: skipping its backward and "
-                              "optimizer step.", UserWarning, stacklevel=2)
-            else:
-                scaled = loss
-                if k > 1:
-                    # Scale by the window's real size so a short final window still averages its batches.
-                    n = t.num_training_batches
-                    window = min(k, n - (batch_idx - pos)) if self._sized else k
-                    scaled = loss / window
-                if self._h_before_backward:
-                    metrics.fx = "on_before_backward"
-                    for h in self._h_before_backward:
-                        h(loss)
-                t.strategy.backward(t._precision.scale_loss(scaled))
-                if self._h_after_backward:
-                    metrics.fx = "on_after_backward"
-                    for h in self._h_after_backward:
-                        h()
-                self._window_has_grad = True
-        if steps_now and self._window_has_grad:
-            if not self._sized and pos + 1 < k:
-                # A short final window of a loader without a length: rescale the 1/k-scaled gradients.
-                self._rescale_grads(optimizer, k / (pos + 1))
-            self._optimizer_step(optimizer)
+        loss = check_loss(outputs)
+        if pos == 0:
+            for h in self._h_zero_grad:
+                h(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            self._window_has_grad = False
+        if loss is None:
+            warnings.warn(f"training_step returned None for batch {batch_idx}: skipping its backward and "
+                          "optimizer step.", UserWarning, stacklevel=2)
+            return outputs
+        scaled = loss
+        k = t.accumulate_grad_batches
+        if k > 1:
+            # Scale by the window's real size so a short final window still averages its batches.
+            window = min(k, t.num_training_batches - (batch_idx - pos)) if self._sized else k
+            scaled = loss / window
+        if self._h_before_backward:
+            t._metrics.fx = "on_before_backward"
+            for h in self._h_before_backward:
+                h(loss)
+        if t._precision.scaler is not None:
+            scaled = t._precision.scale_loss(scaled)
+        t.strategy.backward(scaled)
+        if self._h_after_backward:
+            t._metrics.fx = "on_after_backward"
+            for h in self._h_after_backward:
+                h()
+        self._window_has_grad = True
         return outputs
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
