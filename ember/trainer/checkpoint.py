@@ -28,6 +28,13 @@ flushed and fsynced, then renamed over the target, and the directory is fsynced.
 moment leaves either the previous file or the new one under the checkpoint's name, never a
 truncated one. Only global rank zero writes; the others wait at a barrier.
 
+A resume is exact from the points where ModelCheckpoint and preemption write: a step boundary
+(after the optimizer step, step-interval schedulers and any validation of that batch; callbacks get
+it as ``on_train_step_boundary(trainer, module)``), the end of a validation, or the end of a
+training epoch. ``trainer.save_checkpoint`` called from another hook (say ``on_train_batch_end``,
+before the step is counted) records the state of that moment, which a resume does not replay
+exactly. Partial gradients of an open accumulation window are not saved.
+
 Resuming under a different world size continues the epoch from the first sample of the global
 order that no rank has seen. What cannot carry over is each rank's RNG stream: ranks that did not
 exist in the saved run keep the stream ``seed_everything`` gave them.
