@@ -53,7 +53,8 @@ class RandomDataset(Dataset):
 
 def say(*parts: Any) -> None:
     # Replicas print from their own threads: one write per line keeps lines whole.
-    print(" ".join(str(p) for p in parts), flush=True)
+    sys.stdout.write(" ".join(str(p) for p in parts) + "\n")
+    sys.stdout.flush()
 
 
 class Model(nn.Module):
