@@ -1,0 +1,174 @@
+"""Run a function on N local ranks over gloo and collect what each rank returns.
+
+``run_ranks(fn, world_size)`` spawns ``world_size`` processes, initialises a gloo process group in
+each (rendezvous through a TCPStore the caller hosts on 127.0.0.1 on a free port, so there is no
+port race), calls ``fn(rank, world_size, *args, **kwargs)`` and returns the results in rank
+order. If a rank raises, the same exception type is re-raised here with the rank and its remote
+traceback attached; if a rank dies or the run exceeds ``timeout``, a ``RuntimeError`` /
+``TimeoutError`` names the ranks. Whatever happens, every process is joined (killed if needed),
+each rank destroys its process group, and the store is closed.
+
+``count_collectives()`` counts calls to ``torch.distributed`` collectives in the current process.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import pickle
+import queue
+import sys
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["run_ranks", "count_collectives", "RemoteTraceback"]
+
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce",
+                "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
+                "all_to_all_single", "barrier")
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in another process (shown as its cause)."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def _entry(rank: int, world_size: int, port: int, timeout: float, fn: Callable[..., Any],
+           args: tuple, kwargs: dict, results: Any) -> None:
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo's sockets on loopback
+    torch.set_num_threads(1)
+    delta = datetime.timedelta(seconds=timeout)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=delta)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=delta)
+        result = fn(rank, world_size, *args, **kwargs)
+    except BaseException as exc:  # report anything, including KeyboardInterrupt / SystemExit
+        # Report before tearing down: destroying a group with a peer still mid-collective can
+        # block, and the caller kills every rank as soon as it sees this error anyway.
+        try:
+            payload = pickle.dumps(exc)
+        except Exception:
+            payload = None
+        results.put((rank, False, (payload, repr(exc), traceback.format_exc())))
+    else:
+        # Plain pickle bytes: multiprocessing's tensor reduction would share memory through
+        # file descriptors that vanish when this process exits.
+        results.put((rank, True, pickle.dumps(result)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 60.0,
+              **kwargs: Any) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned gloo ranks.
+
+    Args:
+        fn: A picklable (module-level) function; its return value must be picklable.
+        world_size: Number of ranks.
+        *args: Extra positional arguments for ``fn``.
+        timeout: Seconds for the whole run (and each collective) before it counts as a hang.
+        **kwargs: Extra keyword arguments for ``fn``.
+
+    Returns:
+        ``fn``'s return value per rank, in rank order.
+
+    Raises:
+        Exception: The first failing rank's exception (same type when picklable).
+        TimeoutError: If some rank had not finished after ``timeout`` seconds.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, None, True,
+                          timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_entry, name=f"rank{rank}", daemon=True,
+                         args=(rank, world_size, store.port, timeout, fn, args, kwargs, results))
+             for rank in range(world_size)]
+    finished = False
+    try:
+        for proc in procs:
+            proc.start()
+        outcome = _collect(procs, results, timeout)
+        finished = True
+        return [outcome[rank] for rank in range(world_size)]
+    finally:
+        grace = time.monotonic() + (10.0 if finished else 0.0)
+        for proc in procs:
+            if proc.pid is None:
+                continue
+            proc.join(timeout=max(0.0, grace - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        results.close()
+        results.join_thread()
+        del store
+
+
+def _collect(procs: list, results: Any, timeout: float) -> dict[int, Any]:
+    outcome: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(outcome) < len(procs):
+        if time.monotonic() > deadline:
+            missing = [r for r in range(len(procs)) if r not in outcome]
+            raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s "
+                               "(a hang: mismatched collectives or a deadlock)")
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            # A rank that exited without reporting was killed or crashed in C++.
+            dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                    if r not in outcome and p.exitcode is not None]
+            if dead:
+                raise RuntimeError(f"rank {dead[0][0]} exited with code {dead[0][1]} "
+                                   "without returning a result") from None
+            continue
+        if ok:
+            outcome[rank] = pickle.loads(payload)
+            continue
+        pickled, text, remote_tb = payload
+        try:
+            error = pickle.loads(pickled) if pickled is not None else None
+        except Exception:
+            error = None
+        if not isinstance(error, BaseException):
+            error = RuntimeError(f"rank {rank} raised {text}")
+        if hasattr(error, "add_note"):
+            error.add_note(f"(raised on rank {rank})")
+        raise error from RemoteTraceback(f"\n--- rank {rank} ---\n{remote_tb}")
+    return outcome
+
+
+@contextmanager
+def count_collectives() -> Iterator[Counter]:
+    """Counts calls to ``torch.distributed`` collectives made inside the block, by name.
+
+    Code must call them as ``dist.<name>`` (attribute lookup at call time) to be seen.
+    """
+    counts: Counter = Counter()
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def counting(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    for name, original in originals.items():
+        setattr(dist, name, counting(name, original))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
