@@ -1,0 +1,487 @@
+"""Gradient buckets, per-parameter hooks and the all-reduce that overlaps backward.
+
+Parameters are grouped into buckets in reverse registration order (their gradients tend to be
+ready first), each bucket owning one flat buffer. A post-accumulate-grad hook copies a ready
+gradient into its bucket slot, pre-divided by the world size, and points ``param.grad`` at that
+slot, so after the step the gradients *are* the bucket (one copy per step instead of two, and one
+gradient-sized buffer instead of two). A full bucket's all-reduce is launched asynchronously, in
+strict bucket order so every rank issues the same collectives in the same order, while backward
+keeps computing. One callback queued on the autograd engine waits for everything at the end of
+backward. Buckets are rebuilt once from the order gradients actually became ready in the first
+iteration, using rank 0's order so all ranks agree.
+
+Without ``gradient_as_bucket_view`` the gradients must stay independent tensors: when the user has
+dropped them (``zero_grad(set_to_none=True)``), the buffer is only reused if no tensor outside the
+reducer still shares its memory; otherwise the bucket gets a fresh buffer, so an old ``.grad``
+reference never sees its values overwritten.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ember.parallel.comm_hooks import CommHook, GradBucket
+
+__all__ = ["Reducer", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES"]
+
+MiB = 1024 * 1024
+DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
+
+# How many tensors share a storage. Private in torch, hence the fallback: without it a dropped
+# gradient buffer is never reused (always correct, one allocation per step slower).
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _users(tensor: Tensor) -> int:
+    storage = tensor.untyped_storage()  # held while counting: it is one of the users
+    return _storage_use_count(storage._cdata)
+
+
+_SOLE_OWNER = _users(torch.empty(1)) if _storage_use_count is not None else 0
+
+
+def _sole_owner(buffer: Tensor) -> bool:
+    """Whether ``buffer`` is the only tensor using its memory (so it may be overwritten)."""
+    return _storage_use_count is not None and _users(buffer) <= _SOLE_OWNER
+
+
+def compute_bucket_assignment(params: Sequence[Tensor], order: Iterable[int],
+                              limits: Sequence[int]) -> list[list[int]]:
+    """Groups parameter indices into buckets, walking them in ``order``.
+
+    Each (dtype, device) fills its own buckets. A parameter is added before the size check, so a
+    bucket may exceed its limit by one tensor and a tensor larger than the limit is a bucket of
+    its own. The k-th bucket of a key uses ``limits[k]`` (the last limit repeats).
+
+    Args:
+        params: The parameters, indexed by position.
+        order: The indices in the order gradients are expected to become ready.
+        limits: Byte limits, e.g. ``[1 MiB, 25 MiB]``.
+
+    Returns:
+        Lists of indices, ordered by where their first index appears in ``order``.
+    """
+    open_: dict[tuple, tuple[list[int], int, int]] = {}  # key -> (indices, bytes, n closed)
+    done: list[list[int]] = []
+    position: dict[int, int] = {}
+    for pos, i in enumerate(order):
+        position[i] = pos
+        p = params[i]
+        key = (p.dtype, p.device)
+        indices, size, closed = open_.get(key, ([], 0, 0))
+        indices.append(i)
+        size += p.numel() * p.element_size()
+        if size >= limits[min(closed, len(limits) - 1)]:
+            done.append(indices)
+            indices, size, closed = [], 0, closed + 1
+        open_[key] = (indices, size, closed)
+    done.extend(indices for indices, _, _ in open_.values() if indices)
+    return sorted(done, key=lambda b: position[b[0]])
+
+
+class _Bucket:
+    """One flat buffer and the parameters whose gradients live in it."""
+
+    __slots__ = ("indices", "params", "numel", "buffer", "views", "pending", "work", "lent")
+
+    def __init__(self, indices: list[int], params: Sequence[Tensor]) -> None:
+        self.indices = indices
+        self.params = [params[i] for i in indices]
+        self.numel = sum(p.numel() for p in self.params)
+        self.pending = len(indices)
+        self.work = None  # a Work (plain all-reduce) or a Future (comm hook)
+        self.lent = False  # gradients currently point into `buffer`
+        # Allocated at the first gradient of a backward: every slot is written before the
+        # all-reduce (a gradient, or zeros), so no zero-fill is needed.
+        self.buffer: Tensor | None = None
+        self.views: list[Tensor] = []
+
+    def release(self) -> None:
+        self.buffer, self.views, self.lent = None, [], False
+
+    def allocate(self, buffer: Tensor | None = None) -> None:
+        first = self.params[0]
+        self.buffer = buffer if buffer is not None else \
+            torch.empty(self.numel, dtype=first.dtype, device=first.device)
+        self.views, offset = [], 0
+        for p in self.params:
+            flat = self.buffer[offset:offset + p.numel()]
+            # Match the parameter's layout (e.g. channels_last) so gradients keep their strides.
+            if p.is_contiguous() or p.dim() < 2:
+                self.views.append(flat.view(p.shape))
+            else:
+                self.views.append(flat.as_strided(p.shape, p.stride()))
+            offset += p.numel()
+
+
+def _hook(reducer_ref: weakref.ref, index: int) -> Callable[[Tensor], None]:
+    # A weak reference: when the wrapper is dropped, the hook goes quiet instead of keeping
+    # the reducer (and its buffers) alive through the parameters.
+    def hook(_param: Tensor) -> None:
+        reducer = reducer_ref()
+        if reducer is not None:
+            reducer._on_grad_ready(index)
+    return hook
+
+
+def _remove(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def _group_src(group: dist.ProcessGroup | None) -> int:
+    """Global rank of the group's rank 0 (``broadcast`` wants global ranks)."""
+    if group is None or group is dist.group.WORLD:
+        return 0
+    return dist.get_global_rank(group, 0)
+
+
+class Reducer:
+    """Averages gradients across ranks while backward runs.
+
+    Args:
+        params: Parameters to reduce (unique, requiring grad), in registration order.
+        names: A name per parameter, for error messages.
+        process_group: The group to reduce over.
+        bucket_cap_mb: Size cap of every bucket but the first, in MiB.
+        first_bucket_bytes: Size cap of the first bucket, so communication starts early
+            (never more than ``bucket_cap_mb``).
+        find_unused_parameters: Walk the autograd graph after each forward and treat parameters
+            it does not reach as ready (their slot contributes zeros).
+        gradient_as_bucket_view: Always reuse the bucket buffers as the gradients' storage.
+        static_graph: The set of used parameters and the number of times each one's hook fires
+            are the same every iteration; learned in the first iteration.
+    """
+
+    def __init__(self, params: Sequence[Tensor], names: Sequence[str],
+                 process_group: dist.ProcessGroup | None, *, bucket_cap_mb: float = 25,
+                 first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        cap = int(bucket_cap_mb * MiB)
+        self.limits = [min(int(first_bucket_bytes), cap), cap]
+        self.find_unused = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.comm_hook: CommHook | None = None
+        self.buckets: list[_Bucket] = []
+        self._locate: list[tuple[int, int]] = []
+        self._build(reversed(range(len(self.params))))
+
+        ref = weakref.ref(self)
+        self._handles = [p.register_post_accumulate_grad_hook(_hook(ref, i))
+                         for i, p in enumerate(self.params)]
+        weakref.finalize(self, _remove, self._handles)
+
+        # Per-iteration state, reset by prepare_for_backward.
+        self._expect_hooks = False  # False under no_sync / no_grad: hooks do nothing
+        self._started = False  # a hook fired: finalize is queued
+        self._ready = bytearray(len(self.params))
+        self._next_bucket = 0
+        self._unused: list[int] = []  # locally unused, marked ready at the first hook
+        self._used_work = None
+        self._used_map: Tensor | None = None
+        self.div_factor: float = float(self.world_size)
+
+        # Learned once.
+        self.synced_iterations = 0
+        self._order: list[int] | None = [] if not find_unused_parameters else None
+        self._rebuilt = find_unused_parameters  # dynamic graphs keep the initial buckets
+        self._static_counts: list[int] | None = None  # hook firings per param (static graph)
+        self._static_left: list[int] = []
+        self._global_used: list[int] | None = None  # static graph: used on any rank
+
+    # ----------------------------------------------------------------------------- buckets
+    def _build(self, order: Iterable[int]) -> None:
+        assignment = compute_bucket_assignment(self.params, order, self.limits)
+        self.buckets = [_Bucket(indices, self.params) for indices in assignment]
+        self._locate = [(0, 0)] * len(self.params)
+        for b, bucket in enumerate(self.buckets):
+            for slot, i in enumerate(bucket.indices):
+                self._locate[i] = (b, slot)
+
+    @property
+    def bucket_indices(self) -> list[list[int]]:
+        """Parameter indices per bucket, in launch order."""
+        return [list(b.indices) for b in self.buckets]
+
+    @property
+    def rebuild_pending(self) -> bool:
+        """Whether the next synchronised forward rebuilds buckets (a collective)."""
+        return not self._rebuilt and self.synced_iterations >= 1
+
+    def rebuild_buckets(self) -> bool:
+        """Rebuilds buckets from rank 0's observed ready order; all ranks must call it.
+
+        Returns:
+            Whether the bucket assignment changed.
+        """
+        seen = set(self._order or [])
+        # Parameters that never fired (static graph, or a rank that joined before any step)
+        # go last, in the initial order, so every rank sends a complete permutation.
+        order = list(self._order or []) + [i for i in reversed(range(len(self.params)))
+                                           if i not in seen]
+        tensor = torch.tensor(order, dtype=torch.int64, device=self._comm_device)
+        dist.broadcast(tensor, src=_group_src(self.group), group=self.group)
+        self._rebuilt, self._order = True, None
+        assignment = compute_bucket_assignment(self.params, tensor.tolist(), self.limits)
+        if assignment == self.bucket_indices:
+            return False
+        # Gradients still point into the old buffers; the next backward copies them over.
+        self._build(tensor.tolist())
+        return True
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.params[0].device
+
+    # ------------------------------------------------------------------------- iteration
+    def prepare_for_forward(self, sync: bool) -> None:
+        """Checks the previous backward finished; rebuilds buckets once (when ``sync``)."""
+        if self._started:
+            # A backward ran hooks but never reached its end-of-backward callback (it raised).
+            missing = [i for i in range(len(self.params)) if not self._ready[i]]
+            self._abort()
+            raise RuntimeError(self._missing_message(missing, "the previous backward pass "
+                                                    "stopped before reducing gradients"))
+        self._expect_hooks = False
+        if sync and torch.is_grad_enabled() and self.rebuild_pending:
+            self.rebuild_buckets()
+
+    def prepare_for_backward(self, unused: Sequence[int] = ()) -> None:
+        """Arms the hooks for the coming backward (call after a synchronised forward).
+
+        Args:
+            unused: With ``find_unused_parameters``: indices of the parameters the autograd
+                graph of this forward does not reach (they count as ready, contributing zeros).
+        """
+        self._expect_hooks = True
+        self._started = False
+        self._ready = bytearray(len(self.params))
+        self._next_bucket = 0
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.indices)
+            bucket.work = None
+        self._used_work = None
+        if self.find_unused:
+            self._unused = list(unused)
+            used = torch.ones(len(self.params), dtype=torch.int32, device=self._comm_device)
+            used[self._unused] = 0
+            self._used_map = used
+        elif self._static_counts is not None:
+            self._static_left = list(self._static_counts)
+
+    def _on_grad_ready(self, index: int) -> None:
+        if not self._expect_hooks:
+            return
+        if not self._started:
+            self._start_backward()
+        if self.static_graph:
+            if self._static_counts is None:  # first iteration: count, reduce at the end
+                self._first_counts[index] += 1
+                if self._first_counts[index] == 1:
+                    self._order.append(index)
+                return
+            self._static_left[index] -= 1
+            if self._static_left[index] > 0:
+                return
+            if self._static_left[index] < 0:
+                raise RuntimeError(
+                    f"static_graph=True, but the gradient hook of parameter "
+                    f"'{self.names[index]}' fired more often than in the first iteration "
+                    f"({self._static_counts[index]} times). The graph changed between "
+                    "iterations; construct the wrapper with static_graph=False.")
+        self._mark_ready(index, from_hook=True)
+
+    def _start_backward(self) -> None:
+        self._started = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+        if self.static_graph and self._static_counts is None:
+            self._first_counts = [0] * len(self.params)
+            return
+        for i in self._unused:
+            self._mark_ready(i, from_hook=False)
+
+    def _mark_ready(self, index: int, from_hook: bool) -> None:
+        if self._ready[index]:
+            raise RuntimeError(
+                f"The gradient of parameter '{self.names[index]}' became ready twice in one "
+                "backward pass (reentrant activation checkpointing, or the parameter used by "
+                "several forwards before one backward). Use non-reentrant checkpointing, or "
+                "construct the wrapper with static_graph=True if the graph does not change.")
+        self._ready[index] = 1
+        if from_hook and self.synced_iterations == 0 and self._order is not None \
+                and not self.static_graph:
+            self._order.append(index)
+        b, slot = self._locate[index]
+        bucket = self.buckets[b]
+        if bucket.pending == len(bucket.indices):
+            if bucket.buffer is None:
+                bucket.allocate()
+            elif bucket.lent:
+                self._reclaim(bucket)
+        view = bucket.views[slot]
+        param = self.params[index]
+        grad = param.grad
+        scale = None if self.comm_hook is not None or self.div_factor == 1 else 1 / self.div_factor
+        if grad is None:
+            view.zero_()
+        elif grad is view:
+            if scale is not None:
+                view.mul_(scale)
+        else:
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"Parameter '{self.names[index]}' has a sparse gradient; ember's "
+                    "DistributedDataParallel reduces dense buckets only. Use sparse=False.")
+            grad = grad.detach()
+            if scale is not None:
+                torch.mul(grad, scale, out=view)  # divide while copying: one pass
+            else:
+                view.copy_(grad)
+            if from_hook:
+                param.grad = view  # frees the autograd-produced gradient right away
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready()
+
+    def _reclaim(self, bucket: _Bucket) -> None:
+        """First gradient of a bucket this iteration: may the buffer be overwritten?"""
+        bucket.lent = False
+        if self.gradient_as_bucket_view or \
+                all(p.grad is v for p, v in zip(bucket.params, bucket.views)):
+            return  # gradients accumulate in place, as PyTorch's do
+        # Some gradient was dropped or replaced. Reuse the memory only if no old gradient (or
+        # a view of one) is still held anywhere; otherwise leave it to its holder.
+        buffer = bucket.buffer
+        bucket.release()
+        if _sole_owner(buffer):
+            bucket.allocate(buffer)
+        else:
+            del buffer
+            bucket.allocate()
+
+    def _launch_ready(self) -> None:
+        buckets = self.buckets
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
+            b = self._next_bucket
+            self._next_bucket += 1
+            self._launch(b, buckets[b].buffer)
+        if self._next_bucket == len(buckets) and self._used_map is not None \
+                and self._used_work is None:
+            self._used_work = dist.all_reduce(self._used_map, group=self.group, async_op=True)
+
+    def _launch(self, b: int, buffer: Tensor) -> None:
+        bucket = self.buckets[b]
+        if self.comm_hook is None:
+            bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        else:
+            grad_bucket = GradBucket(b, buffer, bucket.params, bucket.views,
+                                     b == len(self.buckets) - 1)
+            bucket.work = self.comm_hook(grad_bucket)
+
+    def _finalize_backward(self) -> None:
+        """End of backward: wait once for every bucket; gradients are then averaged."""
+        try:
+            if self.static_graph and self._static_counts is None:
+                self._finish_static_first_iteration()
+            if self._next_bucket < len(self.buckets):
+                missing = [i for i in range(len(self.params)) if not self._ready[i]]
+                self._abort()
+                raise RuntimeError(self._missing_message(missing, "backward finished"))
+            for bucket in self.buckets:
+                result = bucket.work.wait()
+                if self.comm_hook is not None and isinstance(result, Tensor) \
+                        and result.data_ptr() != bucket.buffer.data_ptr():
+                    bucket.buffer.copy_(result.reshape(-1))
+                bucket.work = None
+                bucket.lent = True
+            if self._used_work is not None:
+                self._used_work.wait()
+                self._used_work = None
+                if self.static_graph:
+                    self._global_used = self._used_map.tolist()
+                    self._used_map = None
+                self._adopt_locally_unused(self._global_used or self._used_map.tolist())
+            elif self._global_used is not None:
+                self._adopt_locally_unused(self._global_used)
+            self.synced_iterations += 1
+        finally:
+            self._expect_hooks = False
+            self._started = False
+            self.div_factor = float(self.world_size)
+
+    def _adopt_locally_unused(self, global_used: list[int]) -> None:
+        # Another rank used it: the averaged slot is this rank's gradient too. Nobody used
+        # it: leave .grad untouched, like PyTorch.
+        for i in self._unused:
+            if global_used[i]:
+                b, slot = self._locate[i]
+                self.params[i].grad = self.buckets[b].views[slot]
+
+    def _finish_static_first_iteration(self) -> None:
+        counts = self._first_counts
+        self._static_counts = counts
+        self._unused = [i for i, c in enumerate(counts) if c == 0]
+        self._used_map = torch.tensor([int(c > 0) for c in counts], dtype=torch.int32,
+                                      device=self._comm_device)
+        # Hooks only counted; now every gradient is final, so reduce all buckets in order.
+        for i in range(len(self.params)):
+            self._mark_ready(i, from_hook=counts[i] > 0)
+
+    def _abort(self) -> None:
+        # Wait for what was launched so no collective is left in flight (the same buckets
+        # were launched by every rank that saw the same unused set), then reset.
+        for bucket in self.buckets[:self._next_bucket]:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.work = None
+        self._expect_hooks = False
+        self._started = False
+
+    def _missing_message(self, missing: list[int], when: str) -> str:
+        names = [self.names[i] for i in missing]
+        rank = dist.get_rank(self.group)
+        return (
+            f"DistributedDataParallel: {when}, but these parameters received no gradient on "
+            f"rank {rank}: {names}. Every rank must reduce the same buckets, so each parameter "
+            "that requires grad has to take part in computing the loss. Fix: make all forward "
+            "outputs that depend on them feed the loss, set requires_grad=False on parameters "
+            "you do not train, or construct the wrapper with find_unused_parameters=True "
+            "(costs an autograd-graph walk per iteration).")
+
+    # ----------------------------------------------------------------------------- join
+    def shadow_backward(self) -> None:
+        """On a rank that ran out of inputs: match the others' backward collectives with zeros."""
+        first_static = self.static_graph and self._static_counts is None
+        for b, bucket in enumerate(self.buckets):
+            first = bucket.params[0]
+            zeros = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
+            if self.comm_hook is None:
+                dist.all_reduce(zeros, group=self.group)
+            else:
+                self.comm_hook(GradBucket(b, zeros, bucket.params, [], b == len(self.buckets) - 1)
+                               ).wait()
+        if self.find_unused or first_static:
+            used = torch.zeros(len(self.params), dtype=torch.int32, device=self._comm_device)
+            dist.all_reduce(used, group=self.group)
+            if first_static:
+                # Learn the graph from the ranks that did compute it.
+                self._global_used = used.tolist()
+                self._static_counts = [int(u > 0) for u in self._global_used]
+                self._unused = [i for i, u in enumerate(self._global_used) if not u]
+        self.synced_iterations += 1
+
+    def remove_hooks(self) -> None:
+        """Detaches the gradient hooks from the parameters (the reducer stops working)."""
+        _remove(self._handles)
+        self._handles.clear()
+
