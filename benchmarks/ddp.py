@@ -1,0 +1,183 @@
+"""ember DDP vs torch.nn.parallel.DistributedDataParallel: step time and peak memory per rank.
+
+Model: MLP 256 -> 4 x 1024 -> 10 (3.4 M parameters), per-rank batch 256, SGD, gloo on CPU,
+one compute thread per rank. Each step is zero_grad / forward / cross-entropy / backward / step.
+
+Step time: all variants live in the same ranks and run in interleaved blocks (the order flips
+every round), so machine noise hits them alike; the median step time per variant is reported
+(slower rank), plus one process on the per-rank batch without communication as the floor. Peak
+memory: each variant runs alone in a fresh pair of ranks (ru_maxrss is a high-water mark),
+``--memory-repeats`` times in alternating order; reported as the mean over repeats of the larger
+rank's peak RSS, and of its growth over the RSS after building the model and data, just before
+wrapping (imports the wrapper needs count).
+
+Run: ``python benchmarks/ddp.py`` (``--help`` for options).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+VARIANTS = ("torch", "ember", "torch+bf16", "ember+bf16")
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    layers, width = [nn.Linear(256, 1024), nn.ReLU()], 1024
+    for _ in range(3):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def wrap(variant: str, model: nn.Module) -> nn.Module:
+    if variant == "single":
+        return model
+    if variant.startswith("torch"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel
+        ddp = DistributedDataParallel(model)
+        if variant.endswith("bf16"):
+            # torch refuses its bf16 hook by name unless NCCL >= 2.10 is present, although
+            # gloo reduces bf16 fine; calling it through a differently named function is the
+            # same computation.
+            def bf16_on_gloo(state, bucket):
+                return default_hooks.bf16_compress_hook(state, bucket)
+            ddp.register_comm_hook(None, bf16_on_gloo)
+        return ddp
+    from ember.parallel.distributed import DistributedDataParallel
+    return DistributedDataParallel(model, comm_hook="bf16" if variant.endswith("bf16") else None)
+
+
+class Runner:
+    def __init__(self, variant: str, batch: int, rank: int) -> None:
+        g = torch.Generator().manual_seed(rank)
+        self.x = torch.randn(batch, 256, generator=g)
+        self.y = torch.randint(0, 10, (batch,), generator=g)
+        model = make_model()
+        self.rss_before_wrap = rss_mib()
+        self.model = wrap(variant, model)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self.opt.zero_grad()
+        F.cross_entropy(self.model(self.x), self.y).backward()
+        self.opt.step()
+        return time.perf_counter() - start
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def time_worker(rank: int, args: argparse.Namespace) -> dict[str, float]:
+    runners = {v: Runner(v, args.batch, rank) for v in ("single", *VARIANTS)}
+    times: dict[str, list[float]] = {v: [] for v in runners}
+    for v, runner in runners.items():
+        for _ in range(args.warmup):
+            runner.step()
+    for r in range(args.rounds):
+        for v, runner in (runners.items() if r % 2 == 0 else reversed(runners.items())):
+            if v == "single":
+                dist.barrier()  # keep the ranks in step, as DDP does for the others
+            times[v] += [runner.step() for _ in range(args.block)]
+    return {v: statistics.median(t) * 1e3 for v, t in times.items()}
+
+
+def memory_worker(rank: int, args: argparse.Namespace, variant: str) -> dict[str, float]:
+    runner = Runner(variant, args.batch, rank)
+    for _ in range(args.memory_steps):
+        runner.step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"peak": peak, "growth": peak - runner.rss_before_wrap}
+
+
+def _entry(rank: int, world: int, port: int, fn_name: str, args: argparse.Namespace,
+           extra: tuple, results: multiprocessing.Queue) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        results.put((rank, getattr(sys.modules[__name__], fn_name)(rank, args, *extra)))
+    except BaseException as exc:
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn_name: str, args: argparse.Namespace, *extra: object) -> list[dict[str, float]]:
+    ctx = multiprocessing.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(r, args.world_size, store.port, fn_name, args,
+                                              extra, results)) for r in range(args.world_size)]
+    for p in procs:
+        p.start()
+    try:
+        out = dict(results.get(timeout=1800) for _ in procs)
+        failed = {r: v for r, v in out.items() if isinstance(v, str)}
+        if failed:
+            raise SystemExit(f"benchmark rank failed: {failed}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(args.world_size)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=256, help="per-rank batch")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--block", type=int, default=5, help="steps per variant per round")
+    parser.add_argument("--memory-steps", type=int, default=30)
+    parser.add_argument("--memory-repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    print(f"torch {torch.__version__}, {args.world_size} ranks over gloo, 1 thread each, "
+          f"per-rank batch {args.batch}, {args.rounds * args.block} timed steps per variant")
+    timing = launch("time_worker", args)
+    memory: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    for repeat in range(args.memory_repeats):
+        for v in (VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]):
+            ranks = launch("memory_worker", args, v)
+            memory[v].append({k: max(r[k] for r in ranks) for k in ("peak", "growth")})
+
+    def ms(v: str) -> float:
+        return max(r[v] for r in timing)  # the slower rank sets the pace
+
+    def mib(v: str, key: str) -> float:
+        return statistics.mean(m[key] for m in memory[v])
+
+    print(f"\nno communication (one process, per-rank batch): {ms('single'):.1f} ms/step")
+    print(f"{'variant':<12}{'step ms':>10}{'peak RSS MiB':>15}{'RSS growth MiB':>16}")
+    for v in VARIANTS:
+        print(f"{v:<12}{ms(v):>10.1f}{mib(v, 'peak'):>15.1f}{mib(v, 'growth'):>16.1f}")
+    for hook in ("", "+bf16"):
+        t = ms("ember" + hook) / ms("torch" + hook)
+        m = mib("ember" + hook, "peak") / mib("torch" + hook, "peak")
+        print(f"ember/torch{hook or ' fp32'}: step time {t:.3f}, peak memory {m:.3f}")
+
+
+if __name__ == "__main__":
+    main()
