@@ -1,8 +1,8 @@
 """Run a function on N local ranks over gloo and collect what each rank returns.
 
 ``run_ranks(fn, world_size)`` spawns ``world_size`` processes, initialises a gloo process group in
-each (rendezvous through a TCPStore the caller hosts on 127.0.0.1 on a free port, so there is no
-port race), calls ``fn(rank, world_size, *args, **kwargs)`` and returns the results in rank
+each (rendezvous through a TCPStore the caller hosts on 127.0.0.1 only, on a port it already holds, so
+there is no port race), calls ``fn(rank, world_size, *args, **kwargs)`` and returns the results in rank
 order. If a rank raises, the same exception type is re-raised here with the rank and its remote
 traceback attached; if a rank dies or the run exceeds ``timeout``, a ``RuntimeError`` /
 ``TimeoutError`` names the ranks. Whatever happens, every process is joined (killed if needed),
@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import socket
 import sys
 import time
 import traceback
@@ -89,11 +90,18 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
         TimeoutError: If some rank had not finished after ``timeout`` seconds.
     """
     ctx = multiprocessing.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, None, True,
-                          timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    # A socket bound to 127.0.0.1 handed to the store: TCPStore's own port 0 would listen on
+    # every interface.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout),
+                          master_listen_fd=listener.detach())
     results = ctx.Queue()
     procs = [ctx.Process(target=_entry, name=f"rank{rank}", daemon=True,
-                         args=(rank, world_size, store.port, timeout, fn, args, kwargs, results))
+                         args=(rank, world_size, port, timeout, fn, args, kwargs, results))
              for rank in range(world_size)]
     finished = False
     try:
