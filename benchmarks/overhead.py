@@ -2,7 +2,7 @@
 
 Both loops train the same seeded MLP (32 -> 64 -> 10, batch 64, SGD, one intra-op thread) on the
 same pre-built batches, so the difference is what the trainer itself adds per step. Rounds of the
-plain loop and of each ember configuration alternate, and medians are reported, because this
+plain loop and of each ember configuration run in a shuffled order, and medians are reported, because this
 machine is shared and noisy. Run:
 
     python benchmarks/overhead.py [--steps 400] [--rounds 7]
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -66,7 +67,6 @@ CONFIGS = {
 def optional_configs(root: str) -> dict:
     """Configurations that need optional callbacks, when this build has them."""
     extra = {}
-    tb = getattr(ember.callbacks, "TensorBoardLogger", None) if hasattr(ember.callbacks, "__getattr__") else None
     try:
         tb = ember.callbacks.TensorBoardLogger
     except AttributeError:
@@ -125,13 +125,18 @@ def main() -> None:
             ember_loop(batches, cfg, root)
         results: dict[str, list[float]] = {"plain": [], **{k: [] for k in configs}}
         stdout = sys.stdout
+        order = ["plain", *configs]
+        rng = random.Random(0)
         for _ in range(args.rounds):
-            results["plain"].append(plain_loop(batches))
-            for name, cfg in configs.items():
+            rng.shuffle(order)  # no configuration always runs first (or right after another) in a round
+            for name in order:
+                if name == "plain":
+                    results["plain"].append(plain_loop(batches))
+                    continue
                 with open(os.devnull, "w") as devnull:  # the bar's output is not what we time
                     sys.stdout = devnull
                     try:
-                        results[name].append(ember_loop(batches, cfg, root))
+                        results[name].append(ember_loop(batches, configs[name], root))
                     finally:
                         sys.stdout = stdout
 
