@@ -112,6 +112,7 @@ class ProgressBar(Callback):
         self._lines = False
         self._enabled = True
         self._train: Any = None  # a tqdm bar, or a _Span in line mode
+        self._last_draw = 0.0
         self._eval: Any = None
 
     @property
@@ -171,8 +172,11 @@ class ProgressBar(Callback):
                 self._print(bar.line(now, self._postfix(trainer), self.line_interval))
             return
         bar.n = batch_idx + 1
-        # tqdm decides whether enough time passed to redraw; only then are metrics converted.
-        if bar._time() - bar.last_print_t >= bar.mininterval:
+        # Redraw at most every `mininterval` seconds; only then are metrics converted to numbers.
+        # (tqdm's own `last_print_t` is not advanced by refresh(), so it cannot be the clock here.)
+        now = time.monotonic()
+        if now - self._last_draw >= bar.mininterval:
+            self._last_draw = now
             bar.set_postfix(self._postfix(trainer), refresh=False)
             bar.refresh()
 

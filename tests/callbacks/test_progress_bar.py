@@ -278,3 +278,18 @@ def test_only_rank_zero_prints_and_logs_under_ddp(tmp_path):
     assert os.listdir(tmp_path / "ember_logs") == ["version_0"]
     rows = (tmp_path / "ember_logs" / "version_0" / "metrics.csv").read_text().splitlines()
     assert [r.split(",")[0] for r in rows] == ["step", *map(str, range(1, 9))]
+
+
+def test_bar_mode_redraws_at_most_every_mininterval():
+    # tqdm's refresh() does not advance its own redraw clock, so pacing must not rely on it:
+    # a 400-batch epoch that takes well under a second redraws a handful of times, not per batch.
+    out = io.StringIO()
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(1600, 4), torch.randn(1600, 1)), batch_size=4)
+    trainer = ember.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, accelerator="cpu",
+                            callbacks=[ProgressBar(mode="bar", stream=out)])
+    start = time.monotonic()
+    trainer.fit(Tiny(), loader)
+    elapsed = time.monotonic() - start
+    redraws = out.getvalue().count("\r")
+    assert redraws <= 6 + 2 * elapsed / 0.1, (redraws, elapsed)
