@@ -282,14 +282,15 @@ def test_only_rank_zero_prints_and_logs_under_ddp(tmp_path):
 
 def test_bar_mode_redraws_at_most_every_mininterval():
     # tqdm's refresh() does not advance its own redraw clock, so pacing must not rely on it:
-    # a 400-batch epoch that takes well under a second redraws a handful of times, not per batch.
+    # a 3000-batch epoch (well over the 0.1 s redraw interval) redraws a handful of times, not per batch.
     out = io.StringIO()
     loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.randn(1600, 4), torch.randn(1600, 1)), batch_size=4)
+        torch.utils.data.TensorDataset(torch.randn(3000, 4), torch.randn(3000, 1)), batch_size=1)
     trainer = ember.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, accelerator="cpu",
                             callbacks=[ProgressBar(mode="bar", stream=out)])
     start = time.monotonic()
     trainer.fit(Tiny(), loader)
     elapsed = time.monotonic() - start
     redraws = out.getvalue().count("\r")
+    assert elapsed > 0.2  # long enough for a per-batch redraw bug to show
     assert redraws <= 6 + 2 * elapsed / 0.1, (redraws, elapsed)
