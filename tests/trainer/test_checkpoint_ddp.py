@@ -1,0 +1,160 @@
+"""Exact resume under ``ddp`` on 2 real gloo ranks, and across world sizes (2 -> 1, 1 -> 2).
+
+One spawn of 2 ranks (``run_ranks``) runs the reference fit, a fit interrupted by a callback
+raising and its resume, and a resume of a single-process checkpoint. DataLoader workers cannot
+start inside those (daemonic) ranks, so the ``num_workers=2`` runs are real ``python`` programs
+launched with ``strategy="ddp"`` (ember re-runs the script for rank 1): one whose rank 1 is
+SIGKILLed, and its resume. Every sample is
+identified by its index, so the tests can check which samples each epoch trained on.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("ember.strategies.ddp")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tests.helpers.dist import run_ranks  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import test_checkpoint_resume as R  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+WORLD = 2
+STEPS_PER_EPOCH = R.N // (R.BATCH * WORLD)  # 6
+STOP = 11  # checkpoints every 4 steps: resumes from step 8 = epoch 1, batch 2 (16 samples of its order consumed)
+
+
+def _join(rank: int, world: int) -> None:
+    warnings.simplefilter("ignore")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+
+
+def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def suite(rank: int, world: int, root: str, single_ckpt: str) -> dict:
+    _join(rank, world)
+    out: dict = {}
+    ref, trainer = R.fit(os.path.join(root, "ref"), strategy="ddp", devices=world)
+    out["ref"], out["ref_steps"] = _weights(ref), trainer.global_step
+    run = os.path.join(root, "raise")
+    try:
+        R.fit(run, 0, [R.StopAt(STOP)], strategy="ddp", devices=world)
+    except RuntimeError:
+        pass
+    if rank == 0:  # keep the 2-rank checkpoint for the 2 -> 1 test
+        shutil.copy(os.path.join(run, "ckpts", "last.ckpt"), os.path.join(root, "from_2_ranks.ckpt"))
+    resumed, trainer = R.fit(run, 0, ckpt_path="last", strategy="ddp", devices=world)
+    out["resumed"] = _weights(resumed)
+    resumed, _ = R.fit(os.path.join(root, "from_single"), ckpt_path=single_ckpt, strategy="ddp", devices=world)
+    out["from_single_seen"] = resumed.seen
+    return out
+
+
+def program(mode: str, root: str, out: str) -> None:
+    """One ``python`` run of 2 ranks with 2 DataLoader workers each (see the module doc)."""
+    warnings.simplefilter("ignore")
+    rank = int(os.environ.get("RANK", "0"))
+    if mode == "kill":  # rank 1 dies at step 13, after the checkpoint of step 12
+        stop = [R.StopAt(13, (lambda: os.kill(os.getpid(), signal.SIGKILL)) if rank == 1 else (lambda: None))]
+        R.fit(root, 2, stop, strategy="ddp", devices=WORLD)
+    else:
+        module, trainer = R.fit(root, 2, ckpt_path="last", strategy="ddp", devices=WORLD)
+        if rank == 0:
+            torch.save({"weights": _weights(module), "ckpt": trainer.ckpt_path, "steps": trainer.global_step}, out)
+
+
+def run_program(mode: str, root: str, out: str) -> int:
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), mode, root, out], start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        try:  # rank 1 and every DataLoader worker share the session
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, output.decode(errors="replace")[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("ddp"))
+    single = os.path.join(root, "single")
+    with pytest.raises(RuntimeError):
+        R.fit(single, callbacks=[R.StopAt(17)])  # resumes from step 16 = epoch 1, batch 4: 16 samples consumed
+    single_ckpt = os.path.join(root, "from_single.ckpt")
+    shutil.copy(os.path.join(single, "ckpts", "last.ckpt"), single_ckpt)
+    ranks = run_ranks(suite, WORLD, root, single_ckpt, timeout=110)
+    return {"root": root, "ranks": ranks, "single_ckpt": single_ckpt}
+
+
+def assert_equal_weights(a: dict, b: dict) -> None:
+    diff = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not diff, f"weights differ: {diff}"
+
+
+def epoch_order(ckpt_path: str) -> list[int]:
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    g = torch.Generator()
+    g.manual_seed(ckpt["sampler"]["seed"])
+    return torch.randperm(R.N, generator=g).tolist()
+
+
+def test_ddp_resume_after_callback_raises_is_bitwise(runs):
+    ranks = runs["ranks"]
+    assert ranks[0]["ref_steps"] == R.EPOCHS * STEPS_PER_EPOCH
+    for r in ranks:
+        assert_equal_weights(r["resumed"], ranks[0]["ref"])
+        assert_equal_weights(r["ref"], ranks[0]["ref"])
+
+
+def test_ddp_with_workers_resumes_bitwise_after_kill_9_of_a_rank(runs, tmp_path):
+    root, out = str(tmp_path / "run"), str(tmp_path / "result.pt")
+    last = os.path.join(root, "ckpts", "last.ckpt")
+    code, log = run_program("kill", root, out)
+    assert code != 0, log
+    assert torch.load(last, weights_only=True)["progress"]["global_step"] == 12, log
+    code, log = run_program("resume", root, out)
+    assert code == 0, log
+    result = torch.load(out, weights_only=True)
+    assert result["ckpt"] == last and result["steps"] == R.EPOCHS * STEPS_PER_EPOCH
+    assert_equal_weights(result["weights"], runs["ranks"][0]["ref"])
+
+
+def test_two_ranks_to_one_trains_each_sample_once_per_epoch(runs):
+    path = os.path.join(runs["root"], "from_2_ranks.ckpt")
+    ckpt = torch.load(path, weights_only=True)
+    assert (ckpt["progress"]["current_epoch"], ckpt["progress"]["batch_in_epoch"], ckpt["sampler"]["position"]) == (1, 2, 16)
+    with pytest.warns(UserWarning, match="per-rank random streams"):
+        module, trainer = R.fit(os.path.join(runs["root"], "to_single"), ckpt_path=path)
+    seen = module.seen
+    rest = R.N - 16
+    assert sorted(seen[:rest]) == sorted(epoch_order(path)[16:])  # the unseen part of epoch 1's global order
+    assert sorted(seen[rest:]) == list(range(R.N))  # epoch 2 whole
+    assert trainer.global_step == 8 + rest // R.BATCH + R.N // R.BATCH
+
+
+def test_one_rank_to_two_trains_each_sample_once_per_epoch(runs):
+    path = runs["single_ckpt"]
+    seen = [r["from_single_seen"] for r in runs["ranks"]]
+    rest = (R.N - 16) // WORLD  # samples per rank left in epoch 1
+    epoch1 = seen[0][:rest] + seen[1][:rest]
+    assert sorted(epoch1) == sorted(epoch_order(path)[16:])
+    epoch2 = seen[0][rest:] + seen[1][rest:]
+    assert sorted(epoch2) == list(range(R.N))
+
+
+if __name__ == "__main__":
+    program(*sys.argv[1:4])
