@@ -211,6 +211,23 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.require_forward_param_sync = False
         return outputs
 
+    def prepare_for_backward(self, outputs: Any) -> None:
+        """Arms synchronisation for a backward of ``outputs`` if nothing armed it yet.
+
+        A forward through the wrapper already does this; call it before a further backward of
+        the same forward (e.g. one per optimizer in manual optimization), which would otherwise
+        not be synchronised. A no-op inside :meth:`no_sync` or with grad disabled.
+        """
+        if torch.is_grad_enabled() and self.require_backward_grad_sync and not self.reducer.armed:
+            self.post_forward(outputs)
+
+    def sync_buffers(self) -> None:
+        """Broadcasts rank 0's buffers now (e.g. BatchNorm statistics before evaluating).
+
+        A collective: every rank must call it.
+        """
+        self._sync_buffers(0)
+
     def _unused_parameters(self, outputs: Any) -> list[int]:
         """Indices of reducer parameters the autograd graph of ``outputs`` does not reach."""
         stack: list = []

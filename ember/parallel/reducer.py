@@ -24,103 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ember.parallel.comm_hooks import CommHook, GradBucket
+from ember.parallel.comm_hooks import (DEFAULT_FIRST_BUCKET_BYTES, CommHook, FlatBucket,
+                                       GradBucket, MiB, compute_bucket_assignment, sole_owner)
 
-__all__ = ["Reducer", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES"]
-
-MiB = 1024 * 1024
-DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
-
-# How many tensors share a storage. Private in torch, hence the fallback: without it a dropped
-# gradient buffer is never reused (always correct, one allocation per step slower).
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _users(tensor: Tensor) -> int:
-    storage = tensor.untyped_storage()  # held while counting: it is one of the users
-    return _storage_use_count(storage._cdata)
-
-
-_SOLE_OWNER = _users(torch.empty(1)) if _storage_use_count is not None else 0
-
-
-def _sole_owner(buffer: Tensor) -> bool:
-    """Whether ``buffer`` is the only tensor using its memory (so it may be overwritten)."""
-    return _storage_use_count is not None and _users(buffer) <= _SOLE_OWNER
-
-
-def compute_bucket_assignment(params: Sequence[Tensor], order: Iterable[int],
-                              limits: Sequence[int]) -> list[list[int]]:
-    """Groups parameter indices into buckets, walking them in ``order``.
-
-    Each (dtype, device) fills its own buckets. A parameter is added before the size check, so a
-    bucket may exceed its limit by one tensor and a tensor larger than the limit is a bucket of
-    its own. The k-th bucket of a key uses ``limits[k]`` (the last limit repeats).
-
-    Args:
-        params: The parameters, indexed by position.
-        order: The indices in the order gradients are expected to become ready.
-        limits: Byte limits, e.g. ``[1 MiB, 25 MiB]``.
-
-    Returns:
-        Lists of indices, ordered by where their first index appears in ``order``.
-    """
-    open_: dict[tuple, tuple[list[int], int, int]] = {}  # key -> (indices, bytes, n closed)
-    done: list[list[int]] = []
-    position: dict[int, int] = {}
-    for pos, i in enumerate(order):
-        position[i] = pos
-        p = params[i]
-        key = (p.dtype, p.device)
-        indices, size, closed = open_.get(key, ([], 0, 0))
-        indices.append(i)
-        size += p.numel() * p.element_size()
-        if size >= limits[min(closed, len(limits) - 1)]:
-            done.append(indices)
-            indices, size, closed = [], 0, closed + 1
-        open_[key] = (indices, size, closed)
-    done.extend(indices for indices, _, _ in open_.values() if indices)
-    return sorted(done, key=lambda b: position[b[0]])
-
-
-class _Bucket:
-    """One flat buffer and the parameters whose gradients live in it."""
-
-    __slots__ = ("indices", "params", "numel", "buffer", "views", "pending", "work", "lent")
-
-    def __init__(self, indices: list[int], params: Sequence[Tensor]) -> None:
-        self.indices = indices
-        self.params = [params[i] for i in indices]
-        self.numel = sum(p.numel() for p in self.params)
-        self.pending = len(indices)
-        self.work = None  # a Work (plain all-reduce) or a Future (comm hook)
-        self.lent = False  # gradients currently point into `buffer`
-        # Allocated at the first gradient of a backward: every slot is written before the
-        # all-reduce (a gradient, or zeros), so no zero-fill is needed.
-        self.buffer: Tensor | None = None
-        self.views: list[Tensor] = []
-
-    def release(self) -> None:
-        self.buffer, self.views, self.lent = None, [], False
-
-    def allocate(self, buffer: Tensor | None = None) -> None:
-        first = self.params[0]
-        self.buffer = buffer if buffer is not None else \
-            torch.empty(self.numel, dtype=first.dtype, device=first.device)
-        self.views, offset = [], 0
-        for p in self.params:
-            flat = self.buffer[offset:offset + p.numel()]
-            # Match the parameter's layout (e.g. channels_last) so gradients keep their strides.
-            if p.is_contiguous() or p.dim() < 2:
-                self.views.append(flat.view(p.shape))
-            else:
-                self.views.append(flat.as_strided(p.shape, p.stride()))
-            offset += p.numel()
+__all__ = ["Reducer", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES", "MiB"]
 
 
 def _hook(reducer_ref: weakref.ref, index: int) -> Callable[[Tensor], None]:
-    # A weak reference: when the wrapper is dropped, the hook goes quiet instead of keeping
-    # the reducer (and its buffers) alive through the parameters.
+    # Weak: a dropped wrapper's hooks go quiet instead of keeping its buffers alive.
     def hook(_param: Tensor) -> None:
         reducer = reducer_ref()
         if reducer is not None:
@@ -172,7 +83,7 @@ class Reducer:
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.comm_hook: CommHook | None = None
-        self.buckets: list[_Bucket] = []
+        self.buckets: list[FlatBucket] = []
         self._locate: list[tuple[int, int]] = []
         self._build(reversed(range(len(self.params))))
 
@@ -202,7 +113,7 @@ class Reducer:
     # ----------------------------------------------------------------------------- buckets
     def _build(self, order: Iterable[int]) -> None:
         assignment = compute_bucket_assignment(self.params, order, self.limits)
-        self.buckets = [_Bucket(indices, self.params) for indices in assignment]
+        self.buckets = [FlatBucket(indices, self.params) for indices in assignment]
         self._locate = [(0, 0)] * len(self.params)
         for b, bucket in enumerate(self.buckets):
             for slot, i in enumerate(bucket.indices):
@@ -212,6 +123,11 @@ class Reducer:
     def bucket_indices(self) -> list[list[int]]:
         """Parameter indices per bucket, in launch order."""
         return [list(b.indices) for b in self.buckets]
+
+    @property
+    def armed(self) -> bool:
+        """Whether the next backward will be synchronised and has not started yet."""
+        return self._expect_hooks and not self._started
 
     @property
     def rebuild_pending(self) -> bool:
@@ -353,7 +269,7 @@ class Reducer:
         if bucket.pending == 0:
             self._launch_ready()
 
-    def _reclaim(self, bucket: _Bucket) -> None:
+    def _reclaim(self, bucket: FlatBucket) -> None:
         """First gradient of a bucket this iteration: may the buffer be overwritten?"""
         bucket.lent = False
         if self.gradient_as_bucket_view or \
@@ -363,7 +279,7 @@ class Reducer:
         # a view of one) is still held anywhere; otherwise leave it to its holder.
         buffer = bucket.buffer
         bucket.release()
-        if _sole_owner(buffer):
+        if sole_owner(buffer):
             bucket.allocate(buffer)
         else:
             del buffer
