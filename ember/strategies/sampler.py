@@ -1,0 +1,152 @@
+"""A resumable, rank-sharded sampler: every rank a disjoint shard of one global order per epoch.
+
+Each epoch has one global order of the dataset: ``0..n-1``, or a permutation seeded the same on
+every rank. Rank ``r`` of ``W`` takes positions ``r, r + W, r + 2W, ...`` of it, so batch ``k`` of
+all ranks together covers positions ``[k*b*W, (k+1)*b*W)``: exactly what one process with batch
+``W*b`` sees in its batch ``k``. That makes ``ddp`` on ``W`` ranks with batch ``b`` equal to
+``single`` with batch ``W*b`` and makes a position in the global order meaningful on any number
+of ranks (a checkpoint resumes "from the next unseen sample" even with a different world size).
+
+The uneven tail (``n`` not a multiple of ``W``):
+
+- **training** (``even=True``): the order is padded to a multiple of ``W`` with its own first
+  samples, as ``DistributedSampler`` does, so every rank runs the same number of steps (a rank with
+  one step fewer would leave the others waiting in the gradient all-reduce). At most ``W - 1``
+  samples are seen twice per epoch; nothing is dropped.
+- **evaluation** (``even=False``): no padding and no duplicates. Shards differ by at most one
+  sample, so ranks may run one batch more or fewer; that is safe because evaluation steps do not
+  communicate, and the epoch metric is reduced once, weighted by each rank's sample count, so it
+  equals the single-process value on the same data.
+
+Shuffling needs no ``set_epoch``: with a fixed ``seed`` epoch ``e`` uses ``seed + e``; with
+``seed=None`` each epoch's seed is drawn when its iteration starts (from ``generator``, else
+torch's global generator, exactly like ``RandomSampler`` and the single-process sampler) and
+rank 0's draw is shared with ``agree``. Iterating again without ``set_epoch`` starts the next
+epoch. ``state_dict()`` is ``{"seed", "epoch", "position"}`` where ``position`` counts samples of
+the epoch's (padded) global order already handed out over all ranks; loaders prefetch, so the
+Trainer stores the number of samples its loop consumed instead.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["ShardedSampler"]
+
+
+class ShardedSampler(Sampler[int]):
+    """This rank's shard of one global (optionally shuffled) order per epoch; resumable.
+
+    Args:
+        num_samples: Length of the dataset.
+        num_replicas: Number of ranks sharing it.
+        rank: This rank, in ``[0, num_replicas)``.
+        shuffle: A fresh permutation every epoch, or ``0..n-1`` in order.
+        seed: A fixed base seed (epoch ``e`` uses ``seed + e``), or None to draw one per epoch.
+        generator: Where per-epoch seeds are drawn from when ``seed`` is None (default: torch's
+            global generator).
+        even: Pad the order so every rank gets the same number of samples (training), or not
+            (evaluation: no duplicates).
+        agree: Makes all ranks use rank 0's drawn seed, e.g. ``lambda s: strategy.broadcast(s)``;
+            needed when ``seed`` is None and ranks' generators may differ. Called by every rank
+            at the start of every shuffled epoch.
+
+    Raises:
+        ValueError: If ``rank`` is outside ``[0, num_replicas)``.
+    """
+
+    def __init__(self, num_samples: int, num_replicas: int, rank: int, shuffle: bool = True,
+                 seed: int | None = None, generator: torch.Generator | None = None,
+                 even: bool = True, agree: Callable[[int], int] | None = None) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"ShardedSampler got rank={rank} with num_replicas={num_replicas}; "
+                             f"rank must be in [0, {num_replicas}).")
+        self.num_samples = int(num_samples)
+        self.num_replicas = int(num_replicas)
+        self.rank = int(rank)
+        self.shuffle = shuffle
+        self.base_seed = seed
+        self.generator = generator
+        self.even = even
+        self.agree = agree
+        self.epoch = 0
+        self.seed: int | None = None  # this epoch's seed, once drawn
+        self._start = 0  # global position the next iteration starts from (a resume)
+        self._handed_out = 0  # global positions handed out in this epoch
+        self._iterated = False  # an iteration of this epoch has started
+
+    # ------------------------------------------------------------------ epochs
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch to iterate next (optional: iterating again advances it)."""
+        if epoch != self.epoch:
+            self.seed, self._start = None, 0
+        self.epoch = int(epoch)
+        self._iterated = False
+
+    def _total(self) -> int:
+        n, w = self.num_samples, self.num_replicas
+        return -(-n // w) * w if self.even and n else n
+
+    def global_order(self) -> list[int]:
+        """The epoch's full order over all ranks (padded when ``even``)."""
+        n = self.num_samples
+        if self.shuffle:
+            if self.seed is None:
+                self.seed = self._draw_seed()
+            g = torch.Generator()
+            g.manual_seed(self.seed)
+            order = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        total = self._total()
+        while len(order) < total:  # pad with the order's own first samples
+            order += order[: total - len(order)]
+        return order
+
+    def _draw_seed(self) -> int:
+        if self.base_seed is not None:
+            return self.base_seed + self.epoch
+        seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+        return int(self.agree(seed)) if self.agree is not None else seed
+
+    def __iter__(self) -> Iterator[int]:
+        start, self._start = self._start, 0
+        if start == 0:  # a fresh epoch (a resume keeps the restored seed)
+            if self._iterated:
+                self.epoch += 1  # iterating again without set_epoch: the next epoch
+            self.seed = None
+        self._iterated = True
+        order = self.global_order()
+        self._handed_out = start
+        return self._shard(order, start)
+
+    def _shard(self, order: list[int], start: int) -> Iterator[int]:
+        for position in range(start + self.rank, len(order), self.num_replicas):
+            self._handed_out = position - self.rank + self.num_replicas
+            yield order[position]
+
+    def __len__(self) -> int:
+        remaining = self._total() - self._start
+        return max(0, -(-(remaining - self.rank) // self.num_replicas))
+
+    # ------------------------------------------------------------------ resuming
+    @property
+    def resuming(self) -> bool:
+        """True until the iteration that continues a restored epoch has started."""
+        return self._start > 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"seed", "epoch", "position"}``: enough to continue this epoch on any world size."""
+        return {"seed": self.seed, "epoch": self.epoch,
+                "position": min(self._handed_out, self._total())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues epoch ``state["epoch"]`` from global position ``state["position"]``."""
+        self.epoch = int(state["epoch"])
+        self.seed = None if state.get("seed") is None else int(state["seed"])
+        self._start = int(state.get("position", 0))
+        self._handed_out = self._start
+        self._iterated = False
