@@ -1,0 +1,362 @@
+"""The ``ddp`` strategy: one process per device, gradients averaged by ember's DistributedDataParallel.
+
+How processes start is the launcher's business (``launcher.py``): under ``torchrun`` or SLURM
+this process joins the existing job; a plain ``python train.py`` re-runs the script for the other
+ranks (``start_method="popen"``, the ``"ddp"`` default); ``"ddp_spawn"`` starts workers with
+multiprocessing spawn and copies rank 0's trained weights, metrics and progress back into the
+caller's module and Trainer.
+
+Data: every loader is rebuilt around :class:`~ember.strategies.sampler.ShardedSampler`. Training
+shards are padded to equal length (every rank takes the same number of steps, so the gradient
+all-reduce never waits on a rank that ran out); evaluation shards are not (no sample counted
+twice) and may differ by one batch, which is safe because evaluation steps do not communicate:
+``validation_step`` runs on the module itself, not through the wrapper, and epoch metrics are
+reduced once at the end, weighted by sample counts. ``training_step`` runs through the wrapper
+(``ddp.call``), so gradients are averaged during ``backward``; inside ``no_backward_sync`` (all
+but the last micro-batch of an accumulation window) nothing is communicated.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import pickle
+import sys
+import warnings
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import RandomSampler
+
+from ember.data_state import make_resumable, rebuild_with_sampler, resumable_sampler_of, why_not_swappable
+from ember.parallel.distributed import DistributedDataParallel
+from ember.strategies.launcher import Launcher, PopenLauncher, SpawnLauncher, World, detect_world
+from ember.strategies.sampler import ShardedSampler
+from ember.strategies.strategy import Strategy
+
+__all__ = ["DDPStrategy"]
+
+T = TypeVar("T")
+_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
+        "max": dist.ReduceOp.MAX}
+
+
+class DDPStrategy(Strategy):
+    """Data parallelism with one process per device.
+
+    Args:
+        accelerator: "cpu" or "cuda"; filled in by the Trainer when not given.
+        devices: the devices of this machine; filled in by the Trainer (``devices=N``). Under
+            torchrun or SLURM the job's size comes from the launcher instead.
+        bucket_cap_mb: gradient bucket size cap in MiB.
+        find_unused_parameters: handle parameters that get no gradient in some steps.
+        comm_hook: ``None``, ``"bf16"``, ``"fp16"`` or a callable hook (see
+            :mod:`ember.parallel.comm_hooks`).
+        timeout: seconds (or a timedelta) a collective may wait before failing.
+        start_method: ``"popen"`` re-runs the script for the other ranks; ``"spawn"`` starts
+            workers with multiprocessing spawn (works in notebooks; everything is pickled).
+        gradient_as_bucket_view, static_graph, broadcast_buffers: passed to
+            :class:`~ember.parallel.DistributedDataParallel`.
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default by accelerator.
+    """
+
+    strategy_name = "ddp"
+
+    def __init__(self, accelerator: str | None = None, devices: list[torch.device] | None = None,
+                 *, bucket_cap_mb: float = 25, find_unused_parameters: bool = False,
+                 comm_hook: Any = None, timeout: float | datetime.timedelta = 1800.0,
+                 start_method: str = "popen", gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, broadcast_buffers: bool = True,
+                 process_group_backend: str | None = None) -> None:
+        if start_method not in ("popen", "spawn"):
+            raise ValueError(f"start_method={start_method!r} is not supported; use 'popen' (re-run "
+                             "the script, the 'ddp' default) or 'spawn' (what 'ddp_spawn' uses).")
+        super().__init__(accelerator=accelerator, devices=devices)
+        self.start_method = start_method
+        self.timeout = timeout if isinstance(timeout, datetime.timedelta) else \
+            datetime.timedelta(seconds=float(timeout))
+        self.process_group_backend = process_group_backend
+        self.ddp_kwargs = dict(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+                               comm_hook=comm_hook, gradient_as_bucket_view=gradient_as_bucket_view,
+                               static_graph=static_graph, broadcast_buffers=broadcast_buffers)
+        self.ddp: DistributedDataParallel | None = None
+        self._world: World | None = detect_world()
+        self._launcher: Launcher | None = None
+        self._owns_group = False
+        self._buffers_stale = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to spawned workers: they find their own place in the job and their own group.
+        state = dict(self.__dict__)
+        state.update(ddp=None, _world=None, _launcher=None, _owns_group=False)
+        return state
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def world_size(self) -> int:
+        return self._world.world_size if self._world else max(1, len(self.parallel_devices))
+
+    @property
+    def global_rank(self) -> int:
+        return self._world.rank if self._world else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self._world.local_rank if self._world else 0
+
+    @property
+    def node_rank(self) -> int:
+        return self._world.node_rank if self._world else 0
+
+    @property
+    def root_device(self) -> torch.device:
+        if self.accelerator != "cuda":
+            return torch.device("cpu")
+        devices = self.parallel_devices
+        return devices[self.local_rank] if self.local_rank < len(devices) else \
+            torch.device("cuda", self.local_rank)
+
+    @property
+    def backend(self) -> str:
+        return self.process_group_backend or ("nccl" if self.accelerator == "cuda" else "gloo")
+
+    # ------------------------------------------------------------------ lifecycle
+    def launch(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self._world is not None:  # torchrun, SLURM, or a process ember started
+            if self._launcher is None:
+                self._launcher = Launcher(self._world, self.timeout)
+            return self._launcher.launch(fn, *args, **kwargs)
+        if self.world_size == 1:
+            return fn(*args, **kwargs)
+        if self.start_method == "popen":
+            self._launcher = PopenLauncher(self.world_size, self.timeout)
+            self._world = self._launcher.world
+            return self._launcher.launch(fn, *args, **kwargs)
+        from ember.trainer.checkpoint import capture_rng
+
+        # Workers start from the caller's random state, as the re-run script starts from its own:
+        # a seeded caller gets the same shuffle (and dropout) streams as with "ddp" or "single".
+        launcher = SpawnLauncher(self.world_size, self.timeout, dumps=_dumps, loads=_loads)
+        value, state = launcher.launch(_run_in_worker, fn, args, kwargs, capture_rng())
+        _adopt_worker_state(self.trainer, args, state)
+        return value
+
+    def setup_environment(self) -> None:
+        if self._world is None:
+            self._world = detect_world()  # a spawned worker: its rank is in the environment
+        if dist.is_initialized():
+            return
+        if self._world is None:  # one process: a private 1-rank group, released at teardown
+            dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
+            self._owns_group = True
+        else:
+            if self._launcher is None:
+                self._launcher = Launcher(self._world, self.timeout)
+            self._launcher.init_process_group(self.backend)
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+
+    def setup(self, trainer: Any, module: Any) -> None:
+        super().setup(trainer, module)
+        if trainer.state == "fitting":
+            device_ids = [self.root_device] if self.root_device.type == "cuda" else None
+            self.ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+            self._buffers_stale = False
+
+    def teardown(self) -> None:
+        if self.ddp is not None:
+            self.ddp.reducer.remove_hooks()  # the module trains without us afterwards
+            self.ddp = None
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    # ------------------------------------------------------------------ data
+    def process_dataloader(self, dataloader: Any, stage: str) -> Any:
+        if self.world_size == 1:
+            return super().process_dataloader(dataloader, stage)
+        if stage == "fit":
+            loader = make_resumable(dataloader, self._sampler_factory(even=True))
+            if resumable_sampler_of(loader) is None:
+                self._warn_unsharded(dataloader, stage)
+            return loader
+        reason = why_not_swappable(dataloader)
+        if reason is not None:
+            self._warn_unsharded(dataloader, stage, reason)
+            return dataloader
+        n = len(dataloader.dataset)
+        if n < self.world_size:
+            raise ValueError(f"The {stage} dataset has {n} samples but the job has {self.world_size} "
+                             "ranks; each rank needs at least one. Use fewer processes or more data.")
+        shuffle = isinstance(dataloader.sampler, RandomSampler)
+        sampler = self._sampler_factory(even=False)(n, shuffle, dataloader.sampler)
+        return rebuild_with_sampler(dataloader, sampler)
+
+    def _sampler_factory(self, even: bool) -> Callable[[int, bool, Any], ShardedSampler]:
+        def factory(n: int, shuffle: bool, user_sampler: Any) -> ShardedSampler:
+            return ShardedSampler(n, self.world_size, self.global_rank, shuffle=shuffle,
+                                  generator=getattr(user_sampler, "generator", None), even=even,
+                                  agree=lambda seed: self.broadcast(seed, 0))
+        return factory
+
+    def _warn_unsharded(self, loader: Any, stage: str, reason: str | None = None) -> None:
+        if self.is_global_zero:
+            warnings.warn(
+                f"The {stage} loader cannot be sharded by ember ({reason or why_not_swappable(loader)}),"
+                " so every rank iterates all of it. Shard it yourself (e.g. by "
+                "trainer.global_rank / trainer.world_size), or use a plain DataLoader.",
+                UserWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        if self.ddp is None:
+            return super().training_step(batch, batch_idx, *extra)
+        self._buffers_stale = True
+        return self.ddp.call("training_step", batch, batch_idx, *extra)
+
+    def _fresh_buffers(self) -> None:
+        # Training forwards update buffers (BatchNorm statistics) on each rank: evaluate with
+        # rank 0's, as a forward through PyTorch's wrapper would.
+        if self._buffers_stale and self.ddp is not None:
+            self._buffers_stale = False
+            self.ddp.sync_buffers()
+
+    def validation_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        self._fresh_buffers()
+        return super().validation_step(batch, batch_idx, *extra)
+
+    def test_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        self._fresh_buffers()
+        return super().test_step(batch, batch_idx, *extra)
+
+    def predict_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        self._fresh_buffers()
+        return super().predict_step(batch, batch_idx, *extra)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.ddp is not None:
+            self.ddp.prepare_for_backward(loss)  # a second backward of one step syncs too
+        loss.backward()
+
+    @contextlib.contextmanager
+    def no_backward_sync(self) -> Iterator[None]:
+        if self.ddp is None:
+            yield
+            return
+        with self.ddp.no_sync():
+            yield
+
+    # ------------------------------------------------------------------ collectives
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        super().reduce(tensor, op)  # validates op
+        if self.world_size == 1 or not dist.is_initialized():
+            return tensor
+        out = torch.as_tensor(tensor).detach().to(self.root_device).clone()
+        if not out.is_floating_point() and op == "mean":
+            out = out.double()
+        dist.all_reduce(out, op=_OPS[op])
+        return out / self.world_size if op == "mean" else out
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1 or not dist.is_initialized():
+            return super().all_gather(tensor)
+        mine = torch.as_tensor(tensor).detach().to(self.root_device).contiguous()
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine)
+        return torch.stack(out)
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        if self.world_size == 1 or not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self, name: str | None = None) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.barrier()
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self.world_size == 1 or not dist.is_initialized():
+            return decision
+        flag = torch.tensor([int(bool(decision))], device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN if all else dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+# ---------------------------------------------------------------------- ddp_spawn
+def _run_in_worker(fn: Callable[..., Any], args: tuple, kwargs: dict, rng: dict) -> Any:
+    """In a spawned worker: run the Trainer entry point; rank 0 also returns what to copy back."""
+    from ember.trainer.checkpoint import apply_rng
+
+    apply_rng(rng)
+    value = fn(*args, **kwargs)
+    trainer = getattr(fn, "__self__", None)
+    if trainer is None or not trainer.is_global_zero:
+        return value, None
+    module = trainer.module
+    state = {
+        "weights": {k: v.detach().cpu() for k, v in module.state_dict().items()},
+        "callback_metrics": _to_cpu(trainer.callback_metrics),
+        "logged_metrics": dict(trainer.logged_metrics),
+        "progress": trainer.progress.state_dict(),
+        "history": list(getattr(trainer, "history", [])),
+        "callbacks": [(type(cb).__name__, cb.state_dict()) for cb in trainer.callbacks
+                      if hasattr(cb, "state_dict")],
+    }
+    return _to_cpu(value), state
+
+
+def _adopt_worker_state(trainer: Any, args: tuple, state: dict | None) -> None:
+    """In the caller: make its module and Trainer look as if it had trained itself."""
+    if trainer is None or state is None:
+        return
+    from ember.module import TrainModule
+
+    module = next((a for a in args if isinstance(a, TrainModule)), None)
+    if module is not None:
+        module.load_state_dict(state["weights"])
+        trainer.module = module
+    trainer.callback_metrics = state["callback_metrics"]
+    trainer.logged_metrics = state["logged_metrics"]
+    trainer.progress.load_state_dict(state["progress"])
+    trainer.history = state["history"]
+    mine = [cb for cb in trainer.callbacks if hasattr(cb, "load_state_dict")]
+    for cb, (name, cb_state) in zip(mine, state["callbacks"]):
+        if type(cb).__name__ == name:
+            cb.load_state_dict(cb_state)
+
+
+def _to_cpu(obj: Any) -> Any:
+    from ember.utils import move_to_device
+
+    return move_to_device(obj, torch.device("cpu"))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> str | None:  # streams travel as "the worker's own"
+        return "stdout" if obj is sys.stdout else "stderr" if obj is sys.stderr else None
+
+
+class _Unpickler(pickle.Unpickler):
+    def persistent_load(self, pid: str) -> Any:
+        return getattr(sys, pid)
+
+
+def _dumps(obj: Any) -> bytes:
+    """Pickles what a spawned worker needs, explaining how to fix what cannot be pickled."""
+    buffer = io.BytesIO()
+    try:
+        _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    except Exception as exc:
+        raise RuntimeError(
+            "strategy='ddp_spawn' sends the Trainer, the module and the dataloaders to its worker "
+            f"processes by pickling them, and that failed: {exc}. Make them picklable (module-"
+            "level functions and classes instead of lambdas or locally defined ones, no open "
+            "files or locks), or use strategy='ddp', which re-runs your script instead.") from exc
+    return buffer.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return _Unpickler(io.BytesIO(data)).load()
