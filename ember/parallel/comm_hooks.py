@@ -132,7 +132,7 @@ class GradBucket:
         is_last: Whether this is the last bucket launched in the iteration.
     """
 
-    __slots__ = ("_index", "_buffer", "_parameters", "_gradients", "_is_last")
+    __slots__ = ("_index", "_buffer", "_parameters", "_gradients", "_is_last", "prescaled")
 
     def __init__(self, index: int, buffer: Tensor, parameters: Sequence[Tensor],
                  gradients: Sequence[Tensor], is_last: bool) -> None:
@@ -141,6 +141,9 @@ class GradBucket:
         self._parameters = parameters
         self._gradients = gradients
         self._is_last = is_last
+        #: True when the Reducer already divided the buffer by the world size (only for hooks
+        #: that declare ``accepts_prescaled``, like the built-in compression hooks).
+        self.prescaled = False
 
     def index(self) -> int:
         """Position of this bucket in launch order."""
@@ -199,7 +202,8 @@ def compress_hook(dtype: torch.dtype, process_group: dist.ProcessGroup | None = 
         # Divide in full precision, then round once into the narrow type: the division adds no
         # rounding error and fp16 sums cannot overflow. (A fused mul with a bf16 `out` would
         # compute into a hidden fp32 temporary: slower and a whole buffer more memory.)
-        buffer.mul_(1.0 / dist.get_world_size(process_group))
+        if not getattr(bucket, "prescaled", False):
+            buffer.mul_(1.0 / dist.get_world_size(process_group))
         compressed = buffer.to(dtype)
         fut = dist.all_reduce(compressed, group=process_group, async_op=True).get_future()
 
@@ -210,6 +214,7 @@ def compress_hook(dtype: torch.dtype, process_group: dist.ProcessGroup | None = 
 
         return fut.then(decompress)
 
+    hook.accepts_prescaled = True  # type: ignore[attr-defined]
     return hook
 
 

@@ -247,7 +247,9 @@ class Reducer:
         view = bucket.views[slot]
         param = self.params[index]
         grad = param.grad
-        scale = None if self.comm_hook is not None or self.div_factor == 1 else 1 / self.div_factor
+        hook = self.comm_hook
+        prescale = hook is None or getattr(hook, "accepts_prescaled", False)
+        scale = 1 / self.div_factor if prescale and self.div_factor != 1 else None
         if grad is None:
             view.zero_()
         elif grad is view:
@@ -302,6 +304,8 @@ class Reducer:
         else:
             grad_bucket = GradBucket(b, buffer, bucket.params, bucket.views,
                                      b == len(self.buckets) - 1)
+            # Built-in hooks let the copy into the bucket divide: one pass over it fewer.
+            grad_bucket.prescaled = getattr(self.comm_hook, "accepts_prescaled", False)
             bucket.work = self.comm_hook(grad_bucket)
 
     def _finalize_backward(self) -> None:
