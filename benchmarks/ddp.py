@@ -4,8 +4,9 @@ Model: MLP 256 -> 4 x 1024 -> 10 (3.4 M parameters), per-rank batch 256, SGD, gl
 one compute thread per rank. Each step is zero_grad / forward / cross-entropy / backward / step.
 
 Step time: all variants live in the same ranks and run in interleaved blocks (the order flips
-every round), so machine noise hits them alike; the median step time per variant is reported
-(slower rank), plus one process on the per-rank batch without communication as the floor. Peak
+every round), so machine noise hits them alike; reported: the median block time per variant
+(slower rank), one process on the per-rank batch without communication as the floor, and the
+ember/torch ratio as the median of per-round ratios (robust to load from other processes). Peak
 memory: each variant runs alone in a fresh pair of ranks (ru_maxrss is a high-water mark),
 ``--memory-repeats`` times in alternating order; reported as the mean over repeats of the larger
 rank's peak RSS, and of its growth over the RSS after building the model and data, just before
@@ -85,9 +86,10 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def time_worker(rank: int, args: argparse.Namespace) -> dict[str, float]:
+def time_worker(rank: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Per variant: the median step time (ms) of each round's block."""
     runners = {v: Runner(v, args.batch, rank) for v in ("single", *VARIANTS)}
-    times: dict[str, list[float]] = {v: [] for v in runners}
+    blocks: dict[str, list[float]] = {v: [] for v in runners}
     for v, runner in runners.items():
         for _ in range(args.warmup):
             runner.step()
@@ -95,8 +97,8 @@ def time_worker(rank: int, args: argparse.Namespace) -> dict[str, float]:
         for v, runner in (runners.items() if r % 2 == 0 else reversed(runners.items())):
             if v == "single":
                 dist.barrier()  # keep the ranks in step, as DDP does for the others
-            times[v] += [runner.step() for _ in range(args.block)]
-    return {v: statistics.median(t) * 1e3 for v, t in times.items()}
+            blocks[v].append(statistics.median(runner.step() for _ in range(args.block)) * 1e3)
+    return blocks
 
 
 def memory_worker(rank: int, args: argparse.Namespace, variant: str) -> dict[str, float]:
@@ -163,8 +165,15 @@ def main() -> None:
             ranks = launch("memory_worker", args, v)
             memory[v].append({k: max(r[k] for r in ranks) for k in ("peak", "growth")})
 
+    # The slower rank sets the pace of each round.
+    rounds = {v: [max(r[v][i] for r in timing) for i in range(args.rounds)] for v in timing[0]}
+
     def ms(v: str) -> float:
-        return max(r[v] for r in timing)  # the slower rank sets the pace
+        return statistics.median(rounds[v])
+
+    def paired(a: str, b: str) -> float:
+        # Each round runs a and b back to back: their ratio cancels load that comes and goes.
+        return statistics.median(x / y for x, y in zip(rounds[a], rounds[b]))
 
     def mib(v: str, key: str) -> float:
         return statistics.mean(m[key] for m in memory[v])
@@ -174,7 +183,7 @@ def main() -> None:
     for v in VARIANTS:
         print(f"{v:<12}{ms(v):>10.1f}{mib(v, 'peak'):>15.1f}{mib(v, 'growth'):>16.1f}")
     for hook in ("", "+bf16"):
-        t = ms("ember" + hook) / ms("torch" + hook)
+        t = paired("ember" + hook, "torch" + hook)
         m = mib("ember" + hook, "peak") / mib("torch" + hook, "peak")
         print(f"ember/torch{hook or ' fp32'}: step time {t:.3f}, peak memory {m:.3f}")
 
