@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
+import os
 import pickle
 import sys
 import warnings
@@ -85,11 +86,12 @@ class DDPStrategy(Strategy):
         self._launcher: Launcher | None = None
         self._owns_group = False
         self._buffers_stale = False
+        self._threads_before: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Sent to spawned workers: they find their own place in the job and their own group.
         state = dict(self.__dict__)
-        state.update(ddp=None, _world=None, _launcher=None, _owns_group=False)
+        state.update(ddp=None, _world=None, _launcher=None, _owns_group=False, _threads_before=None)
         return state
 
     # ------------------------------------------------------------------ identity
@@ -154,8 +156,19 @@ class DDPStrategy(Strategy):
             if self._launcher is None:
                 self._launcher = Launcher(self._world, self.timeout)
             self._launcher.init_process_group(self.backend)
+            self._share_cpu_threads(self._world.local_world_size)
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
+
+    def _share_cpu_threads(self, local_world_size: int) -> None:
+        # N processes on one machine each defaulting to every core oversubscribe it, and OpenMP's
+        # spinning threads then slow a small CPU model down by 10-40x. Split the cores between the
+        # local ranks, as torchrun does with OMP_NUM_THREADS, unless the user chose a number.
+        if local_world_size <= 1 or self.root_device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+            return
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(max(1, cores // local_world_size))
 
     def setup(self, trainer: Any, module: Any) -> None:
         super().setup(trainer, module)
@@ -171,6 +184,9 @@ class DDPStrategy(Strategy):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: Any, stage: str) -> Any:

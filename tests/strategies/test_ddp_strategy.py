@@ -229,3 +229,22 @@ def test_reduce_all_gather_broadcast_for_user_code(ranks):
         assert r["gather"] == [float(i + 1) for i in range(world)]
         assert r["broadcast"] == {"from": world - 1}
         assert r["any"] is True and r["all"] is False and r["input_untouched"]
+
+
+def test_local_ranks_split_the_cpu_cores_unless_the_user_chose(monkeypatch):
+    # Two CPU ranks each running every core oversubscribe the machine (OpenMP threads spin);
+    # each rank gets cores // local ranks intra-op threads, restored at teardown.
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    strategy = DDPStrategy(devices=[torch.device("cpu")] * 2)
+    try:
+        strategy._share_cpu_threads(local_world_size=2)
+        assert torch.get_num_threads() == max(1, cores // 2)
+    finally:
+        strategy.teardown()
+    assert torch.get_num_threads() == before
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    strategy._share_cpu_threads(local_world_size=2)
+    assert torch.get_num_threads() == before  # the user's choice wins
