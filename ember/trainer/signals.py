@@ -2,8 +2,11 @@
 
 During ``fit``, SIGTERM (what schedulers send before killing a job) is caught. The handler only
 records the signal; at the next step boundary (after a batch's optimizer step, scheduler step and
-any validation; with ``accumulate_grad_batches``, once the accumulation window closes) every rank asks ``strategy.reduce_boolean_decision(received, all=False)``, so all
-ranks stop at the same step even if only one got the signal. Then ``last.ckpt`` is written in
+any validation; with ``accumulate_grad_batches``, once the accumulation window closes) a single
+process stops; with several, every 8th such boundary (``PreemptionHandler.sync_every``, so the
+agreement costs one small collective per 8 steps rather than one per step) every rank asks
+``strategy.reduce_boolean_decision(received, all=False)``, so all ranks stop at the same step
+even if only one got the signal. Then ``last.ckpt`` is written in
 the first ModelCheckpoint's directory (``<default_root_dir>/checkpoints`` without one) and
 :class:`Preempted` is raised, a ``SystemExit`` whose exit status is ``128 + signal number`` (143
 for SIGTERM, 138 for SIGUSR1 on Linux): what a shell reports for a process killed by that signal,
@@ -18,13 +21,13 @@ put back when ``fit`` returns.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import warnings
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Iterator
-import contextlib
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -63,6 +66,9 @@ class PreemptionHandler:
         self.signals = signals
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        #: With several processes, how many step boundaries pass between two agreements on stopping.
+        self.sync_every = 8
+        self._boundaries = 0
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
@@ -88,6 +94,11 @@ class PreemptionHandler:
         strategy = t.strategy
         received = self.received is not None
         if strategy.world_size > 1:
+            # Agreeing costs a collective: ask at every `sync_every`-th boundary only. Every rank
+            # counts the same boundaries, so they all ask (and stop) at the same step.
+            self._boundaries += 1
+            if self._boundaries % self.sync_every:
+                return
             received = strategy.reduce_boolean_decision(received, all=False)
         if received:
             self.stop()
