@@ -25,7 +25,8 @@ _STEP_HOOKS = frozenset({
 
 
 class _Entry:
-    __slots__ = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist", "total", "weight")
+    __slots__ = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist", "total", "weight",
+                 "step_key")
 
     def __init__(self, name: str, prog_bar: bool, logger: bool, on_step: bool, on_epoch: bool,
                  reduce_fx: str, sync_dist: bool) -> None:
@@ -33,6 +34,8 @@ class _Entry:
         self.on_step, self.on_epoch, self.reduce_fx, self.sync_dist = on_step, on_epoch, reduce_fx, sync_dist
         self.total: Any = None
         self.weight: Any = 0
+        #: Where this entry's per-step value appears in callback_metrics.
+        self.step_key = name + "_step" if on_epoch else name
 
     def accumulate(self, value: Any, batch_size: int) -> None:
         fx = self.reduce_fx
@@ -49,9 +52,6 @@ class _Entry:
             self.total = torch.maximum(self.total, value) if isinstance(value, torch.Tensor) else max(self.total, value)
         else:
             self.total = torch.minimum(self.total, value) if isinstance(value, torch.Tensor) else min(self.total, value)
-
-    def local_value(self) -> Any:
-        return self.total / self.weight if self.reduce_fx == "mean" else self.total
 
 
 class MetricCollector:
@@ -119,7 +119,7 @@ class MetricCollector:
             raise TypeError(f"self.log({name!r}, ...) expects a number or a scalar tensor, got {type(value).__name__}.")
         if entry.on_step:
             step_value = self.strategy.reduce(value, entry.reduce_fx) if entry.sync_dist and isinstance(value, torch.Tensor) else value
-            key = name + "_step" if entry.on_epoch else name
+            key = entry.step_key
             self.callback_metrics[key] = step_value
             if entry.on_epoch:
                 self.callback_metrics[name] = step_value
@@ -156,12 +156,26 @@ class MetricCollector:
     def end_stage(self) -> dict[str, Any]:
         """Reduce this stage's epoch values (across processes too) and publish them.
 
+        With several processes, the last per-step values are averaged across ranks in the same
+        collective, so that after every epoch ``callback_metrics`` is identical on every rank
+        (between epochs a step value is this rank's own unless it was logged with ``sync_dist``).
+
         Returns the epoch-level metrics as tensors/floats, keyed as they appear in ``callback_metrics``.
         """
         entries = sorted((e for e in self._entries.values() if e.on_epoch), key=lambda e: e.name)
-        if not entries:
+        rows = [(e.name, e.reduce_fx, e.total, e.weight) for e in entries]
+        steps: list[_Entry] = []
+        if self.strategy.world_size > 1:
+            steps = sorted((e for e in self._entries.values() if e.on_step and not e.sync_dist
+                            and e.step_key in self.callback_metrics), key=lambda e: e.name)
+            rows += [(e.step_key + "/last", e.reduce_fx, self.callback_metrics[e.step_key], 1) for e in steps]
+        if not rows:
             return {}
-        values = self._reduce_across_processes(entries)
+        values = self._reduce_across_processes(rows)
+        for entry, value in zip(steps, values[len(entries):]):
+            self.callback_metrics[entry.step_key] = value
+            if entry.prog_bar:
+                self.progress_bar_metrics[entry.step_key] = value
         out: dict[str, Any] = {}
         for entry, value in zip(entries, values):
             key = entry.name + "_epoch" if entry.on_step else entry.name
@@ -175,30 +189,31 @@ class MetricCollector:
     def logger_keys(self) -> set[str]:
         return {(e.name + "_epoch" if e.on_step else e.name) for e in self._entries.values() if e.on_epoch and e.logger}
 
-    def _reduce_across_processes(self, entries: list[_Entry]) -> list[Any]:
+    def _reduce_across_processes(self, rows: list[tuple[str, str, Any, Any]]) -> list[Any]:
+        """Reduce ``(name, reduce_fx, total, weight)`` rows: a weighted mean, or a sum / max / min."""
         if self.strategy.world_size == 1:
-            return [e.local_value() for e in entries]
+            return [total / weight if fx == "mean" else total for _, fx, total, weight in rows]
         # One collective per epoch: gather (total, weight) of every key from every rank, reduce here.
         device = self.strategy.root_device
-        names_hash = float(zlib.crc32("\0".join(e.name for e in entries).encode()))
+        names_hash = float(zlib.crc32("\0".join(name for name, *_ in rows).encode()))
         flat = [torch.tensor(names_hash, dtype=torch.float64, device=device)]
-        for e in entries:
-            flat.append(torch.as_tensor(e.total, dtype=torch.float64, device=device).reshape(()))
-            flat.append(torch.as_tensor(e.weight, dtype=torch.float64, device=device).reshape(()))
+        for _, _, total, weight in rows:
+            flat.append(torch.as_tensor(total, dtype=torch.float64, device=device).reshape(()))
+            flat.append(torch.as_tensor(weight, dtype=torch.float64, device=device).reshape(()))
         gathered = self.strategy.all_gather(torch.stack(flat))  # [world, 1 + 2k]
         if not bool((gathered[:, 0] == gathered[0, 0]).all()):
             raise RuntimeError(
                 "Processes logged different metric names at epoch end, so their values cannot be reduced together. "
-                f"This process logged {[e.name for e in entries]}. Log the same names on every rank."
+                f"This process logged {[name for name, *_ in rows]}. Log the same names on every rank."
             )
         results = []
-        for i, e in enumerate(entries):
+        for i, (_, fx, _, _) in enumerate(rows):
             totals, weights = gathered[:, 1 + 2 * i], gathered[:, 2 + 2 * i]
-            if e.reduce_fx == "mean":
+            if fx == "mean":
                 v = totals.sum() / weights.sum()
-            elif e.reduce_fx == "sum":
+            elif fx == "sum":
                 v = totals.sum()
-            elif e.reduce_fx == "max":
+            elif fx == "max":
                 v = totals.max()
             else:
                 v = totals.min()

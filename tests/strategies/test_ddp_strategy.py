@@ -131,7 +131,7 @@ def parity(kind: str, rank: int, world: int, strategy_kwargs=None, **trainer_kwa
     module, trainer = fit(kind, world, DDPStrategy(**(strategy_kwargs or {})), **trainer_kwargs)
     out = {"weights": [t.detach().clone() for t in module.state_dict().values()],
            "comms": [dict(c) for c in module.comms],
-           "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if "step" not in k}}
+           "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
     if rank == 0:
         alone, single = fit(kind, world, "single", **trainer_kwargs)
         out["vs_single_weights"] = diff(list(module.state_dict().values()),
