@@ -367,7 +367,7 @@ def _link_atomic(src: str, dst: str) -> bool:
         except OSError:
             pass
         return False
-    from ember.trainer.checkpoint import _fsync_dir
+    from ember.trainer.checkpoint_io import _fsync_dir
 
     _fsync_dir(os.path.dirname(os.path.abspath(dst)))
     return True
