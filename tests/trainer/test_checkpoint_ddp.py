@@ -2,9 +2,9 @@
 
 One spawn of 2 ranks (``run_ranks``) runs the reference fit, a fit interrupted by a callback
 raising and its resume, and a resume of a single-process checkpoint. DataLoader workers cannot
-start inside those (daemonic) ranks, so the ``num_workers=2`` runs are real ``python`` programs
-launched with ``strategy="ddp"`` (ember re-runs the script for rank 1): one whose rank 1 is
-SIGKILLed, and its resume. Every sample is
+start inside those (daemonic) ranks, so the other runs are real ``python`` programs launched
+with ``strategy="ddp"`` (ember re-runs the script for rank 1): rank 1 SIGKILLed with 0 and with 2
+workers, a callback raising with 2 workers, and each one's resume. Every sample is
 identified by its index, so the tests can check which samples each epoch trained on.
 """
 from __future__ import annotations
@@ -62,22 +62,24 @@ def suite(rank: int, world: int, root: str, single_ckpt: str) -> dict:
     return out
 
 
-def program(mode: str, root: str, out: str) -> None:
-    """One ``python`` run of 2 ranks with 2 DataLoader workers each (see the module doc)."""
+def program(mode: str, root: str, out: str, workers: str = "2") -> None:
+    """One ``python`` run of 2 ranks with ``workers`` DataLoader workers each (see the module doc)."""
     warnings.simplefilter("ignore")
     rank = int(os.environ.get("RANK", "0"))
     if mode == "kill":  # rank 1 dies at step 13, after the checkpoint of step 12
         stop = [R.StopAt(13, (lambda: os.kill(os.getpid(), signal.SIGKILL)) if rank == 1 else (lambda: None))]
-        R.fit(root, 2, stop, strategy="ddp", devices=WORLD)
+        R.fit(root, int(workers), stop, strategy="ddp", devices=WORLD)
+    elif mode == "raise":  # both ranks raise at step 13, after the checkpoint of step 12
+        R.fit(root, int(workers), [R.StopAt(13)], strategy="ddp", devices=WORLD)
     else:
-        module, trainer = R.fit(root, 2, ckpt_path="last", strategy="ddp", devices=WORLD)
+        module, trainer = R.fit(root, int(workers), ckpt_path="last", strategy="ddp", devices=WORLD)
         if rank == 0:
             torch.save({"weights": _weights(module), "ckpt": trainer.ckpt_path, "steps": trainer.global_step}, out)
 
 
-def run_program(mode: str, root: str, out: str) -> int:
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), mode, root, out], start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def run_program(mode: str, root: str, out: str, workers: int = 2) -> int:
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), mode, root, out, str(workers)],
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         output, _ = proc.communicate(timeout=60)
     finally:
@@ -120,13 +122,15 @@ def test_ddp_resume_after_callback_raises_is_bitwise(runs):
         assert_equal_weights(r["ref"], ranks[0]["ref"])
 
 
-def test_ddp_with_workers_resumes_bitwise_after_kill_9_of_a_rank(runs, tmp_path):
+@pytest.mark.parametrize("mode, workers", [("kill", 2), ("kill", 0), ("raise", 2)])
+def test_ddp_program_resumes_bitwise_after_interruption(runs, tmp_path, mode, workers):
+    # kill: rank 1 is SIGKILLed; raise: a callback raises on both ranks. (raise with 0 workers: the suite above.)
     root, out = str(tmp_path / "run"), str(tmp_path / "result.pt")
     last = os.path.join(root, "ckpts", "last.ckpt")
-    code, log = run_program("kill", root, out)
+    code, log = run_program(mode, root, out, workers)
     assert code != 0, log
     assert torch.load(last, weights_only=True)["progress"]["global_step"] == 12, log
-    code, log = run_program("resume", root, out)
+    code, log = run_program("resume", root, out, workers)
     assert code == 0, log
     result = torch.load(out, weights_only=True)
     assert result["ckpt"] == last and result["steps"] == R.EPOCHS * STEPS_PER_EPOCH
@@ -158,4 +162,4 @@ def test_one_rank_to_two_trains_each_sample_once_per_epoch(runs):
 
 
 if __name__ == "__main__":
-    program(*sys.argv[1:4])
+    program(*sys.argv[1:5])
