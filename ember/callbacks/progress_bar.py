@@ -168,7 +168,7 @@ class ProgressBar(Callback):
         if self._lines:
             bar.n = batch_idx + 1
             now = time.monotonic()
-            if bar.due(now):
+            if now >= bar.next_t:  # bar.due(now), inlined: this runs every batch
                 self._print(bar.line(now, self._postfix(trainer), self.line_interval))
             return
         bar.n = batch_idx + 1
@@ -214,7 +214,7 @@ class ProgressBar(Callback):
         if self._lines:
             bar.n += self.refresh_rate
             now = time.monotonic()
-            if bar.due(now):
+            if now >= bar.next_t:  # bar.due(now), inlined: this runs every batch
                 self._print(bar.line(now, {}, self.line_interval))
             return
         bar.update(self.refresh_rate)

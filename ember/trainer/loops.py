@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 
+from ember.strategies.strategy import Strategy
 from ember.trainer.metrics import to_floats
 
 if TYPE_CHECKING:
@@ -147,6 +148,10 @@ class FitLoop:
         # After a batch's bookkeeping and any validation: where checkpoints resume exactly (see checkpoint.py).
         boundary = [getattr(cb, "on_train_step_boundary") for cb in t.callbacks if hasattr(cb, "on_train_step_boundary")]
         preemption = getattr(t, "_preemption", None)
+        # One process only needs to look when a signal arrived; several agree periodically (signals.py).
+        preemption_polls = preemption is not None and strategy.world_size > 1
+        may_validate = bool(t._val_loaders and any(t.num_val_batches))
+        max_steps = t.max_steps
         automatic = t.module.automatic_optimization
         self._bind_step_hooks()
         # Without a length, the stream may end before an int limit does: look ahead to find its last batch.
@@ -185,15 +190,15 @@ class FitLoop:
                     t._optim.step_schedulers("step", p.global_step, t._metrics.callback_metrics)
                 if t.loggers and p.global_step % t.log_every_n_steps == 0:
                     t._log_step_metrics()
-            if t._val_due(batch_idx, is_last):
+            if may_validate and t._val_due(batch_idx, is_last):
                 t._run_evaluation("validate")
                 metrics.resume_stage("train")
             for h in boundary:
                 h(t, t.module)
-            if preemption is not None:
+            if preemption_polls or (preemption is not None and preemption.received is not None):
                 preemption.check()  # on a stop signal (any rank): saves, then raises ember.trainer.signals.Preempted
             # current_epoch counts finished epochs: before min_epochs, finish this one whole.
-            if (t.should_stop and p.current_epoch >= t.min_epochs) or (t.max_steps != -1 and p.global_step >= t.max_steps):
+            if (t.should_stop and p.current_epoch >= t.min_epochs) or (max_steps != -1 and p.global_step >= max_steps):
                 # Stopping mid-epoch: run the epoch-end validation that would otherwise be skipped,
                 # so monitored metrics (checkpointing, early stopping) reflect the final weights.
                 if not is_last and t._val_due_at_epoch_end() and p.val_checks_in_epoch == 0:
@@ -234,6 +239,15 @@ class FitLoop:
         self._h_after_backward = t._hooks("on_after_backward")
         self._h_before_step = t._hooks("on_before_optimizer_step")
         self._autocast = t._precision.autocast if t._precision.autocast_dtype is not None else None
+        # The strategy's verbs, bound once; where a strategy keeps the base behaviour, the step
+        # calls the module / tensor / optimizer directly (one Python frame fewer per verb per step).
+        strategy, base = t.strategy, Strategy
+        self._training_step = (t.module.training_step if type(strategy).training_step is base.training_step
+                               else strategy.training_step)
+        self._backward = torch.Tensor.backward if type(strategy).backward is base.backward else strategy.backward
+        plain_step = t._precision.scaler is None and type(strategy).optimizer_step is base.optimizer_step
+        self._step_optimizer = (lambda opt: opt.step()) if plain_step else \
+            (lambda opt: t._precision.optimizer_step(opt, strategy))
 
     def _automatic_step(self, batch: Any, batch_idx: int, is_last: bool) -> Any:
         t = self.trainer
@@ -254,10 +268,10 @@ class FitLoop:
     def _forward_backward(self, batch: Any, batch_idx: int, pos: int, optimizer: torch.optim.Optimizer) -> Any:
         t = self.trainer
         if self._autocast is None:
-            outputs = t.strategy.training_step(batch, batch_idx)
+            outputs = self._training_step(batch, batch_idx)
         else:
             with self._autocast():
-                outputs = t.strategy.training_step(batch, batch_idx)
+                outputs = self._training_step(batch, batch_idx)
         loss = check_loss(outputs)
         if pos == 0:
             for h in self._h_zero_grad:
@@ -280,7 +294,7 @@ class FitLoop:
                 h(loss)
         if t._precision.scaler is not None:
             scaled = t._precision.scale_loss(scaled)
-        t.strategy.backward(scaled)
+        self._backward(scaled)
         if self._h_after_backward:
             t._metrics.fx = "on_after_backward"
             for h in self._h_after_backward:
@@ -303,7 +317,7 @@ class FitLoop:
                 torch.nn.utils.clip_grad_norm_(params, t.gradient_clip_val)
             else:
                 torch.nn.utils.clip_grad_value_(params, t.gradient_clip_val)
-        precision.optimizer_step(optimizer, t.strategy)
+        self._step_optimizer(optimizer)
         self.stepped_this_batch = True
 
     @staticmethod

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
 
 _REDUCE_FX = ("mean", "sum", "min", "max")
+_FLOAT32 = torch.float32
 # Hooks whose ``self.log`` defaults to per-step values; everything else defaults to per-epoch.
 _STEP_HOOKS = frozenset({
     "training_step", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
@@ -108,11 +109,12 @@ class MetricCollector:
                     "Reduce it first (e.g. .mean()) or log its elements under separate names."
                 )
             value = value.detach()
-            # Half-precision values (bf16/16-mixed autocast) would accumulate in half precision: use float32.
-            if not value.is_floating_point() or value.dtype in (torch.float16, torch.bfloat16):
-                value = value.float()
-            if value.ndim:
-                value = value.reshape(())
+            if value.dtype is not _FLOAT32 or value.ndim:  # the common case (a float32 scalar) skips this
+                # Half-precision values (bf16/16-mixed autocast) would accumulate in half precision: use float32.
+                if not value.is_floating_point() or value.dtype in (torch.float16, torch.bfloat16):
+                    value = value.float()
+                if value.ndim:
+                    value = value.reshape(())
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             value = float(value)
         else:
