@@ -6,7 +6,9 @@ should not pay for the import.
 """
 from __future__ import annotations
 
+import itertools
 import os
+import socket
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -35,10 +37,15 @@ class TensorBoardLogger(FileLogger):
         name: experiment sub-directory ("ember_logs"; "" for none).
         version: int, string (directory name) or None for the next free ``version_N``.
         prefix: put in front of every metric name.
-        flush_secs: how often the background writer flushes to disk. Events are also flushed when
+        flush_secs: how often written events are flushed to disk. Events are also flushed when
             a run ends, successfully or with an error.
-        max_queue: events buffered before a flush is forced.
-        **writer_kwargs: passed on to ``torch.utils.tensorboard.SummaryWriter``.
+        max_queue: for ``experiment`` (the ``SummaryWriter`` for your own images, histograms...).
+        **writer_kwargs: passed on to ``torch.utils.tensorboard.SummaryWriter`` (``experiment``).
+
+    Scalars and hyper-parameters are written by this logger itself, from the training thread, rather
+    than through ``SummaryWriter``'s background thread: a writer thread competes with the training
+    loop for the GIL, which cost about 0.3 ms per logging event on the overhead benchmark, while a
+    direct append (serialise, frame, write; flushed every ``flush_secs``) costs a fraction of that.
     """
 
     def __init__(self, save_dir: str | os.PathLike[str] | None = None, name: str = "ember_logs",
@@ -51,6 +58,7 @@ class TensorBoardLogger(FileLogger):
         self.max_queue = max_queue
         self._writer_kwargs = writer_kwargs
         self._writer: SummaryWriter | None = None
+        self._events: _EventFile | None = None
         self._metric_tags: dict[str, None] = {}  # ordered set of scalar tags written
         self._session_started = False
         self._experiment_written = False
@@ -66,40 +74,45 @@ class TensorBoardLogger(FileLogger):
                                          max_queue=self.max_queue, **self._writer_kwargs)
         return self._writer
 
+    def _event_file(self) -> _EventFile | None:
+        if self._events is None and self._writes:
+            self._events = _EventFile(self.log_dir, self.flush_secs)
+        return self._events
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        writer = self.experiment
-        if writer is None:
+        events = self._event_file()
+        if events is None:
             return
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        # One event holding every value of this call: one queue hand-off to the writer thread
-        # instead of one per scalar (SummaryWriter.add_scalar builds an event per value).
+        # One event holding every value of this call (SummaryWriter.add_scalar builds one per value).
         values = []
         for key, value in metrics.items():
             tag = self.prefix + key
             values.append(Summary.Value(tag=tag, simple_value=value))
             if key != "epoch":
                 self._metric_tags[tag] = None
-        writer._get_file_writer().add_summary(Summary(value=values), step, time.time())
+        events.add_summary(Summary(value=values), step)
 
     def log_hyperparams(self, params: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
         """Write ``params`` to ``hparams.yaml`` and to the HParams dashboard; log ``metrics`` at step 0."""
         if not self._writes:
             return
         super().log_hyperparams(params, metrics)
-        writer = self.experiment
         flat = _flatten(self.hparams)
-        writer._get_file_writer().add_summary(_hparams_summary(session_start=flat))
+        self._event_file().add_summary(_hparams_summary(session_start=flat))
         self._session_started = True
 
     def save(self) -> None:
+        if self._events is not None:
+            self._events.flush()
         if self._writer is not None:
             self._writer.flush()
 
     def finalize(self, status: str) -> None:
         """Record the run's metric names and end status for the HParams dashboard, then flush and close."""
-        if self._writer is not None and self._session_started:
-            file_writer = self._writer._get_file_writer()
+        if self._events is not None and self._session_started:
+            file_writer = self._events
             if not self._experiment_written:
                 # TensorBoard keeps the first experiment summary of a run, so it is written once, at
                 # the end, when every metric name is known.
@@ -113,6 +126,9 @@ class TensorBoardLogger(FileLogger):
         self._close()
 
     def _close(self) -> None:
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         if self._writer is not None:
             self._writer.flush()
             self._writer.close()
@@ -175,3 +191,44 @@ def _hparams_summary(session_start: dict[str, Any] | None = None,
 def default_logger(save_dir: str) -> TensorBoardLogger:
     """The logger ``Trainer(logger=True)`` uses: TensorBoard under ``<save_dir>/ember_logs/``."""
     return TensorBoardLogger(save_dir=save_dir)
+
+
+class _EventFile:
+    """Appends TensorBoard events to one event file, from the calling thread."""
+
+    _count = itertools.count()
+
+    def __init__(self, log_dir: str, flush_secs: float) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        os.makedirs(log_dir, exist_ok=True)
+        # The file name scheme TensorBoard's own writers use; the counter keeps two loggers of one
+        # process (or a reopened one) in separate files.
+        name = "events.out.tfevents.%010d.%s.%s.%s" % (time.time(), socket.gethostname(), os.getpid(),
+                                                       next(self._count))
+        self._event = Event
+        self._records = RecordWriter(open(os.path.join(log_dir, name), "wb"))
+        self._flush_secs = flush_secs
+        self._last_flush = time.monotonic()
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self.flush()
+
+    def add_summary(self, summary: Any, step: int | None = None) -> None:
+        event = self._event(wall_time=time.time(), summary=summary)
+        if step is not None:
+            event.step = int(step)
+        self._write(event)
+
+    def _write(self, event: Any) -> None:
+        self._records.write(event.SerializeToString())
+        if time.monotonic() - self._last_flush >= self._flush_secs:
+            self.flush()
+
+    def flush(self) -> None:
+        self._records.flush()
+        self._last_flush = time.monotonic()
+
+    def close(self) -> None:
+        self._records.flush()
+        self._records.close()
