@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 class Callback:
     """Base class for callbacks. Override the hooks you need; each receives the trainer and module."""
 
+    #: Set to False in a callback whose ``on_train_batch_end`` ignores ``outputs``: when no hook
+    #: reads them, the loop skips building the ``{"loss": detached loss}`` dict every step.
+    uses_step_outputs: bool = True
+
     @property
     def state_key(self) -> str:
         """The key under which this callback's ``state_dict`` is saved in a checkpoint.

@@ -44,6 +44,8 @@ class LearningRateMonitor(Callback):
         log_weight_decay: also log ``<name>-weight_decay``.
     """
 
+    uses_step_outputs = False  # the loop need not build {"loss": ...} for this callback
+
     def __init__(self, logging_interval: str | None = None, log_momentum: bool = False,
                  log_weight_decay: bool = False) -> None:
         if logging_interval not in (None, "step", "epoch"):

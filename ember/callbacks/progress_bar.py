@@ -95,6 +95,8 @@ class ProgressBar(Callback):
         stream: where to write; the ``sys.stdout`` of the moment a run starts by default.
     """
 
+    uses_step_outputs = False  # the loop need not build {"loss": ...} for this callback
+
     def __init__(self, refresh_rate: int = 1, leave: bool = True, mode: str = "auto", line_interval: float = 10.0,
                  stream: TextIO | None = None) -> None:
         if isinstance(refresh_rate, bool) or not isinstance(refresh_rate, int) or refresh_rate < 0:

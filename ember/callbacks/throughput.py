@@ -33,6 +33,8 @@ class ThroughputMonitor(Callback):
         prefix: put in front of the logged names.
     """
 
+    uses_step_outputs = False  # the loop need not build {"loss": ...} for this callback
+
     def __init__(self, batch_size_fn: Callable[[Any], int] | None = None, prefix: str = "throughput/") -> None:
         self.batch_size_fn = batch_size_fn or infer_batch_size
         self.prefix = prefix

@@ -53,6 +53,8 @@ class Timer(Callback):
         verbose: log a line (INFO) when the budget stops training.
     """
 
+    uses_step_outputs = False  # the loop need not build {"loss": ...} for this callback
+
     def __init__(self, duration: str | timedelta | dict[str, float] | float | None = None, interval: str = "step",
                  verbose: bool = True) -> None:
         if interval not in ("step", "epoch"):

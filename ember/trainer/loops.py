@@ -145,6 +145,10 @@ class FitLoop:
         # Look up per-step hooks once: a hook nobody overrides costs nothing inside the loop.
         batch_start = t._hooks("on_train_batch_start")
         batch_end = t._hooks("on_train_batch_end")
+        # Building Lightning's {"loss": detached} outputs costs a detach and a dict per step: only
+        # when a hook may read them (the module's own, or a callback that does not opt out).
+        wants_outputs = any(getattr(getattr(getattr(h, "func", h), "__self__", None), "uses_step_outputs", True)
+                            for h in batch_end)
         # After a batch's bookkeeping and any validation: where checkpoints resume exactly (see checkpoint.py).
         boundary = [getattr(cb, "on_train_step_boundary") for cb in t.callbacks if hasattr(cb, "on_train_step_boundary")]
         preemption = getattr(t, "_preemption", None)
@@ -179,7 +183,7 @@ class FitLoop:
             p.total_batches += 1
             if batch_end:
                 metrics.fx = "on_train_batch_end"
-                if automatic:  # as Lightning: callbacks always see a dict with a detached "loss"
+                if automatic and wants_outputs:  # as Lightning: hooks see a dict with a detached "loss"
                     outputs = _as_output_dict(outputs)
                 for h in batch_end:
                     h(outputs, batch, batch_idx)

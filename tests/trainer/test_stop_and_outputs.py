@@ -65,3 +65,28 @@ def test_early_stop_mid_epoch_validates_once():
     fast_trainer(max_epochs=3, num_sanity_val_steps=0, callbacks=[Count()]).fit(
         BoringModel(), regression_loader(), regression_loader(n=16))
     assert calls == [2]
+
+
+def test_outputs_dict_is_built_only_when_a_hook_may_read_it():
+    seen = []
+
+    class Raw(Callback):
+        uses_step_outputs = False  # declares it ignores outputs
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen.append(outputs)
+
+    fast_trainer(callbacks=[Raw()]).fit(BoringModel(), regression_loader())
+    assert all(isinstance(o, torch.Tensor) for o in seen)  # what training_step returned, untouched
+
+    seen.clear()
+    fast_trainer(callbacks=[Raw(), Callback()]).fit(BoringModel(), regression_loader())
+    assert all(isinstance(o, torch.Tensor) for o in seen)  # Callback() overrides no hook
+
+    class Reads(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            pass
+
+    seen.clear()
+    fast_trainer(callbacks=[Raw(), Reads()]).fit(BoringModel(), regression_loader())
+    assert all(set(o) == {"loss"} for o in seen)  # one hook may read them: everyone gets the dict
