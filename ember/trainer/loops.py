@@ -14,7 +14,6 @@ epoch-interval schedulers.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
@@ -27,7 +26,6 @@ from ember.trainer.metrics import to_floats
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
-_NULL = contextlib.nullcontext()
 
 
 def num_batches(loader: Any, limit: int | float) -> float:
