@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 
-
 def num_batches(loader: Any, limit: int | float) -> float:
     """How many batches of ``loader`` to run under ``limit`` (int count or float fraction)."""
     try:
@@ -155,6 +154,8 @@ class FitLoop:
         may_validate = bool(t._val_loaders and any(t.num_val_batches))
         max_steps = t.max_steps
         automatic = t.module.automatic_optimization
+        # Bound once: the strategy's own transfer unless inputs must also be cast (64-true).
+        to_device = strategy.batch_to_device if t._input_dtype is None else t._batch_to_device
         self._bind_step_hooks()
         # Without a length, the stream may end before an int limit does: look ahead to find its last batch.
         self._sized = _has_len(loader)
@@ -171,7 +172,7 @@ class FitLoop:
                 metrics.fx = "on_train_batch_start"
                 if any(h(batch, batch_idx) == -1 for h in batch_start):
                     break
-            batch = strategy.batch_to_device(batch) if t._input_dtype is None else t._batch_to_device_cast(batch)
+            batch = to_device(batch)
             metrics.fx = "training_step"
             if automatic:
                 outputs = self._automatic_step(batch, batch_idx, is_last)
@@ -379,7 +380,7 @@ def run_evaluation_loop(trainer: Trainer, stage: str, loaders: list[Any], limits
                     metrics.fx = f"on_{hook}_batch_start"
                     for h in batch_start:
                         h(batch, batch_idx, dl_idx)
-                    batch = t.strategy.batch_to_device(batch) if t._input_dtype is None else t._batch_to_device_cast(batch)
+                    batch = t._batch_to_device(batch)
                     metrics.fx = f"{hook}_step"
                     with t._precision.autocast():
                         out = step_fn(batch, batch_idx, *extra)
@@ -422,7 +423,7 @@ def run_predict_loop(trainer: Trainer, loaders: list[Any], limits: list[float]) 
                         break
                     for h in batch_start:
                         h(batch, batch_idx, dl_idx)
-                    batch = t.strategy.batch_to_device(batch) if t._input_dtype is None else t._batch_to_device_cast(batch)
+                    batch = t._batch_to_device(batch)
                     with t._precision.autocast():
                         out = t.strategy.predict_step(batch, batch_idx, *extra)
                     for h in batch_end:

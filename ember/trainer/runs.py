@@ -220,7 +220,10 @@ class _Runs:
         n = self.check_val_every_n_epoch
         return n is not None and (self.progress.current_epoch + 1) % n == 0
 
-    def _batch_to_device_cast(self, batch: Any) -> Any:
+    def _batch_to_device(self, batch: Any) -> Any:
+        """The strategy's transfer, or (64-true) a transfer that also casts floating tensors."""
+        if self._input_dtype is None:
+            return self.strategy.batch_to_device(batch)
         return move_to_device(batch, self.strategy.root_device, self._input_dtype)
 
     @staticmethod
