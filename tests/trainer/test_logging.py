@@ -292,3 +292,17 @@ def test_half_precision_values_are_reduced_in_float32(dtype):
     assert trainer.callback_metrics["mean"].dtype == torch.float32
     assert float(trainer.callback_metrics["mean"]) == pytest.approx(1.0078125, rel=1e-6)
     assert float(trainer.callback_metrics["sum"]) == pytest.approx(300 * 1.0078125, rel=1e-6)
+
+
+def test_to_floats_converts_every_kind_of_value_exactly_and_keeps_the_order():
+    from ember.trainer.metrics import to_floats
+
+    bf16 = torch.tensor(1.0078125, dtype=torch.bfloat16)  # exactly representable in bfloat16
+    metrics = {"z": 3, "f64": torch.tensor(0.1, dtype=torch.float64), "bf16": bf16, "i": torch.tensor(7),
+               "one": torch.tensor([2.5]), "flag": torch.tensor(True), "py": 0.25,
+               "grad": torch.tensor(4.0, requires_grad=True) * 1}
+    out = to_floats(metrics)
+    assert list(out) == list(metrics)
+    assert out == {"z": 3.0, "f64": 0.1, "bf16": 1.0078125, "i": 7.0, "one": 2.5, "flag": 1.0, "py": 0.25,
+                   "grad": 4.0}
+    assert all(type(v) is float for v in out.values())
