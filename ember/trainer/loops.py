@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -93,6 +93,11 @@ def check_loss(output: Any) -> torch.Tensor | None:
     return loss
 
 
+def _warn_skipped(batch_idx: int) -> None:
+    warnings.warn(f"training_step returned None for batch {batch_idx}: skipping its backward and optimizer step.",
+                  UserWarning, stacklevel=3)
+
+
 class FitLoop:
     """Runs epochs of training with validation interleaved. Holds no state that progress doesn't."""
 
@@ -156,7 +161,10 @@ class FitLoop:
         automatic = t.module.automatic_optimization
         # Bound once: the strategy's own transfer unless inputs must also be cast (64-true).
         to_device = strategy.batch_to_device if t._input_dtype is None else t._batch_to_device
-        self._bind_step_hooks()
+        step = self._bind_step_hooks()
+        schedulers = t._optim.schedulers if automatic else None  # manual optimization steps its own schedulers
+        loggers, log_every = t.loggers, t.log_every_n_steps
+        last_idx = n_batches - 1 if n_batches != math.inf else -1
         # Without a length, the stream may end before an int limit does: look ahead to find its last batch.
         self._sized = _has_len(loader)
         stream = ((b, False) for b in loader) if self._sized else _lookahead(loader)
@@ -165,8 +173,7 @@ class FitLoop:
             batch_idx += 1
             if batch_idx >= n_batches:
                 break
-            if n_batches != math.inf:
-                is_last = is_last or batch_idx == n_batches - 1
+            is_last = is_last or batch_idx == last_idx
             metrics.set_batch(batch)
             if batch_start:
                 metrics.fx = "on_train_batch_start"
@@ -174,10 +181,7 @@ class FitLoop:
                     break
             batch = to_device(batch)
             metrics.fx = "training_step"
-            if automatic:
-                outputs = self._automatic_step(batch, batch_idx, is_last)
-            else:
-                outputs = self._manual_step(batch, batch_idx)
+            outputs = step(batch, batch_idx, is_last)
             p.batch_in_epoch = batch_idx + 1
             p.total_batches += 1
             if batch_end:
@@ -189,9 +193,9 @@ class FitLoop:
             if self.stepped_this_batch:
                 self.stepped_this_batch = False
                 p.global_step += 1
-                if automatic and t._optim.schedulers:  # manual optimization steps its own schedulers
-                    t._optim.step_schedulers("step", p.global_step, t._metrics.callback_metrics)
-                if t.loggers and p.global_step % t.log_every_n_steps == 0:
+                if schedulers:
+                    t._optim.step_schedulers("step", p.global_step, metrics.callback_metrics)
+                if loggers and p.global_step % log_every == 0:
                     t._log_step_metrics()
             if may_validate and t._val_due(batch_idx, is_last):
                 t._run_evaluation("validate")
@@ -234,8 +238,8 @@ class FitLoop:
             t._optim.step_schedulers("epoch", p.current_epoch, t._metrics.callback_metrics)
 
     # ------------------------------------------------------------------ one batch
-    def _bind_step_hooks(self) -> None:
-        """Resolve the per-step hooks once per epoch, so the step does no lookups."""
+    def _bind_step_hooks(self) -> Callable[[Any, int, bool], Any]:
+        """Resolve the per-step hooks once per epoch, so the step does no lookups; return the step to run."""
         t = self.trainer
         self._h_zero_grad = t._hooks("on_before_zero_grad")
         self._h_before_backward = t._hooks("on_before_backward")
@@ -251,6 +255,27 @@ class FitLoop:
         plain_step = t._precision.scaler is None and type(strategy).optimizer_step is base.optimizer_step
         self._step_optimizer = (lambda opt: opt.step()) if plain_step else \
             (lambda opt: t._precision.optimizer_step(opt, strategy))
+        if not t.module.automatic_optimization:
+            return self._manual_step
+        self._optimizer = t._optim.optimizers[0]
+        # The common case (one step per batch, no scaling, clipping or step hooks) runs in one frame.
+        simple = (t.accumulate_grad_batches == 1 and self._autocast is None and plain_step and not t.gradient_clip_val
+                  and not (self._h_zero_grad or self._h_before_backward or self._h_after_backward or self._h_before_step))
+        return self._simple_step if simple else self._automatic_step
+
+    def _simple_step(self, batch: Any, batch_idx: int, is_last: bool) -> Any:
+        """``_automatic_step`` when it reduces to forward, zero_grad, backward, step (same order, same result)."""
+        outputs = self._training_step(batch, batch_idx)
+        loss = check_loss(outputs)
+        optimizer = self._optimizer
+        optimizer.zero_grad(set_to_none=True)
+        if loss is None:
+            _warn_skipped(batch_idx)
+            return outputs
+        self._backward(loss)
+        optimizer.step()
+        self.stepped_this_batch = True
+        return outputs
 
     def _automatic_step(self, batch: Any, batch_idx: int, is_last: bool) -> Any:
         t = self.trainer
@@ -282,8 +307,7 @@ class FitLoop:
             optimizer.zero_grad(set_to_none=True)
             self._window_has_grad = False
         if loss is None:
-            warnings.warn(f"training_step returned None for batch {batch_idx}: skipping its backward and "
-                          "optimizer step.", UserWarning, stacklevel=2)
+            _warn_skipped(batch_idx)
             return outputs
         scaled = loss
         k = t.accumulate_grad_batches
@@ -330,7 +354,7 @@ class FitLoop:
                 if p.grad is not None:
                     p.grad.mul_(factor)
 
-    def _manual_step(self, batch: Any, batch_idx: int) -> Any:
+    def _manual_step(self, batch: Any, batch_idx: int, is_last: bool = False) -> Any:
         t = self.trainer
         with t._precision.autocast():
             outputs = t.strategy.training_step(batch, batch_idx)

@@ -100,6 +100,37 @@ def test_parity_with_a_plain_pytorch_loop():
     assert losses[-1] < losses[0]  # it actually trained
 
 
+class _StepHook(ember.callbacks.Callback):
+    """Overrides a step hook, so the loop runs its general step instead of the one-frame simple step."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.calls += 1
+
+
+def test_simple_and_general_step_paths_train_bit_identically(monkeypatch):
+    from ember.trainer.loops import FitLoop
+
+    simple_calls = []
+    real = FitLoop._simple_step
+    monkeypatch.setattr(FitLoop, "_simple_step", lambda self, *a: simple_calls.append(1) or real(self, *a))
+    runs = []
+    for callbacks in ([], [_StepHook()]):
+        ember.seed_everything(5)
+        module = MLP()
+        trainer = fast_trainer(max_epochs=2, num_sanity_val_steps=0, callbacks=callbacks)
+        trainer.fit(module, DataLoader(regression_data(40), batch_size=8, shuffle=True))
+        runs.append((module, trainer.global_step))
+    assert len(simple_calls) == 10  # the first run took the simple path for every batch, the second never
+    assert callbacks[0].calls == 10  # the hook ran: the second run took the general path
+    (simple, steps_a), (general, steps_b) = runs
+    assert steps_a == steps_b == 10
+    assert simple.losses == general.losses
+    assert_same_weights(simple, general, atol=0)
+
+
 @pytest.mark.parametrize("k", [2, 3])
 def test_accumulation_equals_hand_written_loop_with_short_final_window(k):
     # 5 batches: k=2 -> windows of 2, 2, 1; k=3 -> 3, 2 (the short final window is averaged over its size).
