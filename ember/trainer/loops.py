@@ -14,6 +14,7 @@ epoch-interval schedulers.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -167,7 +168,8 @@ class FitLoop:
         last_idx = n_batches - 1 if n_batches != math.inf else -1
         # Without a length, the stream may end before an int limit does: look ahead to find its last batch.
         self._sized = _has_len(loader)
-        stream = ((b, False) for b in loader) if self._sized else _lookahead(loader)
+        # (zip and repeat are C iterators: no Python frame per batch, unlike a generator expression)
+        stream = zip(loader, itertools.repeat(False)) if self._sized else _lookahead(loader)
         batch_idx = start - 1
         for batch, is_last in stream:
             batch_idx += 1

@@ -103,13 +103,13 @@ class MetricCollector:
         if entry is None:
             entry = self._new_entry(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
         if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(
-                    f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; only scalars can be logged. "
-                    "Reduce it first (e.g. .mean()) or log its elements under separate names."
-                )
             value = value.detach()
-            if value.dtype is not _FLOAT32 or value.ndim:  # the common case (a float32 scalar) skips this
+            if value.ndim or value.dtype is not _FLOAT32:  # the common case (a float32 scalar) skips this
+                if value.numel() != 1:
+                    raise ValueError(
+                        f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; only scalars can be "
+                        "logged. Reduce it first (e.g. .mean()) or log its elements under separate names."
+                    )
                 # Half-precision values (bf16/16-mixed autocast) would accumulate in half precision: use float32.
                 if not value.is_floating_point() or value.dtype in (torch.float16, torch.bfloat16):
                     value = value.float()
