@@ -120,11 +120,16 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as root:
         configs = {**CONFIGS, **optional_configs(root)}
-        plain_loop(batches)  # warm-up
-        for cfg in configs.values():
-            ember_loop(batches, cfg, root)
-        results: dict[str, list[float]] = {"plain": [], **{k: [] for k in configs}}
         stdout = sys.stdout
+        plain_loop(batches)  # warm-up
+        with open(os.devnull, "w") as devnull:
+            sys.stdout = devnull
+            try:
+                for cfg in configs.values():
+                    ember_loop(batches, cfg, root)
+            finally:
+                sys.stdout = stdout
+        results: dict[str, list[float]] = {"plain": [], **{k: [] for k in configs}}
         order = ["plain", *configs]
         rng = random.Random(0)
         for _ in range(args.rounds):
@@ -142,10 +147,14 @@ def main() -> None:
 
     plain = statistics.median(results["plain"])
     print(f"per-step time, median of {args.rounds} rounds x {args.steps} steps (MLP 32-64-10, batch 64, 1 thread)")
+    print("  (paired: the median and quartiles of each round's own ember/plain ratio, a check on the noise)")
     print(f"  {'plain PyTorch loop':28s} {plain * 1e6:8.1f} us   1.000x")
     for name in configs:
         t = statistics.median(results[name])
-        print(f"  {'ember ' + name:28s} {t * 1e6:8.1f} us   {t / plain:.3f}x  (+{(t / plain - 1) * 100:.1f}%)")
+        ratios = [e / p for e, p in zip(results[name], results["plain"])]
+        q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        print(f"  {'ember ' + name:28s} {t * 1e6:8.1f} us   {t / plain:.3f}x  (+{(t / plain - 1) * 100:.1f}%)"
+              f"   paired +{(q2 - 1) * 100:.1f}% [+{(q1 - 1) * 100:.1f}%, +{(q3 - 1) * 100:.1f}%]")
 
     t_torch = import_time("import torch", 5)
     t_ember = import_time("import ember", 5)

@@ -176,7 +176,8 @@ class FitLoop:
             if batch_idx >= n_batches:
                 break
             is_last = is_last or batch_idx == last_idx
-            metrics.set_batch(batch)
+            metrics.batch = batch
+            metrics.batch_size = None
             if batch_start:
                 metrics.fx = "on_train_batch_start"
                 if any(h(batch, batch_idx) == -1 for h in batch_start):
@@ -268,7 +269,9 @@ class FitLoop:
     def _simple_step(self, batch: Any, batch_idx: int, is_last: bool) -> Any:
         """``_automatic_step`` when it reduces to forward, zero_grad, backward, step (same order, same result)."""
         outputs = self._training_step(batch, batch_idx)
-        loss = check_loss(outputs)
+        # The usual return (a scalar tensor that requires grad) needs no further checking.
+        loss = outputs if type(outputs) is torch.Tensor and outputs.requires_grad and not outputs.ndim \
+            else check_loss(outputs)
         optimizer = self._optimizer
         optimizer.zero_grad(set_to_none=True)
         if loss is None:
@@ -402,7 +405,8 @@ def run_evaluation_loop(trainer: Trainer, stage: str, loaders: list[Any], limits
                 for batch_idx, batch in enumerate(loader):
                     if batch_idx >= limit:
                         break
-                    metrics.set_batch(batch)
+                    metrics.batch = batch
+                    metrics.batch_size = None
                     metrics.fx = f"on_{hook}_batch_start"
                     for h in batch_start:
                         h(batch, batch_idx, dl_idx)

@@ -70,8 +70,10 @@ class MetricCollector:
         self.key_suffix = ""
         self._stages: dict[str, dict[str, _Entry]] = {}
         self._entries: dict[str, _Entry] = {}
-        self._batch: Any = None
-        self._batch_size: int | None = None
+        #: The batch being processed and its inferred size (None until a mean needs it). The loops
+        #: set both per batch as plain attribute stores (no call on the per-step path).
+        self.batch: Any = None
+        self.batch_size: int | None = None
         #: Latest value of every key: what callbacks (checkpointing, early stopping) read.
         self.callback_metrics: dict[str, Any] = {}
         self.progress_bar_metrics: dict[str, Any] = {}
@@ -88,10 +90,6 @@ class MetricCollector:
         """Switch back to ``stage`` keeping its accumulations (training after a mid-epoch validation)."""
         self.stage = stage
         self._entries = self._stages.setdefault(stage, {})
-
-    def set_batch(self, batch: Any) -> None:
-        self._batch = batch
-        self._batch_size = None
 
     # ------------------------------------------------------------------ what self.log calls
     def log(self, name: str, value: Any, *, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
@@ -131,9 +129,9 @@ class MetricCollector:
                 self.pending_step_logs[key] = step_value
         if entry.on_epoch:
             if batch_size is None and entry.reduce_fx == "mean":
-                if self._batch_size is None:
-                    self._batch_size = infer_batch_size(self._batch)
-                batch_size = self._batch_size
+                if self.batch_size is None:
+                    self.batch_size = infer_batch_size(self.batch)
+                batch_size = self.batch_size
             entry.accumulate(value, batch_size or 1)
 
     def _new_entry(self, name: str, value: Any, prog_bar: bool, logger: bool, on_step: bool | None,
