@@ -106,6 +106,7 @@ class FitLoop:
         self.trainer = trainer
         self.stepped_this_batch = False
         self._window_has_grad = False
+        self._keep_train_stage = False  # the first epoch keeps what on_train_start logged
         self._sized = True  # whether the train loader has a length (set per epoch)
 
     # ------------------------------------------------------------------ fit
@@ -114,6 +115,12 @@ class FitLoop:
         p = t.progress
         if t.num_sanity_val_steps and any(t.num_val_batches) and p.global_step == 0 and p.batch_in_epoch == 0:
             t._run_evaluation("sanity")
+        if p.batch_in_epoch == 0 or p.epoch_finished:
+            # Values logged in on_train_start (per epoch by default) count toward the first epoch run.
+            t._metrics.start_stage("train")
+            self._keep_train_stage = True
+        else:
+            t._metrics.resume_stage("train")  # mid-epoch resume: keep the restored accumulations
         t._call("on_train_start")
         while not self._done():
             self.run_epoch()
@@ -137,10 +144,11 @@ class FitLoop:
             self._finish_epoch()
             return
         start = p.batch_in_epoch  # > 0 only when resuming mid-epoch
-        if start == 0:
+        if start == 0 and not self._keep_train_stage:
             metrics.start_stage("train")
         else:
             metrics.resume_stage("train")
+        self._keep_train_stage = False
         metrics.fx = "on_train_epoch_start"
         t._call("on_train_epoch_start")
         t._set_loader_epoch(loader, p.current_epoch, start)

@@ -306,3 +306,20 @@ def test_to_floats_converts_every_kind_of_value_exactly_and_keeps_the_order():
     assert out == {"z": 3.0, "f64": 0.1, "bf16": 1.0078125, "i": 7.0, "one": 2.5, "flag": 1.0, "py": 0.25,
                    "grad": 4.0}
     assert all(type(v) is float for v in out.values())
+
+
+class LogsAtTrainStart(Logs):
+    def on_train_start(self):
+        self.log("at_start", 3.0)
+
+
+@pytest.mark.parametrize("sanity", [0, 2])
+def test_values_logged_in_on_train_start_belong_to_the_first_epoch(sanity):
+    logger = RecordingLogger()
+    trainer = fast_trainer(logger=logger, log_every_n_steps=1, max_epochs=2, num_sanity_val_steps=sanity)
+    module = LogsAtTrainStart(only("training_step", lambda m, b, i: m.log("a", batch_mean(b), on_epoch=True)))
+    trainer.fit(module, value_loader([1.0, 2.0, 3.0, 4.0], 2), value_loader([1.0, 2.0], 2) if sanity else None)
+    assert trainer.history[0]["at_start"] == 3.0
+    assert trainer.history[0]["a_epoch"] == trainer.history[1]["a_epoch"] == 2.5
+    assert logger.steps_with("at_start") == [2]  # written with the first epoch's values, at its last step
+    assert trainer.callback_metrics["at_start"] == 3.0
