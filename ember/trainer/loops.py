@@ -436,7 +436,8 @@ def run_evaluation_loop(trainer: Trainer, stage: str, loaders: list[Any], limits
     floats = to_floats(epoch_metrics)
     if not many:
         return [floats]
-    return [{k: v for k, v in floats.items() if k.endswith(s)} for s in suffixes]
+    # Each loader's dict: its own keys, and keys logged outside any loader (in the epoch hooks), as Lightning.
+    return [{k: v for k, v in floats.items() if k.endswith(s) or "/dataloader_idx_" not in k} for s in suffixes]
 
 
 def run_predict_loop(trainer: Trainer, loaders: list[Any], limits: list[float]) -> list[list[Any]]:

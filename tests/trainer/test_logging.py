@@ -230,6 +230,17 @@ def test_multiple_validation_loaders_get_a_suffix():
     assert trainer.callback_metrics["v/dataloader_idx_1"] == pytest.approx(5.0)
 
 
+class LogsAtValidationEpochEnd(Logs):
+    def on_validation_epoch_end(self):
+        self.log("overall", 7.0)
+
+
+def test_several_loaders_results_hold_their_own_keys_and_those_logged_outside_any_loader():
+    module = LogsAtValidationEpochEnd(only("validation_step", lambda m, b, i: m.log("v", batch_mean(b))))
+    results = fast_trainer().validate(module, [value_loader([1.0] * 4, 2), value_loader([5.0] * 4, 2)])
+    assert results == [{"v/dataloader_idx_0": 1.0, "overall": 7.0}, {"v/dataloader_idx_1": 5.0, "overall": 7.0}]
+
+
 # ---------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("value,err,match", [
     (torch.ones(3), ValueError, r"self.log\('bad', ...\) got a tensor of shape \(3,\); only scalars can be logged"),
