@@ -14,6 +14,7 @@ epoch-interval schedulers.
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import warnings
@@ -92,6 +93,15 @@ def check_loss(output: Any) -> torch.Tensor | None:
         raise ValueError("training_step returned a loss that does not require grad, so nothing can be trained. "
                          "Was it computed under torch.no_grad(), or detached (.item(), .detach())?")
     return loss
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure (LBFGS and similar line-search optimizers)."""
+    try:
+        param = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a builtin or otherwise opaque step
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
 
 
 def _warn_skipped(batch_idx: int) -> None:
@@ -269,6 +279,9 @@ class FitLoop:
         if not t.module.automatic_optimization:
             return self._manual_step
         self._optimizer = t._optim.optimizers[0]
+        if _needs_closure(self._optimizer):
+            self._check_closure_optimizer()
+            return self._closure_step
         # The common case (one step per batch, no scaling, clipping or step hooks) runs in one frame.
         simple = (t.accumulate_grad_batches == 1 and self._autocast is None and plain_step and not t.gradient_clip_val
                   and not (self._h_zero_grad or self._h_before_backward or self._h_after_backward or self._h_before_step))
@@ -306,7 +319,8 @@ class FitLoop:
         with t.strategy.no_backward_sync():  # not the window's last batch: no gradient communication
             return self._forward_backward(batch, batch_idx, pos, optimizer)
 
-    def _forward_backward(self, batch: Any, batch_idx: int, pos: int, optimizer: torch.optim.Optimizer) -> Any:
+    def _forward_backward(self, batch: Any, batch_idx: int, pos: int, optimizer: torch.optim.Optimizer,
+                          may_skip: bool = True) -> Any:
         t = self.trainer
         if self._autocast is None:
             outputs = self._training_step(batch, batch_idx)
@@ -320,7 +334,8 @@ class FitLoop:
             optimizer.zero_grad(set_to_none=True)
             self._window_has_grad = False
         if loss is None:
-            _warn_skipped(batch_idx)
+            if may_skip:
+                _warn_skipped(batch_idx)
             return outputs
         scaled = loss
         k = t.accumulate_grad_batches
@@ -343,6 +358,12 @@ class FitLoop:
         return outputs
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._before_optimizer_step(optimizer)
+        self._step_optimizer(optimizer)
+        self.stepped_this_batch = True
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Between the last backward and the step: unscale, ``on_before_optimizer_step``, clip."""
         t = self.trainer
         precision = t._precision
         if precision.scaler is not None:
@@ -357,8 +378,43 @@ class FitLoop:
                 torch.nn.utils.clip_grad_norm_(params, t.gradient_clip_val)
             else:
                 torch.nn.utils.clip_grad_value_(params, t.gradient_clip_val)
-        self._step_optimizer(optimizer)
+
+    def _closure_step(self, batch: Any, batch_idx: int, is_last: bool) -> Any:
+        """One batch with an optimizer that evaluates the loss itself (LBFGS): ``optimizer.step(closure)``.
+
+        The closure runs training_step, zero_grad, backward and the pre-step work (hooks, clipping),
+        as Lightning's does; the optimizer may call it several times per batch. The batch's outputs
+        are those of the first call.
+        """
+        optimizer = self._optimizer
+        first: list[Any] = []
+
+        def closure() -> torch.Tensor:
+            outputs = self._forward_backward(batch, batch_idx, 0, optimizer, may_skip=False)
+            loss = check_loss(outputs)
+            if loss is None:
+                raise ValueError(f"training_step returned None for batch {batch_idx}, but {type(optimizer).__name__} "
+                                 "needs the loss from every closure call, so the batch cannot be skipped. Return a "
+                                 "loss, or use an optimizer whose step takes no closure.")
+            self._before_optimizer_step(optimizer)
+            if not first:
+                first.append(outputs)
+            return loss
+
+        self.trainer._precision.optimizer_step(optimizer, self.trainer.strategy, closure)
         self.stepped_this_batch = True
+        return first[0] if first else None
+
+    def _check_closure_optimizer(self) -> None:
+        t = self.trainer
+        name = type(self._optimizer).__name__
+        if t.accumulate_grad_batches > 1:
+            raise ValueError(f"{name}.step needs a closure that computes the loss, which cannot be combined with "
+                             f"gradient accumulation (accumulate_grad_batches={t.accumulate_grad_batches}). Use "
+                             "accumulate_grad_batches=1, or an optimizer whose step takes no closure.")
+        if t._precision.scaler is not None:
+            raise ValueError(f"{name}.step needs a closure, which a gradient scaler (precision='16-mixed') cannot "
+                             "drive. Use precision='bf16-mixed' or '32-true' with this optimizer.")
 
     @staticmethod
     def _rescale_grads(optimizer: torch.optim.Optimizer, factor: float) -> None:

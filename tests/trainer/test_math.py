@@ -243,3 +243,76 @@ class Linear(MLP):
     def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+
+
+class LBFGSLinear(ember.TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.calls = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.calls += 1
+        x, y = batch
+        return F.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=5)
+
+
+def test_lbfgs_gets_a_closure_and_equals_a_hand_written_loop():
+    ember.seed_everything(3)
+    module = LBFGSLinear()
+    reference = copy.deepcopy(module)
+    loader = regression_loader(n=32, batch_size=16)
+
+    opt = reference.configure_optimizers()
+    for _ in range(2):
+        for x, y in loader:
+            def closure(x=x, y=y):
+                opt.zero_grad()
+                loss = F.mse_loss(reference.layer(x), y)
+                loss.backward()
+                return loss
+            opt.step(closure)
+
+    trainer = fast_trainer(max_epochs=2, num_sanity_val_steps=0)
+    trainer.fit(module, loader)
+    assert trainer.global_step == 4  # one step per batch, however often the closure ran
+    assert module.calls > 4  # LBFGS evaluated the loss several times per step
+    assert_same_weights(module, reference, atol=1e-6)
+
+
+def test_lbfgs_runs_the_step_hooks_inside_each_closure_call():
+    calls = []
+
+    class Hooks(ember.callbacks.Callback):
+        def on_before_backward(self, trainer, module, loss):
+            calls.append("backward")
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            calls.append("step")
+
+    module = LBFGSLinear()
+    fast_trainer(max_epochs=1, limit_train_batches=1, callbacks=[Hooks()], gradient_clip_val=0.5).fit(
+        module, regression_loader())
+    assert calls == ["backward", "step"] * module.calls
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(accumulate_grad_batches=2), r"LBFGS.step needs a closure .* gradient accumulation \(accumulate_grad_batches=2\)"),
+    (dict(precision="16-mixed"), r"LBFGS.step needs a closure, which a gradient scaler \(precision='16-mixed'\) cannot"),
+])
+def test_lbfgs_with_what_cannot_drive_a_closure_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fast_trainer(**kwargs).fit(LBFGSLinear(), regression_loader())
+
+
+def test_lbfgs_cannot_skip_a_batch():
+    class Skips(LBFGSLinear):
+        def training_step(self, batch, batch_idx):
+            return None
+
+    with pytest.raises(ValueError, match=r"training_step returned None for batch 0, but LBFGS needs the loss from "
+                                         r"every closure call"):
+        fast_trainer().fit(Skips(), regression_loader())
