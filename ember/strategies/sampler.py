@@ -120,16 +120,35 @@ class ShardedSampler(Sampler[int]):
             self.seed = None
         self._iterated = True
         order = self.global_order()
+        end = self._end(start)
+        while len(order) < end:  # a resume on another number of ranks: pad what is left, see _end
+            order += order[: end - len(order)]
         self._handed_out = start
-        return self._shard(order, start)
+        return self._shard(order, start, end)
 
-    def _shard(self, order: list[int], start: int) -> Iterator[int]:
-        for position in range(start + self.rank, len(order), self.num_replicas):
+    def _end(self, start: int) -> int:
+        """Where an iteration starting at global position ``start`` ends.
+
+        In training, the samples left after ``start`` are padded to a multiple of the ranks: a
+        checkpoint written on another number of ranks can resume at any position, and every rank
+        must still take the same number of steps (one step fewer on one rank would leave the
+        others waiting in the gradient all-reduce). At most ``W - 1`` samples repeat. On the
+        number of ranks that wrote the checkpoint this is the epoch's own padded end.
+        """
+        n = self.num_samples
+        if not self.even:
+            return max(n, start)
+        if start >= n:  # every sample of the epoch was handed out (the rest was padding)
+            return start
+        return start + -(-(n - start) // self.num_replicas) * self.num_replicas
+
+    def _shard(self, order: list[int], start: int, end: int) -> Iterator[int]:
+        for position in range(start + self.rank, end, self.num_replicas):
             self._handed_out = position - self.rank + self.num_replicas
             yield order[position]
 
     def __len__(self) -> int:
-        remaining = self._total() - self._start
+        remaining = self._end(self._start) - self._start
         return max(0, -(-(remaining - self.rank) // self.num_replicas))
 
     # ------------------------------------------------------------------ resuming

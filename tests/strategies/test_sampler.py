@@ -72,11 +72,36 @@ def test_resume_mid_epoch_continues_with_the_next_unseen_samples_on_any_world(ne
     for rank in range(new_world):
         s = ShardedSampler(24, new_world, rank, seed=None)
         s.load_state_dict(state)
-        assert s.resuming and len(s) == len(range(8 + rank, 24, new_world))
+        assert s.resuming and len(s) == -(-16 // new_world)  # the 16 left, padded to a multiple of the ranks
         resumed.append(list(s))
         assert not s.resuming
+    assert len({len(part) for part in resumed}) == 1  # every rank takes the same number of steps
     everything = [i for part in seen for i in part] + [i for part in resumed for i in part]
-    assert sorted(everything) == list(range(24))
+    assert set(everything) == set(range(24)) and len(everything) - 24 <= new_world - 1
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 4), st.integers(1, 40), st.booleans())
+def test_training_resume_on_any_world_gives_equal_shards_of_what_is_left(n, old_world, new_world, position, even):
+    # (position >= 1: a state at position 0 is a fresh epoch, which draws its own seed)
+    total = -(-n // old_world) * old_world if even else n
+    position = min(position, total)
+    order = ShardedSampler(n, old_world, 0, seed=3, even=even).global_order()
+    state = {"seed": 3, "epoch": 0, "position": position}
+    parts = []
+    for rank in range(new_world):
+        s = ShardedSampler(n, new_world, rank, even=even)
+        s.load_state_dict(state)
+        expected = len(s)
+        parts.append(list(s))
+        assert len(parts[-1]) == expected
+    left = order[position:n]  # the samples not yet handed out (positions past n are padding)
+    flat = [i for part in parts for i in part]
+    if even:
+        assert len({len(p) for p in parts}) == 1  # equal steps on every rank: no rank waits forever
+        assert set(left) <= set(flat) and len(flat) - len(left) <= new_world - 1
+    else:
+        assert sorted(flat) == sorted(left)  # evaluation: no padding, no duplicates
 
 
 def test_state_dict_reports_what_was_handed_out():
