@@ -153,6 +153,9 @@ def _sampler_state(trainer: Trainer) -> dict[str, Any] | None:
     # Batches the loop consumed, not what the sampler handed out: workers prefetch ahead.
     batch_size = getattr(loader, "batch_size", None) or 1
     consumed = trainer.progress.batch_in_epoch * batch_size * trainer.strategy.world_size
+    offset = trainer._position_offset
+    if offset is not None and offset[0] == trainer.progress.current_epoch:
+        consumed += offset[1]  # this epoch was resumed from a checkpoint of another number of ranks
     total = _dataset_len(loader)
     state["position"] = min(consumed, total) if total is not None else consumed
     state["epoch"] = trainer.progress.current_epoch
@@ -401,15 +404,28 @@ def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) ->
     world = trainer.strategy.world_size
     loader = trainer._train_loader
     sampler = resumable_sampler_of(loader)
-    if saved is not None and saved_world != world and progress.batch_in_epoch and not progress.epoch_finished:
+    new_world = saved is not None and saved_world != world and progress.batch_in_epoch and not progress.epoch_finished
+    if new_world:
         # Continue from the next unseen sample of the global order, counted in this run's batches.
         batch_size = getattr(loader, "batch_size", None) or saved.get("batch_size", 1)
         progress.batch_in_epoch = math.ceil(saved["position"] / (batch_size * world))
     if sampler is not None:
         if saved is not None:
+            full = _len_or_none(loader)
             # An epoch whose end already ran continues with the next epoch, from its first sample.
             position = 0 if progress.epoch_finished else saved["position"]
             sampler.load_state_dict({"seed": saved["seed"], "epoch": saved["epoch"], "position": position})
+            left = _len_or_none(loader)
+            if new_world and full is not None and left is not None:
+                # What is left of the epoch is padded to a multiple of this run's ranks (see
+                # ShardedSampler._end): count as done what this run's epoch length leaves over, so
+                # the loop runs exactly the batches the sampler still yields on every rank...
+                progress.batch_in_epoch = max(0, full - left)
+            if new_world:
+                # ...and remember how far that count is from the global position, so checkpoints
+                # written later in this epoch record where it really is.
+                trainer._position_offset = (progress.current_epoch,
+                                            saved["position"] - progress.batch_in_epoch * batch_size * world)
         return
     if progress.batch_in_epoch and not progress.epoch_finished:
         warnings.warn(f"Resuming mid-epoch from {path!r} with a train loader ember cannot resume at the sampler level: "
@@ -417,6 +433,13 @@ def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) ->
                       "order matches the interrupted run only if the loader's order is deterministic. Use a plain "
                       "DataLoader (map-style dataset, default sampler) for an exact resume.", UserWarning)
         trainer._train_loader = SkipFirstBatches(loader, progress.batch_in_epoch)
+
+
+def _len_or_none(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def _restore_rng(trainer: Trainer, ckpt: dict[str, Any]) -> None:

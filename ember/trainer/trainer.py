@@ -167,6 +167,9 @@ class Trainer(_Runs):
         self._loop = loops.FitLoop(self)
         self._hook_table: dict[tuple[str, Any], list[Callable[..., Any]]] = {}
         self._train_loader: Any = None
+        #: ``(epoch, samples)``: where a resume on another number of ranks left the global position
+        #: of that epoch relative to ``batch_in_epoch * batch_size * world_size`` (see checkpoint.py).
+        self._position_offset: tuple[int, int] | None = None
         self._val_loaders: list[Any] = []
         self.num_training_batches: float = 0
         self.num_val_batches: list[float] = []

@@ -161,5 +161,36 @@ def test_one_rank_to_two_trains_each_sample_once_per_epoch(runs):
     assert sorted(epoch2) == list(range(R.N))
 
 
+def resume_on_three(rank: int, world: int, root: str, ckpt: str) -> tuple[list[int], int]:
+    _join(rank, world)
+    every_4 = R.ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=4, save_top_k=-1)
+    module, trainer = R.fit(root, 0, ckpt_path=ckpt, checkpoint=every_4, batch_size=1, strategy="ddp", devices=world)
+    return module.seen, trainer.global_step
+
+
+@pytest.mark.filterwarnings("ignore:ModelCheckpoint. the checkpoint's callback state")
+def test_one_rank_to_three_with_what_is_left_not_a_multiple_of_three(tmp_path):
+    # Batch 1, stopped after 16 steps: 32 samples of epoch 0 are left, which 3 ranks cannot share evenly.
+    # Every rank must still take the same number of steps (11, one sample padded twice), or the ranks
+    # with fewer would leave the others waiting in the gradient all-reduce.
+    single = str(tmp_path / "single")
+    with pytest.raises(RuntimeError):
+        R.fit(single, callbacks=[R.StopAt(17)], batch_size=1)
+    ckpt = os.path.join(single, "ckpts", "last.ckpt")
+    assert torch.load(ckpt, weights_only=True)["sampler"]["position"] == 16
+    ranks = run_ranks(resume_on_three, 3, str(tmp_path / "three"), ckpt, timeout=100)
+    steps = {global_step for _, global_step in ranks}
+    assert steps == {16 + 11 + 2 * 16}  # 11 steps to end epoch 0, then 48 / 3 = 16 per epoch
+    epoch0 = [i for seen, _ in ranks for i in seen[:11]]
+    order = epoch_order(ckpt)
+    assert sorted(epoch0) == sorted(order[16:] + order[:1])  # every unseen sample, padded with the order's first
+    for epoch in (1, 2):
+        assert sorted(i for seen, _ in ranks for i in seen[11 + 16 * (epoch - 1):11 + 16 * epoch]) == list(range(R.N))
+    # Checkpoints written later in the resumed epoch record the real global position (16 + 3 per step).
+    for step, position in ((20, 28), (24, 40)):
+        saved = torch.load(str(tmp_path / "three" / "ckpts" / f"epoch=0-step={step}.ckpt"), weights_only=True)
+        assert saved["sampler"]["position"] == position
+
+
 if __name__ == "__main__":
     program(*sys.argv[1:5])

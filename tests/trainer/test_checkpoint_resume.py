@@ -74,14 +74,15 @@ class StopAt(Callback):
 
 
 def fit(root: str, workers: int = 0, callbacks: list[Callback] | None = None, ckpt_path: str | None = None,
-        checkpoint: ModelCheckpoint | None = None, val: bool = False, **trainer_kwargs: Any) -> tuple[DropoutNet, ember.Trainer]:
+        checkpoint: ModelCheckpoint | None = None, val: bool = False, batch_size: int = BATCH,
+        **trainer_kwargs: Any) -> tuple[DropoutNet, ember.Trainer]:
     ember.seed_everything(0)
     module = DropoutNet()
     cbs = [checkpoint or ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=4)]
     trainer_kwargs.setdefault("max_epochs", EPOCHS)
     trainer = ember.Trainer(enable_progress_bar=False, logger=False, default_root_dir=root,
                             callbacks=cbs + list(callbacks or []), num_sanity_val_steps=0, **trainer_kwargs)
-    loader = DataLoader(dataset(), batch_size=BATCH, shuffle=True, num_workers=workers)
+    loader = DataLoader(dataset(), batch_size=batch_size, shuffle=True, num_workers=workers)
     val_loader = DataLoader(dataset(), batch_size=8) if val else None
     trainer.fit(module, loader, val_loader, ckpt_path=ckpt_path)
     return module, trainer
