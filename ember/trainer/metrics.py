@@ -234,7 +234,7 @@ def to_floats(metrics: dict[str, Any]) -> dict[str, float]:
         if not isinstance(v, torch.Tensor):
             out[k] = float(v)
         elif v.is_cpu:
-            out[k] = float(v)  # exact for every dtype a logged value can have (float32/64, bf16, ints)
+            out[k] = float(v.item())  # exact for every dtype a logged value can have (float32/64, bf16, ints)
         else:
             out[k] = 0.0  # placeholder, keeps the key order
             on_device.append(k)
