@@ -387,6 +387,7 @@ class FitLoop:
         are those of the first call.
         """
         optimizer = self._optimizer
+        strategy = self.trainer.strategy
         first: list[Any] = []
 
         def closure() -> torch.Tensor:
@@ -399,9 +400,14 @@ class FitLoop:
             self._before_optimizer_step(optimizer)
             if not first:
                 first.append(outputs)
+            if strategy.world_size > 1:
+                # The optimizer decides from the loss (convergence, line search): every rank must see
+                # the same value, or ranks would call the closure a different number of times and
+                # leave each other waiting in the gradient all-reduce.
+                return strategy.reduce(loss.detach(), "mean")
             return loss
 
-        self.trainer._precision.optimizer_step(optimizer, self.trainer.strategy, closure)
+        self.trainer._precision.optimizer_step(optimizer, strategy, closure)
         self.stepped_this_batch = True
         return first[0] if first else None
 

@@ -68,6 +68,8 @@ class Net(ember.TrainModule):
         self.log("val_loss", F.mse_loss(self(x), y))
 
     def configure_optimizers(self):
+        if self.kind == "lbfgs":  # calls the closure several times per step, deciding from the loss
+            return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=4)
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def on_before_optimizer_step(self, optimizer):
@@ -159,6 +161,7 @@ CHECKS = {
     "batchnorm": lambda r, w: parity("batchnorm", r, w),
     "accumulation": lambda r, w: parity("mlp", r, w, accumulate_grad_batches=2),
     "manual": lambda r, w: parity("manual", r, w),
+    "lbfgs": lambda r, w: parity("lbfgs", r, w),
     "collectives": check_user_collectives,
 }
 
@@ -186,7 +189,7 @@ def results(ranks: list[dict], name: str) -> list[dict]:
     return [r[name] for r in ranks]
 
 
-@pytest.mark.parametrize("name", ["mlp", "tied", "unused", "accumulation", "manual"])
+@pytest.mark.parametrize("name", ["mlp", "tied", "unused", "accumulation", "manual", "lbfgs"])
 def test_n_ranks_with_batch_b_train_like_one_process_with_batch_n_times_b(ranks, name):
     got = results(ranks, name)
     assert got[0]["vs_single_grads"] <= TOL, "gradients after the first step differ"
@@ -248,3 +251,36 @@ def test_local_ranks_split_the_cpu_cores_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     strategy._share_cpu_threads(local_world_size=2)
     assert torch.get_num_threads() == before  # the user's choice wins
+
+
+class OneWeight(ember.TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Linear(1, 1, bias=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.w(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=5, tolerance_change=1e-3)
+
+
+def lbfgs_with_a_rank_whose_loss_never_changes(rank: int, world: int) -> list[float]:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    # Rank 0's shard (even positions) has x = 0, y = 0: its own loss is 0 whatever the weight, so on its
+    # own LBFGS would stop after one iteration while rank 1 goes on, and the ranks would call the
+    # closure (and the gradient all-reduce) a different number of times.
+    x = torch.tensor([[0.0], [1.0]] * 4)
+    y = torch.tensor([[0.0], [5.0]] * 4)
+    module = OneWeight()
+    torch.nn.init.zeros_(module.w.weight)
+    ember.Trainer(strategy="ddp", devices=world, max_epochs=1, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False).fit(module, DataLoader(TensorDataset(x, y), batch_size=4))
+    return module.w.weight.detach().flatten().tolist()
+
+
+def test_lbfgs_ranks_decide_from_the_same_loss():
+    weights = run_ranks(lbfgs_with_a_rank_whose_loss_never_changes, 2, timeout=40)
+    assert weights[0] == weights[1] and weights[0][0] > 0.5  # trained together, towards y = 5x on rank 1's half
