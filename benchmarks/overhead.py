@@ -6,10 +6,14 @@ plain loop and of each ember configuration run in a shuffled order, and medians 
 machine is shared and noisy. Run:
 
     python benchmarks/overhead.py [--steps 400] [--rounds 7]
+
+With PyTorch Lightning installed (``pip install lightning``), the same work under Lightning's
+Trainer (progress bar, per-step ``self.log``, TensorBoard every 50 steps) runs in the same rounds.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import random
 import statistics
@@ -74,7 +78,62 @@ def optional_configs(root: str) -> dict:
     if tb is not None:
         extra["bar+log+tensorboard"] = dict(log=True, trainer=dict(enable_progress_bar=True, log_every_n_steps=50,
                                                                     logger_factory=lambda: tb(save_dir=root)))
+    if importlib.util.find_spec("lightning") is not None:  # optional: `pip install lightning` to compare
+        extra[LIGHTNING] = None
     return extra
+
+
+LIGHTNING = "Lightning: bar+log+tensorboard"
+
+
+def run_config(name: str, cfg: dict | None, batches: list, root: str) -> float:
+    return lightning_loop(batches, root) if name == LIGHTNING else ember_loop(batches, cfg, root)
+
+
+def lightning_loop(batches: list, root: str) -> float:
+    """The same work under PyTorch Lightning (bar, per-step log, TensorBoard every 50 steps), when installed."""
+    import lightning as L
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    class LitModule(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.log("loss", loss, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    timings: list[float] = []
+
+    class Clock(L.Callback):
+        def on_train_epoch_start(self, trainer, module):
+            timings.append(time.perf_counter())
+
+        def on_train_epoch_end(self, trainer, module):
+            timings.append(time.perf_counter())
+
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, enable_checkpointing=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=50,
+                        logger=TensorBoardLogger(save_dir=root), callbacks=[Clock()], default_root_dir=root)
+    trainer.fit(LitModule(), _Batches(batches))  # (a bare list would be read as a list of loaders)
+    return (timings[1] - timings[0]) / len(batches)
+
+
+class _Batches:
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
 
 
 def ember_loop(batches: list, cfg: dict, root: str) -> float:
@@ -125,8 +184,8 @@ def main() -> None:
         with open(os.devnull, "w") as devnull:
             sys.stdout = devnull
             try:
-                for cfg in configs.values():
-                    ember_loop(batches, cfg, root)
+                for name, cfg in configs.items():
+                    run_config(name, cfg, batches, root)
             finally:
                 sys.stdout = stdout
         results: dict[str, list[float]] = {"plain": [], **{k: [] for k in configs}}
@@ -141,24 +200,29 @@ def main() -> None:
                 with open(os.devnull, "w") as devnull:  # the bar's output is not what we time
                     sys.stdout = devnull
                     try:
-                        results[name].append(ember_loop(batches, configs[name], root))
+                        results[name].append(run_config(name, configs[name], batches, root))
                     finally:
                         sys.stdout = stdout
 
     plain = statistics.median(results["plain"])
     print(f"per-step time, median of {args.rounds} rounds x {args.steps} steps (MLP 32-64-10, batch 64, 1 thread)")
-    print("  (paired: the median and quartiles of each round's own ember/plain ratio, a check on the noise)")
-    print(f"  {'plain PyTorch loop':28s} {plain * 1e6:8.1f} us   1.000x")
+    print("  (paired: the median and quartiles of each round's own trainer/plain ratio, a check on the noise)")
+    print(f"  {'plain PyTorch loop':32s} {plain * 1e6:8.1f} us   1.000x")
     for name in configs:
         t = statistics.median(results[name])
         ratios = [e / p for e, p in zip(results[name], results["plain"])]
         q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-        print(f"  {'ember ' + name:28s} {t * 1e6:8.1f} us   {t / plain:.3f}x  (+{(t / plain - 1) * 100:.1f}%)"
+        label = name if name == LIGHTNING else "ember " + name
+        print(f"  {label:32s} {t * 1e6:8.1f} us   {t / plain:.3f}x  (+{(t / plain - 1) * 100:.1f}%)"
               f"   paired +{(q2 - 1) * 100:.1f}% [+{(q1 - 1) * 100:.1f}%, +{(q3 - 1) * 100:.1f}%]")
 
     t_torch = import_time("import torch", 5)
     t_ember = import_time("import ember", 5)
-    print(f"import time, median of 5: torch {t_torch:.3f} s, ember {t_ember:.3f} s (+{t_ember - t_torch:.3f} s)")
+    line = f"import time, median of 5: torch {t_torch:.3f} s, ember {t_ember:.3f} s (+{t_ember - t_torch:.3f} s)"
+    if LIGHTNING in configs:
+        t_lightning = import_time("import lightning", 5)
+        line += f", lightning {t_lightning:.3f} s (+{t_lightning - t_torch:.3f} s)"
+    print(line)
 
 
 if __name__ == "__main__":
