@@ -86,6 +86,22 @@ def test_dp_one_graph_backward_gives_the_same_weights():
     assert_same_weights(dp, single)
 
 
+def test_dp_drives_lbfgs_like_one_device():
+    import copy
+
+    from tests.helpers.models import regression_loader
+    from tests.trainer.test_math import LBFGSLinear
+
+    ember.seed_everything(3)
+    single = LBFGSLinear()
+    dp = copy.deepcopy(single)
+    fast_trainer(max_epochs=2).fit(single, regression_loader(n=32, batch_size=16))
+    trainer = fast_trainer(max_epochs=2, strategy="dp", devices=2)
+    trainer.fit(dp, regression_loader(n=32, batch_size=16))
+    assert single.calls > trainer.global_step == 4  # the closure ran several times per step
+    assert_same_weights(dp, single)
+
+
 def test_dp_predictions_are_concatenated_in_order():
     module = MLP()
     data = DataLoader(regression_data(11), batch_size=5)
