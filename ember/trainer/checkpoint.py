@@ -416,14 +416,14 @@ def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) ->
             position = 0 if progress.epoch_finished else saved["position"]
             sampler.load_state_dict({"seed": saved["seed"], "epoch": saved["epoch"], "position": position})
             left = _len_or_none(loader)
-            if new_world and full is not None and left is not None:
-                # What is left of the epoch is padded to a multiple of this run's ranks (see
-                # ShardedSampler._end): count as done what this run's epoch length leaves over, so
-                # the loop runs exactly the batches the sampler still yields on every rank...
-                progress.batch_in_epoch = max(0, full - left)
             if new_world:
-                # ...and remember how far that count is from the global position, so checkpoints
-                # written later in this epoch record where it really is.
+                if full is not None and left is not None:
+                    # What is left of the epoch is padded to a multiple of this run's ranks (see
+                    # ShardedSampler._end): count as done what this run's epoch length leaves over,
+                    # so the loop runs exactly the batches the sampler still yields on every rank.
+                    progress.batch_in_epoch = max(0, full - left)
+                # How far that count is from the global position, so checkpoints written later in
+                # this epoch record where it really is.
                 trainer._position_offset = (progress.current_epoch,
                                             saved["position"] - progress.batch_in_epoch * batch_size * world)
         return

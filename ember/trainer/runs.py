@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember.data import DataModule
 from ember.module import TrainModule
-from ember.trainer import loops
+from ember.trainer import evaluation, loops
 from ember.trainer.metrics import MetricCollector, to_floats
 from ember.trainer.optim import OptimizerState, parse_optimizers
 from ember.trainer.progress import FitProgress
@@ -132,7 +132,7 @@ class _Runs:
             self.strategy.setup(self, module)
             if ckpt_path is not None:
                 self._restore(ckpt_path, weights_only=True)
-            results = loops.run_evaluation_loop(self, stage, loaders, limits)
+            results = evaluation.run_evaluation_loop(self, stage, loaders, limits)
             if self.loggers and self.is_global_zero:
                 # Through _write_logs, like fit's metrics: adds "epoch" and fills trainer.logged_metrics.
                 self._write_logs({k: v for r in results for k, v in r.items()})
@@ -155,7 +155,7 @@ class _Runs:
             self.strategy.setup(self, module)
             if ckpt_path is not None:
                 self._restore(ckpt_path, weights_only=True)
-            results = loops.run_predict_loop(self, loaders, limits)
+            results = evaluation.run_predict_loop(self, loaders, limits)
             return results[0] if len(results) == 1 else results
         except BaseException as exc:
             self._on_exception(exc)
@@ -171,13 +171,13 @@ class _Runs:
             self._call("on_sanity_check_start")
             limits = [min(n, self.num_sanity_val_steps) for n in self.num_val_batches]
             try:
-                loops.run_evaluation_loop(self, "sanity", self._val_loaders, limits)
+                evaluation.run_evaluation_loop(self, "sanity", self._val_loaders, limits)
             finally:
                 self.sanity_checking = False
                 self._metrics.callback_metrics, self._metrics.progress_bar_metrics = saved
             self._call("on_sanity_check_end")
             return
-        loops.run_evaluation_loop(self, "validate", self._val_loaders, self.num_val_batches)
+        evaluation.run_evaluation_loop(self, "validate", self._val_loaders, self.num_val_batches)
         self.progress.val_checks_in_epoch += 1
         if self.loggers and self.is_global_zero:
             keys = self._metrics.logger_keys()
