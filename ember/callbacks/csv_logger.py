@@ -157,6 +157,29 @@ class FileLogger(Logger):
                  if n.startswith("version_") and n[8:].isdigit() and os.path.isdir(os.path.join(root, n))]
         return max(found) + 1 if found else 0
 
+    def run_dirs(self, default_root_dir: str) -> list[str]:
+        """The directories of this logger's runs: its own version's when the version is chosen,
+        else every run directory under ``root_dir`` (without choosing a version)."""
+        if self._fixed_version or self._version is not None:
+            return [self.log_dir]
+        root = os.path.join(self._save_dir if self._save_dir is not None else default_root_dir, self._name)
+        try:
+            names = sorted(os.listdir(root))
+        except OSError:
+            return []
+        return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))]
+
+    def continue_run(self, run_dir: str, default_root_dir: str) -> bool:
+        """Write into ``run_dir`` (one of ``run_dirs``), if this logger's version is not fixed."""
+        if self._fixed_version:
+            return False
+        root = os.path.join(self._save_dir if self._save_dir is not None else default_root_dir, self._name)
+        if os.path.abspath(os.path.dirname(run_dir)) != os.path.abspath(root):
+            return False
+        name = os.path.basename(run_dir)
+        self._version = int(name[8:]) if name.startswith("version_") and name[8:].isdigit() else name
+        return True
+
     @property
     def _writes(self) -> bool:
         return self._rank == 0

@@ -11,12 +11,16 @@ Differences from Lightning, on purpose:
   from. ``last.ckpt`` is a hard link to the checkpoint just written when possible (no second write).
 - Slashes in metric names become ``_`` in file names (``{val/acc}`` -> ``val_acc=0.812``) instead
   of creating directories.
-- A file that was resumed from is never deleted by top-k rotation.
+- A file that was resumed from is never deleted by top-k rotation, and no file outside the
+  directory this run writes to is ever deleted, whatever a restored checkpoint lists.
+- One run at a time writes into a directory: ``setup`` takes a lock on it, and a second live run
+  aiming at the same directory gets a clear error at start-up instead of overwriting the first
+  run's files. Temporary files left there by a writer that died are removed; those of a live
+  writer never are.
 """
 from __future__ import annotations
 
 import datetime
-import glob
 import math
 import os
 import re
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.callback import Callback
+from ember.trainer.checkpoint_io import DirectoryLock, fsync_dir, remove_stale_temporaries, temporary_prefix
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -94,6 +99,8 @@ class ModelCheckpoint(Callback):
         if len(given) > 1:
             raise ValueError(f"ModelCheckpoint: {', '.join(given)} are mutually exclusive; choose one cadence.")
         self.dirpath: str | None = os.path.abspath(os.fspath(dirpath)) if dirpath is not None else None
+        self._dirpath_given = self.dirpath is not None  # else resolved from the logger at every fit
+        self._lock: DirectoryLock | None = None
         self.filename = filename
         self.monitor = monitor
         self.verbose = verbose
@@ -138,14 +145,18 @@ class ModelCheckpoint(Callback):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._last_global_step_saved = state.get("last_global_step_saved", -1)
+        if state.get("dirpath") != self.dirpath:
+            # Another directory's files are that run's: listing them here would let top-k rotation
+            # delete them. Only where the best model was is kept, as information (as Lightning does).
+            warnings.warn(f"ModelCheckpoint: the checkpoint's callback state is for directory {state.get('dirpath')!r}, "
+                          f"this one writes to {self.dirpath!r}; its top-k list is not carried over (and none of "
+                          "that directory's files will be deleted).", UserWarning)
+            self.best_model_path = state.get("best_model_path", "")
+            return
         score = state.get("best_model_score")
         self.best_model_score = None if score is None else torch.tensor(score)
         self.best_model_path = state.get("best_model_path", "")
-        self._last_global_step_saved = state.get("last_global_step_saved", -1)
-        if state.get("dirpath") != self.dirpath:
-            warnings.warn(f"ModelCheckpoint: the checkpoint's callback state is for directory {state.get('dirpath')!r}, "
-                          f"this one writes to {self.dirpath!r}; its top-k list is not carried over.", UserWarning)
-            return
         self.best_k_models = {k: float(v) for k, v in state.get("best_k_models", {}).items()}
         self.kth_best_model_path = state.get("kth_best_model_path", "")
         self.kth_value = state.get("kth_value")
@@ -153,16 +164,35 @@ class ModelCheckpoint(Callback):
 
     # ------------------------------------------------------------------ hooks
     def _resolve_dirpath(self, trainer: Trainer) -> str:
-        if self.dirpath is not None:
+        if self._dirpath_given and self.dirpath is not None:
             return self.dirpath
         return os.path.abspath(os.path.join(trainer.log_dir, "checkpoints"))
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
-        if stage == "fit":
-            self.dirpath = trainer.strategy.broadcast(self._resolve_dirpath(trainer))
-            self._validation_ran = False
-            if trainer.is_global_zero:
-                _remove_stale_temporaries(self.dirpath)
+        if stage != "fit":
+            return
+        self.dirpath = trainer.strategy.broadcast(self._resolve_dirpath(trainer))
+        self._validation_ran = False
+        holder = None
+        if trainer.is_global_zero:
+            self._lock = DirectoryLock(self.dirpath)
+            holder = self._lock.acquire()
+            if holder is None:
+                remove_stale_temporaries(self.dirpath)
+            else:
+                self._lock = None
+        holder = trainer.strategy.broadcast(holder)
+        if holder is not None:
+            raise RuntimeError(
+                f"Another run ({holder}) is writing checkpoints into {self.dirpath}. Two runs writing into one "
+                "directory would overwrite and delete each other's files, so this one stops before writing anything. "
+                "Wait for that run to end, or give this one its own directory: another default_root_dir, "
+                "ModelCheckpoint(dirpath=...), or a logger version of its own.")
+
+    def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._last_time = time.monotonic()
@@ -337,8 +367,11 @@ class ModelCheckpoint(Callback):
     def _remove(self, trainer: Trainer, path: str) -> None:
         if not trainer.is_global_zero or not path:
             return
+        path = os.path.abspath(path)
+        if self.dirpath is None or os.path.dirname(path) != os.path.abspath(self.dirpath):
+            return  # never delete a file outside the directory this run writes to
         protected = {os.path.abspath(p) for p in (trainer.ckpt_path, self.last_model_path, self.best_model_path) if p}
-        if os.path.abspath(path) in protected:
+        if path in protected:
             return
         try:
             os.remove(path)
@@ -346,18 +379,9 @@ class ModelCheckpoint(Callback):
             pass
 
 
-def _remove_stale_temporaries(dirpath: str) -> None:
-    """Delete temporary files a killed writer left behind (``.<name>.ckpt.<random>.tmp``)."""
-    for tmp in glob.glob(os.path.join(glob.escape(dirpath), ".*.ckpt.*.tmp")):
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-
-
 def _link_atomic(src: str, dst: str) -> bool:
     """Make ``dst`` another name of ``src`` atomically (hard link + rename); False where links are unsupported."""
-    tmp = f"{dst}.{os.getpid()}.link.tmp"
+    tmp = os.path.join(os.path.dirname(dst), temporary_prefix(dst) + "link.tmp")
     try:
         os.link(src, tmp)
         os.replace(tmp, dst)
@@ -367,9 +391,7 @@ def _link_atomic(src: str, dst: str) -> bool:
         except OSError:
             pass
         return False
-    from ember.trainer.checkpoint_io import _fsync_dir
-
-    _fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))
     return True
 
 

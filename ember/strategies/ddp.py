@@ -320,6 +320,10 @@ def _run_in_worker(fn: Callable[..., Any], args: tuple, kwargs: dict, rng: dict)
         "history": list(getattr(trainer, "history", [])),
         "callbacks": [(type(cb).__name__, cb.state_dict()) for cb in trainer.callbacks
                       if hasattr(cb, "state_dict")],
+        # Where this run wrote: the caller's loggers and checkpoint callbacks point there too, so a
+        # later validate/test logs into the same version and nothing warns about another directory.
+        "log_dirs": [lg.log_dir for lg in trainer.loggers],
+        "dirpaths": [(type(cb).__name__, getattr(cb, "dirpath", None)) for cb in trainer.callbacks],
     }
     return _to_cpu(value), state
 
@@ -338,6 +342,12 @@ def _adopt_worker_state(trainer: Any, args: tuple, state: dict | None) -> None:
     trainer.logged_metrics = state["logged_metrics"]
     trainer.progress.load_state_dict(state["progress"])
     trainer.history = state["history"]
+    for lg, log_dir in zip(trainer.loggers, state["log_dirs"]):
+        if log_dir is not None and hasattr(lg, "continue_run"):
+            lg.continue_run(log_dir, trainer.default_root_dir)
+    for cb, (name, dirpath) in zip(trainer.callbacks, state["dirpaths"]):
+        if type(cb).__name__ == name and dirpath is not None and getattr(cb, "dirpath", dirpath) is None:
+            cb.dirpath = dirpath
     mine = [cb for cb in trainer.callbacks if hasattr(cb, "load_state_dict")]
     for cb, (name, cb_state) in zip(mine, state["callbacks"]):
         if type(cb).__name__ == name:

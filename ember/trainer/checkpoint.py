@@ -41,6 +41,7 @@ exist in the saved run keep the stream ``seed_everything`` gave them.
 """
 from __future__ import annotations
 
+import copy
 import glob
 import math
 import os
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ember.trainer import checkpoint_check
 from ember.trainer.checkpoint_io import (  # noqa: F401  (file-level API, re-exported here)
     FORMAT,
     FORMAT_VERSION,
@@ -293,27 +295,61 @@ def _checkpoint_callbacks(trainer: Trainer) -> list[Any]:
     return [cb for cb in trainer.callbacks if hasattr(cb, "best_model_path") and hasattr(cb, "dirpath")]
 
 
+def _default_dirs(trainer: Trainer) -> list[str]:
+    """Where a ModelCheckpoint without a ``dirpath`` writes: ``<log dir>/checkpoints``, for every run
+    directory of the first logger when its version is not chosen yet."""
+    from ember.callbacks.csv_logger import FileLogger
+
+    for lg in trainer.loggers:
+        if isinstance(lg, FileLogger):
+            return [os.path.join(d, "checkpoints") for d in lg.run_dirs(trainer.default_root_dir)]
+        if lg.log_dir is not None:
+            return [os.path.join(lg.log_dir, "checkpoints")]
+    return [os.path.join(trainer.default_root_dir, "checkpoints")]
+
+
 def default_dir(trainer: Trainer) -> str:
     return os.path.join(trainer.default_root_dir, "checkpoints")
 
 
 def find_last(trainer: Trainer) -> tuple[str | None, list[str]]:
-    """The newest ``last*.ckpt`` in the checkpoint directories, and the directories searched."""
+    """The most recently written ``last*.ckpt`` where this Trainer's checkpoints go, and the
+    directories searched (with the default logger: every ``version_N`` of ``default_root_dir``)."""
     dirs: list[str] = []
-    for cb in _checkpoint_callbacks(trainer):
-        d = cb.dirpath or (cb._resolve_dirpath(trainer) if hasattr(cb, "_resolve_dirpath") else None)
-        if d and d not in dirs:
-            dirs.append(d)
-    if default_dir(trainer) not in dirs:
-        dirs.append(default_dir(trainer))
+    callbacks = _checkpoint_callbacks(trainer)
+    for cb in callbacks:
+        given = getattr(cb, "_dirpath_given", True) and cb.dirpath
+        for d in ([cb.dirpath] if given else _default_dirs(trainer)):
+            if os.path.abspath(d) not in dirs:
+                dirs.append(os.path.abspath(d))
+    for d in _default_dirs(trainer) + [default_dir(trainer)]:
+        if os.path.abspath(d) not in dirs:
+            dirs.append(os.path.abspath(d))
     found = [p for d in dirs for p in glob.glob(os.path.join(glob.escape(d), "last*.ckpt"))]
     if not found:
         return None, dirs
     return max(found, key=os.path.getmtime), dirs
 
 
-def resolve(trainer: Trainer, ckpt_path: str) -> str | None:
-    """Turn ``"last"``, ``"best"`` or a path into a file path (None: start fresh)."""
+def _continue_run(trainer: Trainer, path: str) -> None:
+    """Loggers whose version is not chosen continue the run ``path`` belongs to
+    (``<root>/<version>/checkpoints/last.ckpt``), so its curves and checkpoints carry on there."""
+    from ember.callbacks.csv_logger import FileLogger
+
+    checkpoints = os.path.dirname(os.path.abspath(path))
+    if os.path.basename(checkpoints) != "checkpoints":
+        return
+    for lg in trainer.loggers:
+        if isinstance(lg, FileLogger):
+            lg.continue_run(os.path.dirname(checkpoints), trainer.default_root_dir)
+
+
+def resolve(trainer: Trainer, ckpt_path: str | os.PathLike, continue_run: bool = False) -> str | None:
+    """Turn ``"last"``, ``"best"`` or a path into a file path (None: start fresh).
+
+    With ``continue_run`` (fit), a ``"last"`` found in a logger's run directory makes the loggers
+    whose version is not chosen write into that run directory again. Call before the loggers' setup.
+    """
     strategy = trainer.strategy
     if ckpt_path == "last":
         found, dirs = find_last(trainer) if strategy.is_global_zero else (None, [])
@@ -321,8 +357,10 @@ def resolve(trainer: Trainer, ckpt_path: str) -> str | None:
         if found is None:
             if strategy.is_global_zero:
                 warnings.warn(f"ckpt_path='last' found no checkpoint (searched {dirs}); starting from scratch.",
-                              UserWarning, stacklevel=4)
+                              UserWarning, stacklevel=5)
             return None
+        if continue_run:
+            _continue_run(trainer, found)
         return found
     if ckpt_path == "best":
         best = [cb.best_model_path for cb in _checkpoint_callbacks(trainer) if cb.best_model_path]
@@ -333,17 +371,21 @@ def resolve(trainer: Trainer, ckpt_path: str) -> str | None:
     return os.fspath(ckpt_path)
 
 
-def restore(trainer: Trainer, ckpt_path: str, weights_only: bool = False) -> dict[str, Any] | None:
-    """Load ``ckpt_path`` into ``trainer`` (the module only, with ``weights_only``). Validates first:
-    on any error, nothing has been changed."""
-    path = resolve(trainer, ckpt_path)
-    if path is None:
-        return None
+def restore(trainer: Trainer, path: str, weights_only: bool = False) -> dict[str, Any]:
+    """Load the checkpoint file ``path`` (see ``resolve``) into ``trainer`` (the module only, with
+    ``weights_only``).
+
+    Transactional: every entry is validated before anything changes (``checkpoint_check``); the
+    module's ``on_load_checkpoint`` runs first so it can migrate the dict it is given. Should a
+    callback's own ``load_state_dict`` (or anything else) still fail while applying, the optimizers,
+    schedulers, callbacks, progress and RNG states are put back and the module's weights, loaded
+    last, are untouched.
+    """
     ckpt = load(path)
     module = trainer.module
-    check_state_dict(module, ckpt["state_dict"], path)
     if weights_only:
         module.on_load_checkpoint(ckpt)
+        check_state_dict(module, ckpt["state_dict"], path)
         module.load_state_dict(ckpt["state_dict"])
         trainer.ckpt_path = path
         return ckpt
@@ -351,14 +393,28 @@ def restore(trainer: Trainer, ckpt_path: str, weights_only: bool = False) -> dic
         raise CheckpointError(f"{path!r} holds weights only (save_weights_only=True), not the optimizer and progress "
                               "state a fit resumes from. Start a new fit from it with "
                               f"{type(module).__name__}.load_from_checkpoint(path), or resume from a full checkpoint.")
-    _check_optimizers(trainer, ckpt, path)
+    checkpoint_check.validate(trainer, ckpt, path)
     module.on_load_checkpoint(ckpt)
-    module.load_state_dict(ckpt["state_dict"])
+    check_state_dict(module, ckpt["state_dict"], path, exact_dtype=True)
     base = _callback_base()
     for cb in trainer.callbacks:
         if type(cb).on_load_checkpoint is not base.on_load_checkpoint:
             cb.on_load_checkpoint(trainer, module, ckpt)
-        state = ckpt.get("callbacks", {}).get(cb.state_key)
+    undo = _snapshot(trainer)
+    try:
+        _apply(trainer, ckpt, path)
+    except BaseException:
+        undo()
+        raise
+    module.load_state_dict(ckpt["state_dict"])
+    trainer.ckpt_path = path
+    return ckpt
+
+
+def _apply(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
+    """Everything but the weights, user callbacks (the likeliest to fail) first."""
+    for cb in trainer.callbacks:
+        state = (ckpt.get("callbacks") or {}).get(cb.state_key)
         if state:
             cb.load_state_dict(state)
     for opt, state in zip(trainer._optim.optimizers, ckpt["optimizer_states"]):
@@ -375,24 +431,44 @@ def restore(trainer: Trainer, ckpt_path: str, weights_only: bool = False) -> dic
     _restore_train_accumulators(trainer, ckpt.get("epoch_metrics") or [])
     _restore_data_position(trainer, ckpt, path)
     _restore_rng(trainer, ckpt)
-    trainer.ckpt_path = path
-    return ckpt
 
 
-def _check_optimizers(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
-    opts, scheds = trainer._optim.optimizers, trainer._optim.schedulers
-    saved_opts, saved_scheds = ckpt.get("optimizer_states", []), ckpt.get("lr_schedulers", [])
-    if len(saved_opts) != len(opts) or len(saved_scheds) != len(scheds):
-        raise CheckpointError(f"{path!r} has {len(saved_opts)} optimizer(s) and {len(saved_scheds)} LR scheduler(s) "
-                              f"but configure_optimizers returned {len(opts)} and {len(scheds)}. Resume with the "
-                              "configuration the checkpoint was written with.")
-    for i, (opt, state) in enumerate(zip(opts, saved_opts)):
-        groups = state.get("param_groups", [])
-        ours = [len(g["params"]) for g in opt.param_groups]
-        theirs = [len(g["params"]) for g in groups]
-        if ours != theirs:
-            raise CheckpointError(f"Optimizer {i} in {path!r} has parameter groups of sizes {theirs}, but the "
-                                  f"optimizer now has {ours}. Resume with the configuration it was written with.")
+def _snapshot(trainer: Trainer) -> Callable[[], None]:
+    """What ``_apply`` may change, and a function that puts it back. At the start of a fit the
+    optimizers hold no state yet, so their copies are small."""
+    from ember.data_state import resumable_sampler_of
+
+    callbacks = [(cb, copy.deepcopy(cb.state_dict())) for cb in trainer.callbacks]
+    optimizers = [(opt, copy.deepcopy(opt.state_dict())) for opt in trainer._optim.optimizers]
+    schedulers = [(cfg.scheduler, copy.deepcopy(cfg.scheduler.state_dict())) for cfg in trainer._optim.schedulers]
+    precision = copy.deepcopy(trainer._precision.state_dict())
+    progress = trainer.progress.state_dict()
+    metrics = dict(trainer._metrics.callback_metrics)
+    stages = dict(trainer._metrics._stages)
+    loader, offset = trainer._train_loader, trainer._position_offset
+    sampler = resumable_sampler_of(loader)
+    sampler_state = sampler.state_dict() if sampler is not None else None
+    rng = capture_rng()
+
+    def undo() -> None:
+        for cb, state in callbacks:
+            try:
+                cb.load_state_dict(state)
+            except Exception:  # the callback that failed to load fails again: the first error is the one to see
+                pass
+        for opt, state in optimizers:
+            opt.load_state_dict(state)
+        for sched, state in schedulers:
+            sched.load_state_dict(state)
+        trainer._precision.load_state_dict(precision)
+        trainer.progress.load_state_dict(progress)
+        trainer._metrics.callback_metrics = metrics
+        trainer._metrics._stages = stages
+        trainer._train_loader, trainer._position_offset = loader, offset
+        if sampler is not None:
+            sampler.load_state_dict(sampler_state)
+        apply_rng(rng)
+    return undo
 
 
 def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:

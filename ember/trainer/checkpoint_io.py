@@ -5,12 +5,22 @@ this module only knows files. ``write_atomic`` writes under a temporary name in 
 directory, flushes and fsyncs, renames over the target and fsyncs the directory, so a crash
 leaves either the previous file or the new one, never a truncated one. ``load`` refuses, with an
 explanation, every kind of file it cannot use, before anything is changed.
+
+Temporary files are named ``.<target>~<host>~<pid>~<random>.tmp``, so that a later run can tell
+whether their writer is still alive: ``remove_stale_temporaries`` deletes only those whose writer
+was on this host and no longer exists. Another live job's file in flight is never touched.
+``DirectoryLock`` lets one run at a time write checkpoints into a directory; a second one gets a
+clear error at start-up instead of the two overwriting (or deleting) each other's files.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import pickle
+import re
+import shutil
+import socket
 import tempfile
 import threading
 import zipfile
@@ -48,7 +58,7 @@ def write_atomic(obj: Any, path: str, before_rename: Callable[[str], None] | Non
     path = os.path.abspath(path)
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(path), suffix=".tmp", dir=directory)
     try:
         # torch.save to a path uses its C++ writer (no Python callbacks per chunk): fastest. Meanwhile
         # a thread keeps flushing what is written so far, so the disk works while torch serialises and
@@ -67,15 +77,149 @@ def write_atomic(obj: Any, path: str, before_rename: Callable[[str], None] | Non
         if before_rename is not None:
             before_rename(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
+        full = _out_of_space(err, fd)
         if fd >= 0:
             os.close(fd)
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if full:
+            raise _no_space_error(path) from err
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
+
+
+def _out_of_space(err: BaseException, fd: int) -> bool:
+    """Whether a failed write failed because the file system is full.
+
+    torch's writer reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc]
+    unexpected pos ...`` without the errno, so when the error does not carry ENOSPC itself, the
+    still-open temporary file is probed with one more write of a few blocks at its end.
+    """
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not isinstance(err, RuntimeError) or fd < 0:
+        return False
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        os.write(fd, b"\0" * 65536)
+        os.fsync(fd)
+        os.ftruncate(fd, end)
+    except OSError as probe:
+        return probe.errno in (errno.ENOSPC, errno.EDQUOT)
+    return False
+
+
+def _no_space_error(path: str) -> OSError:
+    directory = os.path.dirname(path)
+    try:
+        free = f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free there now"
+    except OSError:
+        free = "free space unknown"
+    return OSError(errno.ENOSPC, f"No space left on device while writing {path} ({free}). Free some space or "
+                   "write checkpoints elsewhere (ModelCheckpoint(dirpath=...)); the file previously under that "
+                   "name, if any, is intact")
+
+
+# ---------------------------------------------------------------------------------------------- temporaries
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+# .<name>~<host>~<pid>~<random>.tmp (a write) and .<name>~<host>~<pid>~link.tmp (a hard link)
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)~(?P<host>[A-Za-z0-9_-]+)~(?P<pid>\d+)~[^~/]+\.tmp$")
+# What ember 0.1 named its hard-link temporaries: <name>.<pid>.link.tmp
+_OLD_LINK = re.compile(r"^(?P<name>.+\.ckpt)\.(?P<pid>\d+)\.link\.tmp$")
+
+
+def temporary_prefix(path: str) -> str:
+    """The start of the name of a temporary file written by this process on the way to ``path``."""
+    return f".{os.path.basename(path)}~{_HOST}~{os.getpid()}~"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """Delete the temporary files in ``directory`` whose writer provably died; return their names.
+
+    A file is stale only when its name says it was written on this host by a process that no
+    longer exists. Files of live processes, and of other hosts (whose processes cannot be checked
+    from here), are left alone.
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _TEMPORARY.match(name)
+        host = m.group("host") if m else _HOST
+        m = m or _OLD_LINK.match(name)
+        if m is None or host != _HOST or int(m.group("pid")) == os.getpid() or _pid_alive(int(m.group("pid"))):
+            continue
+        try:
+            os.remove(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+class DirectoryLock:
+    """An exclusive, advisory lock on a directory for the lifetime of one run.
+
+    ``flock`` on the directory itself: no lock file is left behind, and the lock dies with its
+    process, so a killed run never leaves a directory locked. Where the platform or the file
+    system has no ``flock``, locking is skipped.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock; return None, or a description of the process that holds it."""
+        try:
+            import fcntl
+        except ImportError:
+            return None
+        os.makedirs(self.directory, exist_ok=True)
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            inode = os.fstat(fd).st_ino
+            os.close(fd)
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None  # a file system without locks: nothing to enforce
+            return _lock_holder(inode)
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
+
+
+def _lock_holder(inode: int) -> str:
+    """``"pid N on host H"`` for the process holding a flock on ``inode``, from /proc/locks (Linux)."""
+    try:
+        with open("/proc/locks", encoding="ascii") as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5].rsplit(":", 1)[-1] == str(inode):
+                    return f"pid {parts[4]} on host {socket.gethostname()}"
+    except OSError:
+        pass
+    return "another process"
 
 
 def _flush_until(fd: int, done: threading.Event) -> None:
@@ -86,7 +230,7 @@ def _flush_until(fd: int, done: threading.Event) -> None:
             return
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # some platforms cannot open directories
@@ -188,15 +332,31 @@ def _corrupt(path: str, size: int, err: BaseException) -> CheckpointError:
     )
 
 
-def check_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], path: str) -> None:
-    """Raise, changing nothing, unless ``state_dict`` has exactly ``module``'s keys and shapes."""
+def check_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], path: str, exact_dtype: bool = False) -> None:
+    """Raise, changing nothing, unless ``state_dict`` has exactly ``module``'s keys and shapes, and
+    dtypes of the same kind (floating, complex, integer, bool; with ``exact_dtype`` the same dtypes).
+
+    ``load_state_dict`` would silently cast an int64 tensor into a float32 parameter (or round a
+    float into an integer buffer); a resume that claims to be exact must not.
+    """
+    if not isinstance(state_dict, dict):
+        raise CheckpointError(f"Checkpoint {path!r} has a 'state_dict' entry that is a {type(state_dict).__name__}, "
+                              "not a dict of tensors. Nothing was loaded.")
     own = module.state_dict()
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
-    shapes = [f"{k}: checkpoint {tuple(state_dict[k].shape)} vs module {tuple(v.shape)}"
-              for k, v in own.items() if k in state_dict and isinstance(state_dict[k], torch.Tensor)
-              and isinstance(v, torch.Tensor) and state_dict[k].shape != v.shape]
-    if missing or unexpected or shapes:
+    shapes, dtypes = [], []
+    for k, v in own.items():
+        saved = state_dict.get(k)
+        if k not in state_dict or not isinstance(v, torch.Tensor):
+            continue
+        if not isinstance(saved, torch.Tensor):
+            dtypes.append(f"{k}: checkpoint holds a {type(saved).__name__}, not a tensor")
+        elif saved.shape != v.shape:
+            shapes.append(f"{k}: checkpoint {tuple(saved.shape)} vs module {tuple(v.shape)}")
+        elif saved.dtype != v.dtype and (exact_dtype or _kind(saved.dtype) != _kind(v.dtype)):
+            dtypes.append(f"{k}: checkpoint {saved.dtype} vs module {v.dtype}")
+    if missing or unexpected or shapes or dtypes:
         parts = []
         if missing:
             parts.append(f"missing keys (in the module, not in the checkpoint): {_short(missing)}")
@@ -204,8 +364,19 @@ def check_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], path: 
             parts.append(f"unexpected keys (in the checkpoint, not in the module): {_short(unexpected)}")
         if shapes:
             parts.append(f"shape mismatches: {_short(shapes)}")
+        if dtypes:
+            parts.append(f"dtype mismatches: {_short(dtypes)}")
         raise CheckpointError(f"Checkpoint {path!r} does not fit {type(module).__name__}: " + "; ".join(parts)
-                              + ". Was it saved from a different model or configuration? Nothing was loaded.")
+                              + ". Was it saved from a different model or configuration (precision=...)? "
+                              "Nothing was loaded.")
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "floating" if dtype.is_floating_point else "integer"
 
 
 def _short(items: list[str], n: int = 10) -> str:

@@ -6,12 +6,13 @@ this one is the order of setup, loop and teardown work, and the logging that fee
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
 from ember.data import DataModule
 from ember.module import TrainModule
-from ember.trainer import evaluation, loops
+from ember.trainer import checkpoint, evaluation, loops
 from ember.trainer.metrics import MetricCollector, to_floats
 from ember.trainer.optim import OptimizerState, parse_optimizers
 from ember.trainer.progress import FitProgress
@@ -41,7 +42,9 @@ class _Runs:
             self.callbacks = [c for c in self.callbacks if type(c) not in types] + extra
         self._hook_table = {}
 
-    def _prepare(self, stage: str, module: TrainModule, datamodule: DataModule | None) -> None:
+    def _prepare(self, stage: str, module: TrainModule, datamodule: DataModule | None,
+                 ckpt_path: str | os.PathLike | None = None) -> str | None:
+        """Everything before the loaders are built; returns the checkpoint file to restore, if any."""
         self._attach(module, datamodule)
         self.strategy.setup_environment()
         if self.strategy.local_rank == 0:
@@ -50,9 +53,13 @@ class _Runs:
             if type(module).prepare_data is not TrainModule.prepare_data:
                 module.prepare_data()
         self.strategy.barrier("prepare_data")
+        # "last" is resolved before the loggers' and callbacks' setup: a fit continuing a run's
+        # last.ckpt continues writing into that run's directory.
+        path = checkpoint.resolve(self, ckpt_path, continue_run=stage == "fit") if ckpt_path is not None else None
         if datamodule is not None:
             datamodule.setup(stage)
         self._call("setup", stage)
+        return path
 
     def _loader(self, given: Any, stage: str, attr: str) -> Any:
         if given is not None:
@@ -63,7 +70,7 @@ class _Runs:
 
     def _run_fit(self, module: TrainModule, train: Any, val: Any, datamodule: DataModule | None, ckpt_path: str | None) -> None:
         try:
-            self._prepare("fit", module, datamodule)
+            ckpt_path = self._prepare("fit", module, datamodule, ckpt_path)
             train = self._loader(train, "fit", "train_dataloader")
             if train is None:
                 raise ValueError("fit needs training data: pass train_dataloaders, or a datamodule with train_dataloader().")
@@ -119,7 +126,7 @@ class _Runs:
                   ckpt_path: str | None) -> list[dict[str, float]]:
         hook = "validation" if stage == "validate" else "test"
         try:
-            self._prepare(stage, module, datamodule)
+            ckpt_path = self._prepare(stage, module, datamodule, ckpt_path)
             if getattr(type(module), f"{hook}_step") is getattr(TrainModule, f"{hook}_step"):
                 raise ValueError(f"{type(module).__name__} defines no {hook}_step; define it to {stage}.")
             loaders = self._as_list(self._loader(dataloaders, stage, f"{'val' if stage == 'validate' else 'test'}_dataloader"))
@@ -145,7 +152,7 @@ class _Runs:
 
     def _run_predict(self, module: TrainModule, dataloaders: Any, datamodule: DataModule | None, ckpt_path: str | None) -> list[Any]:
         try:
-            self._prepare("predict", module, datamodule)
+            ckpt_path = self._prepare("predict", module, datamodule, ckpt_path)
             loaders = self._as_list(self._loader(dataloaders, "predict", "predict_dataloader"))
             if not loaders:
                 raise ValueError("predict needs data: pass dataloaders or a datamodule.")
@@ -239,15 +246,11 @@ class _Runs:
                 obj.set_epoch(epoch)
                 return
 
-    def _restore(self, ckpt_path: str, weights_only: bool = False) -> None:
-        from ember.trainer import checkpoint
-
-        checkpoint.restore(self, ckpt_path, weights_only=weights_only)
+    def _restore(self, path: str, weights_only: bool = False) -> None:
+        checkpoint.restore(self, path, weights_only=weights_only)
 
     def save_checkpoint(self, filepath: str, weights_only: bool = False) -> None:
         """Save the full training state (or only the weights) to ``filepath``, atomically, on rank zero."""
-        from ember.trainer import checkpoint
-
         checkpoint.save(self, filepath, weights_only=weights_only)
 
     # ------------------------------------------------------------------ logging
@@ -298,7 +301,11 @@ class _Runs:
             try:
                 h(exc)
             except Exception as hook_exc:  # never hide the original error behind a hook's
-                warnings.warn(f"on_exception hook {h} raised {hook_exc!r} while handling {exc!r}", RuntimeWarning)
+                # Named by its owner's class: the repr of a bound hook would print the whole module.
+                fn = getattr(h, "func", h)
+                owner = type(getattr(fn, "__self__", None)).__name__
+                warnings.warn(f"{owner}.on_exception raised {type(hook_exc).__name__}: {hook_exc} (while handling "
+                              f"{type(exc).__name__}, which follows)", RuntimeWarning)
         self._finalize_loggers("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
 
     def _teardown(self, stage: str) -> None:
