@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import torch
 
 from ember.strategies.strategy import Strategy
+from ember.trainer.lockstep import Lockstep, uneven_message
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -117,11 +118,13 @@ class FitLoop:
         self._window_has_grad = False
         self._keep_train_stage = False  # the first epoch keeps what on_train_start logged
         self._sized = True  # whether the train loader has a length (set per epoch)
+        self._warned_uneven = False  # ranks' unsized loaders yielded different numbers of batches
 
     # ------------------------------------------------------------------ fit
     def run(self) -> None:
         t = self.trainer
         p = t.progress
+        self._warned_uneven = False
         if t.num_sanity_val_steps and any(t.num_val_batches) and p.global_step == 0 and p.batch_in_epoch == 0:
             t._run_evaluation("sanity")
         if p.batch_in_epoch == 0 or p.epoch_finished:
@@ -183,10 +186,19 @@ class FitLoop:
         schedulers = t._optim.schedulers if automatic else None  # manual optimization steps its own schedulers
         loggers, log_every = t.loggers, t.log_every_n_steps
         last_idx = n_batches - 1 if n_batches != math.inf else -1
-        # Without a length, the stream may end before an int limit does: look ahead to find its last batch.
         self._sized = _has_len(loader)
-        # (zip and repeat are C iterators: no Python frame per batch, unlike a generator expression)
-        stream = zip(loader, itertools.repeat(False)) if self._sized else _lookahead(loader)
+        lockstep = None
+        if self._sized:
+            # (zip and repeat are C iterators: no Python frame per batch, unlike a generator expression)
+            stream: Iterable[tuple[Any, bool]] = zip(loader, itertools.repeat(False))
+        else:
+            # Without a length, the stream may end before an int limit does: look ahead to find its last
+            # batch. Several ranks agree on it, or one that runs out first would leave the others waiting.
+            batches = loader if n_batches == math.inf else itertools.islice(loader, int(n_batches) - start)
+            if strategy.world_size > 1:
+                stream = lockstep = Lockstep(batches, strategy)
+            else:
+                stream = _lookahead(batches)
         batch_idx = start - 1
         for batch, is_last in stream:
             batch_idx += 1
@@ -232,11 +244,29 @@ class FitLoop:
                     t._run_evaluation("validate")
                     metrics.resume_stage("train")
                 break
+        if lockstep is not None and lockstep.uneven:
+            self._report_uneven(lockstep, start, p.batch_in_epoch)
         if batch_idx < start:  # the loader yielded nothing
             if start == 0:
                 raise ValueError("The train dataloader yielded no batch. Check the dataset is not empty, that "
                                  "batch_size <= len(dataset) when drop_last=True, and limit_train_batches.")
         self._end_epoch()
+
+    def _report_uneven(self, lockstep: Lockstep, start: int, used: int) -> None:
+        """Some rank's loader ran out before the others': say how many batches each had, once per fit.
+
+        A collective (every rank gets here together: ``lockstep.uneven`` is agreed). An epoch in which
+        some rank had no batch at all cannot train, and raises instead.
+        """
+        if self._warned_uneven and used > 0:
+            return
+        t = self.trainer
+        message = uneven_message(lockstep.batches_per_rank(start), used, t.progress.current_epoch)
+        if used == 0:
+            raise ValueError(message)
+        self._warned_uneven = True
+        if t.strategy.is_global_zero:
+            warnings.warn(message, UserWarning, stacklevel=2)
 
     def _end_epoch(self) -> None:
         t, p = self.trainer, self.trainer.progress
