@@ -14,10 +14,19 @@ Three ways in:
 
 Single-machine launches rendezvous on 127.0.0.1 only, through a socket bound before anything
 starts (no port race). Failures: the first rank to fail records itself in the job's store;
-ranks that then fail only because a peer vanished see that record and exit quietly with status
-1, so the original error is printed once, with its rank. A rank killed by a signal is recorded by
-whoever started it. Children die with their parent (``PR_SET_PDEATHSIG``) and are stopped
-(SIGTERM, then SIGKILL) when the job fails, so nothing outlives the job by more than a few seconds.
+ranks that then fail only because a peer vanished see that record and exit quietly, so the
+original error is printed once, with its rank. A rank that ends without a Python traceback
+(``os._exit(3)``, the OOM killer, a segfault) is recorded and named by whoever started it ("rank 1
+exited with status 3", "rank 1 was killed by signal 9 (SIGKILL)"). Children die with their parent
+(``PR_SET_PDEATHSIG``) and are stopped (SIGTERM, then SIGKILL) when the job fails, so nothing
+outlives the job by more than a few seconds.
+
+Exit status of the process that started the job (what a scheduler reads), from
+:func:`job_status`: 1 when a rank failed; ``128 + N`` when the ranks stopped on signal N rather
+than failed (a preempted run exits 143 on every rank after writing ``last.ckpt``, see
+``ember/trainer/signals.py``); 0 otherwise. A rank the launcher itself stopped does not count.
+Ctrl-C ends the launching process as Python ends any script on an uncaught
+``KeyboardInterrupt``: killed by SIGINT, which a shell reports as 130.
 """
 from __future__ import annotations
 
@@ -44,12 +53,15 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 __all__ = ["World", "detect_world", "Launcher", "PopenLauncher", "SpawnLauncher", "loopback_store",
-           "FailureRecord", "die_with_parent", "stop_processes", "is_peer_failure"]
+           "FailureRecord", "die_with_parent", "stop_processes", "is_peer_failure", "describe_exit",
+           "job_status"]
 
 _job_store: dist.Store | None = None  # this process's job store, once it has joined a job
 PARENT_ENV = "EMBER_DDP_PARENT_PID"  # set in processes ember starts: they die with that parent
 HOSTED_ENV = "EMBER_DDP_STORE_HOSTED"  # the store lives in the spawning process, not in rank 0
 _STOP_GRACE_S = 2.0
+_PEERS_EXIT_S = 10.0  # how long a rank that exits on purpose (preemption) waits for the others to
+                      # exit too, before stopping them: they stop at the same step, so normally ms
 
 
 @dataclass(frozen=True)
@@ -142,6 +154,51 @@ def stop_processes(procs: list[Any], grace: float = _STOP_GRACE_S) -> None:
         alive = [p for p in alive if poll(p) is None]
     for p in procs:
         p.wait() if isinstance(p, subprocess.Popen) else p.join()
+
+
+def describe_exit(code: int) -> str:
+    """An exit status in words: "exited with status 3", "was killed by signal 9 (SIGKILL)"."""
+    return f"exited with status {code}" if code >= 0 else f"was killed by {_signal_name(-code)}"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return f"signal {signum} ({signal.Signals(signum).name})"
+    except ValueError:
+        return f"signal {signum}"
+
+
+def stop_signal(code: int) -> int | None:
+    """The signal a rank stopped on rather than failed, from its exit status, else None.
+
+    ``128 + N``: the rank caught signal N and exited with the shell's status for it (a preempted
+    rank exits 143). Killed by SIGINT: Python's end after an uncaught ``KeyboardInterrupt``, whose
+    traceback it printed. Killed by SIGTERM: a scheduler's stop reached it outside ``fit``.
+    """
+    if code in (-signal.SIGINT, -signal.SIGTERM):
+        return -code
+    return code - 128 if 128 < code < 128 + signal.NSIG else None
+
+
+def job_status(codes: Any) -> int:
+    """The exit status of a job from its ranks' (None: still running, or stopped by the launcher).
+
+    1 if any rank failed; else ``128 + N`` for the first that stopped on signal N; else 0.
+    """
+    stops = []
+    for code in codes:
+        if not code:
+            continue
+        sig = stop_signal(code)
+        if sig is None:
+            return 1
+        stops.append(128 + sig)
+    return stops[0] if stops else 0
+
+
+def _exit_status(code: Any) -> int:
+    # What Python exits with for SystemExit(code).
+    return 0 if code is None else code if isinstance(code, int) else 1
 
 
 _PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -241,21 +298,34 @@ class Launcher:
             original = classify_failure(self.record, self.world.rank, exc)
             self.on_failure()
             if not original:
-                print(f"[ember ddp] rank {self.world.rank}: stopping because another rank failed.",
+                status = self.job_status(None)
+                why = "failed" if status == 1 else f"stopped on {_signal_name(status - 128)}"
+                print(f"[ember ddp] rank {self.world.rank}: stopping because another rank {why}.",
                       file=sys.stderr, flush=True)
-                raise SystemExit(1) from None
+                raise SystemExit(status) from None
             note = f"[ember ddp] raised on rank {self.world.rank} of {self.world.world_size}."
             if hasattr(exc, "add_note"):
                 exc.add_note(note)
             else:
                 print(note, file=sys.stderr, flush=True)
             raise
-        except BaseException:  # Ctrl-C, SystemExit (e.g. preemption): not a failure to report
+        except SystemExit as exc:  # e.g. preemption (143): every rank stops at the same step
+            self.on_failure(grace=_PEERS_EXIT_S)
+            own = _exit_status(exc.code)
+            if self.job_status(own) != own:  # another rank failed meanwhile: that wins
+                raise SystemExit(self.job_status(own)) from None
+            raise
+        except BaseException:  # Ctrl-C: not a failure to report
             self.on_failure()
             raise
 
-    def on_failure(self) -> None:
-        """Hook for launchers that own other processes."""
+    def on_failure(self, grace: float = 0.0) -> None:
+        """Hook for launchers that own other processes: stop them, after ``grace`` seconds in
+        which they may end on their own."""
+
+    def job_status(self, own: int | None) -> int:
+        """The job's exit status given this rank's (None: it only noticed another rank fail)."""
+        return 1 if own is None else own
 
 
 def _destroy_group() -> None:
@@ -290,40 +360,71 @@ class PopenLauncher(Launcher):
         super().__init__(World(0, num_processes, 0, num_processes, 0, "127.0.0.1", store.port,
                                "ember"), timeout, store)
         self._stopping = False
+        # Statuses the children ended with on their own, taken when this process stops the rest
+        # (None: still running then, so whatever they end with is the launcher's doing).
+        self._ended: list[int | None] | None = None
         self._monitor = threading.Thread(target=self._watch, name="ember-ddp-monitor", daemon=True)
         self._monitor.start()
         atexit.register(self.finish)
 
     def _watch(self) -> None:
-        # A child that dies by a signal prints nothing: say which one, once, and stop the job.
+        # A child that ends without a traceback prints nothing: say which one and how, once, and
+        # stop the job if this process does not notice by itself.
         while not self._stopping:
             for rank, child in enumerate(self.children, start=1):
                 code = child.poll()
                 if code is None or code == 0 or self._stopping:
                     continue
-                if code < 0 and self.record.claim(f"rank {rank} killed"):
-                    name = signal.Signals(-code).name
-                    print(f"[ember ddp] rank {rank} was killed by {name}; stopping the job.",
-                          file=sys.stderr, flush=True)
-                time.sleep(3.0)  # let the main thread notice and stop cleanly
+                self._report(rank, code)
+                deadline = time.monotonic() + 3.0  # let the main thread notice and stop cleanly
+                while not self._stopping and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 if not self._stopping:
                     self.on_failure()
-                    os._exit(1)
+                    _exit(self.job_status(None))
+                return
             time.sleep(0.05)
 
-    def on_failure(self) -> None:
+    def _report(self, rank: int, code: int) -> None:
+        if code > 0 and stop_signal(code) is not None:
+            return  # it stopped on a signal (preemption): this process stops at the same step
+        what = describe_exit(code)
+        # Claimed even when Python already printed why (an uncaught exception before the rank
+        # joined the job, Ctrl-C), so that ranks which merely lose their peer stay quiet.
+        if self.record.claim(f"rank {rank} {what}") and code != -signal.SIGINT:
+            print(f"[ember ddp] rank {rank} {what}; stopping the job.", file=sys.stderr, flush=True)
+
+    def on_failure(self, grace: float = 0.0) -> None:
         self._stopping = True
+        deadline = time.monotonic() + grace
+        while any(c.poll() is None for c in self.children) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self._ended is None:
+            self._ended = [c.poll() for c in self.children]
         stop_processes(self.children)
 
+    def job_status(self, own: int | None) -> int:
+        ended = self._ended if self._ended is not None else [c.poll() for c in self.children]
+        status = job_status([own, *ended])
+        return status or (1 if own is None else 0)  # None: some rank failed, even if unseen here
+
     def finish(self) -> None:
-        """At exit: wait for the other ranks to finish their copy of the script."""
+        """At exit: wait for the other ranks to finish their copy of the script, then end with
+        the job's status unless :meth:`launch` already chose it."""
         for child in self.children:
             child.wait()
         self._stopping = True
-        failed = [c.returncode for c in self.children if c.returncode]
         _destroy_group()
-        if failed:
-            os._exit(1)
+        if self._ended is None:
+            status = job_status(c.returncode for c in self.children)
+            if status:
+                _exit(status)
+
+
+def _exit(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def rerun_command() -> list[str]:
@@ -409,9 +510,7 @@ class SpawnLauncher:
                         continue
                     seen.add(rank)
                     give_up = give_up or time.monotonic() + 5.0
-                    code = proc.exitcode
-                    what = f"was killed by {signal.Signals(-code).name}" if code < 0 else \
-                        f"exited with status {code}"
+                    what = describe_exit(proc.exitcode)
                     if record.claim(f"rank {rank} {what}"):  # died without a word: it is the cause
                         raise RuntimeError(f"[ember ddp] rank {rank} {what}; the job was stopped.")
                 continue

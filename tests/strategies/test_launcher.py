@@ -133,7 +133,7 @@ def test_a_failing_rank_stops_the_whole_job_quickly_and_is_reported_once(tmp_pat
         # One report: the error (for spawn with the worker's frames as its cause), nothing else.
         assert log.count("Traceback (most recent call last)") <= 2, log
     else:
-        assert log.count("rank 1 was killed by SIGKILL") == 1, log
+        assert log.count("rank 1 was killed by signal 9 (SIGKILL)") == 1, log
     assert not list(tmp_path.glob("rank*.pt"))
     assert_all_gone(tmp_path)
 

@@ -1,0 +1,159 @@
+"""Exit statuses of a ddp job, as a scheduler reads them from the process that started it.
+
+Every job is ``exit_script.py`` (default Trainer: logger and checkpointing on) run as a real
+program in a fresh directory, with ``strategy="ddp"`` (the script re-runs itself for rank 1) or
+``"ddp_spawn"``. A rank that ends without a traceback is named and the job exits 1; a stop signal
+(SIGTERM, to the launching process alone, to one rank, or to the whole process group) makes every
+rank stop at a step boundary, writes ``last.ckpt`` and exits 143; Ctrl-C ends the launching process
+by SIGINT (a shell's 130). Each job runs in its own session, killed as a group whatever happens.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(Path(__file__).with_name("exit_script.py"))
+pytestmark = pytest.mark.timeout(90)
+
+
+class Job:
+    """``exit_script.py`` running in ``workdir`` as its own process group."""
+
+    def __init__(self, workdir: Path, *args: str) -> None:
+        self.workdir = workdir
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, SCRIPT, "--out", str(workdir), *args],
+                                     cwd=workdir, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def wait_until_training(self, limit: float = 45) -> None:
+        """Returns once both ranks have taken a few steps."""
+        deadline = time.monotonic() + limit
+        while not all((self.workdir / f"training{r}").exists() for r in (0, 1)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                code, log = self.finish()
+                pytest.fail(f"the job never got to training (status {code}):\n{log}")
+            time.sleep(0.05)
+
+    def rank_pid(self, rank: int) -> int:
+        return int((self.workdir / f"pid{rank}").read_text())
+
+    def finish(self, limit: float = 45) -> tuple[int, str]:
+        try:
+            out, _ = self.proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            out, _ = self.proc.communicate()
+            pytest.fail(f"the job did not end within {limit} s:\n{out}")
+        return self.proc.returncode, out
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def job(tmp_path):
+    jobs: list[Job] = []
+
+    def start(*args: str) -> Job:
+        jobs.append(Job(tmp_path, *args))
+        return jobs[-1]
+
+    yield start
+    for j in jobs:  # whatever happened, nothing of the job survives the test
+        j.kill()
+        j.proc.wait()
+
+
+def assert_all_gone(workdir: Path) -> None:
+    for pid_file in workdir.glob("pid*"):
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 3
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), f"process {pid} ({pid_file.name}) outlived the job"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; its parent has not reaped it
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_preempted(workdir: Path, code: int, log: str) -> None:
+    assert code == 143, log
+    assert log.count("Preempted by SIGTERM: saved ") == 1, log
+    assert "Traceback" not in log and "[ember ddp]" not in log, log  # a stop, not a failure
+    last = workdir / "ember_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert last.is_file(), sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*"))
+    assert torch.load(last, weights_only=False)["global_step"] >= 5
+    assert_all_gone(workdir)
+
+
+# ------------------------------------------------------------------------------ no traceback
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+@pytest.mark.parametrize("end, said", [("exit3", "rank 1 exited with status 3"),
+                                       ("segv", "rank 1 was killed by signal 11 (SIGSEGV)")])
+def test_a_rank_that_ends_without_a_traceback_is_named_and_the_job_exits_1(job, tmp_path, strategy,
+                                                                          end, said):
+    code, log = job("--strategy", strategy, "--end", end, "--end-rank", "1").finish()
+    assert code == 1, log
+    assert log.count(said) == 1, log
+    assert f"{said}; " in log, log  # then what happens: "stopping the job" / "the job was stopped"
+    assert_all_gone(tmp_path)
+
+
+# ------------------------------------------------------------------------------ SIGTERM
+@pytest.mark.parametrize("strategy", ["ddp"])
+def test_sigterm_to_the_launching_process_saves_last_ckpt_and_exits_143(job, tmp_path, strategy):
+    j = job("--strategy", strategy)
+    j.wait_until_training()
+    os.kill(j.proc.pid, signal.SIGTERM)  # the script's process: rank 0, or ddp_spawn's caller
+    code, log = j.finish()
+    assert_preempted(tmp_path, code, log)
+
+
+@pytest.mark.parametrize("strategy", ["ddp"])
+def test_sigterm_to_the_whole_process_group_saves_last_ckpt_and_exits_143(job, tmp_path, strategy):
+    j = job("--strategy", strategy)
+    j.wait_until_training()
+    os.killpg(j.proc.pid, signal.SIGTERM)  # what a scheduler does
+    code, log = j.finish()
+    assert_preempted(tmp_path, code, log)
+
+
+@pytest.mark.parametrize("strategy", ["ddp"])
+def test_sigterm_to_rank_1_alone_stops_every_rank_and_exits_143(job, tmp_path, strategy):
+    code, log = job("--strategy", strategy, "--end", "term", "--end-rank", "1").finish()
+    assert_preempted(tmp_path, code, log)
+
+
+# ------------------------------------------------------------------------------ Ctrl-C
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+@pytest.mark.parametrize("to", ["group", "launcher"])
+def test_ctrl_c_ends_the_launching_process_by_sigint(job, tmp_path, strategy, to):
+    j = job("--strategy", strategy)
+    j.wait_until_training()
+    if to == "group":
+        os.killpg(j.proc.pid, signal.SIGINT)  # Ctrl-C in a terminal
+    else:
+        os.kill(j.proc.pid, signal.SIGINT)
+    code, log = j.finish()
+    # As Python ends any script on Ctrl-C: killed by SIGINT, which a shell reports as 130.
+    assert code == -signal.SIGINT, log
+    assert "KeyboardInterrupt" in log, log
+    assert "failed" not in log and "was killed by" not in log, log  # not reported as a failure
+    assert_all_gone(tmp_path)
