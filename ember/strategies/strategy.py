@@ -126,6 +126,12 @@ class Strategy:
     def predict_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
         return self.module.predict_step(batch, batch_idx, *extra)  # type: ignore[union-attr]
 
+    def prepare_for_evaluation(self) -> None:
+        """Called on every process before an evaluation or predict loop, however many batches it runs.
+
+        It may therefore communicate (a per-step hook would not be reached on a process without batches).
+        """
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 

@@ -3,6 +3,14 @@
 Per batch: on_*_batch_start -> batch_to_device -> *_step (under no_grad and the precision's
 autocast) -> on_*_batch_end. Evaluation epochs reduce what ``self.log`` collected (across
 processes too) and return one metric dict per loader.
+
+Under several processes each rank runs its own number of batches: the steps do not communicate,
+and the epoch-end reduction is one collective weighted by sample counts, so ranks whose loaders
+yield different numbers of batches still get the exact metric over all of them. Loaders with a
+length are sharded by the strategy with at least one sample per rank; for loaders without one
+(an ``IterableDataset`` each rank feeds itself), the ranks compare their batch counts once at the
+end, so that a rank with no batch at all, which has nothing to reduce, raises on every rank
+instead of leaving the others waiting in the reduction.
 """
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ import torch
 from ember.trainer.metrics import to_floats
 
 if TYPE_CHECKING:
+    from ember.strategies.strategy import Strategy
     from ember.trainer.trainer import Trainer
 
 
@@ -37,14 +46,18 @@ def run_evaluation_loop(trainer: Trainer, stage: str, loaders: list[Any], limits
     t._call(f"on_{hook}_epoch_start")
     many = len(loaders) > 1
     suffixes = [f"/dataloader_idx_{i}" if many else "" for i in range(len(loaders))]
+    ran: list[int] = []  # batches run per loader
+    t.strategy.prepare_for_evaluation()
     try:
         with torch.no_grad():
             for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
                 metrics.key_suffix = suffixes[dl_idx]
                 extra = (dl_idx,) if many else ()
+                ran.append(0)
                 for batch_idx, batch in enumerate(loader):
                     if batch_idx >= limit:
                         break
+                    ran[-1] += 1
                     metrics.batch = batch
                     metrics.batch_size = None
                     metrics.fx = f"on_{hook}_batch_start"
@@ -57,6 +70,10 @@ def run_evaluation_loop(trainer: Trainer, stage: str, loaders: list[Any], limits
                     metrics.fx = f"on_{hook}_batch_end"
                     for h in batch_end:
                         h(out, batch, batch_idx, dl_idx)
+        if t.strategy.world_size > 1 and _has_unsized(loaders):
+            # Each rank ran its own number of batches (evaluation steps do not communicate), but the
+            # epoch-end reduction below needs every rank to have logged something for each loader.
+            _check_counts(t.strategy, ran, stage)
         metrics.key_suffix = ""
         metrics.fx = f"on_{hook}_epoch_end"
         t._call(f"on_{hook}_epoch_end")
@@ -79,6 +96,7 @@ def run_predict_loop(trainer: Trainer, loaders: list[Any], limits: list[float]) 
     was_training = module.training
     module.eval()
     t._eval_total = sum(limits)
+    t.strategy.prepare_for_evaluation()
     t._call("on_predict_start")
     t._call("on_predict_epoch_start")
     batch_start = t._hooks("on_predict_batch_start")
@@ -106,3 +124,35 @@ def run_predict_loop(trainer: Trainer, loaders: list[Any], limits: list[float]) 
     t._call("on_predict_epoch_end")
     t._call("on_predict_end")
     return results
+
+
+def _check_counts(strategy: Strategy, counts: list[int], stage: str) -> None:
+    """Raise on every rank if some rank ran no batch of an evaluation loader that others ran (a collective).
+
+    Args:
+        strategy: supplies ``world_size`` and ``all_gather``.
+        counts: batches this rank ran, per loader.
+        stage: "validate", "sanity", "test" for the message.
+    """
+    rows = strategy.all_gather(torch.tensor(counts)).tolist()  # [world][loader]
+    for dl_idx in range(len(counts)):
+        per_rank = [row[dl_idx] for row in rows]
+        if min(per_rank) == 0 < max(per_rank):
+            which = f" {dl_idx}" if len(counts) > 1 else ""
+            name = {"sanity": "validation", "validate": "validation"}.get(stage, stage)
+            listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(per_rank))
+            raise ValueError(
+                f"The {name} dataloader{which} yielded no batch on some ranks and batches on others ({listed}). "
+                "Epoch metrics are reduced across ranks from what each rank logged, so every rank needs at least "
+                "one batch of each evaluation loader. Give every rank's IterableDataset at least one batch "
+                "(split the data by trainer.global_rank and trainer.world_size), or evaluate with fewer processes.")
+
+
+def _has_unsized(loaders: list[Any]) -> bool:
+    """Whether any of ``loaders`` has no length."""
+    for loader in loaders:
+        try:
+            len(loader)
+        except TypeError:
+            return True
+    return False

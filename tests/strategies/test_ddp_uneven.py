@@ -184,6 +184,19 @@ def collectives_per_step(rank: int, sized: bool) -> list[dict]:
     return recorder.per_step()
 
 
+def evaluation(rank: int) -> dict:
+    # 5 and 3 batches: each rank runs its own; the epoch metric is the mean over all 16 samples.
+    module = Net()
+    loader = DataLoader(Stream([10, 6], offset=2), batch_size=B)
+    out = {"validate": quiet_trainer().validate(module, loader)[0]["val_loss"],
+           "test": quiet_trainer().test(module, loader)[0]["test_loss"],
+           "predict": len(quiet_trainer().predict(module, loader))}
+    x, y = (torch.cat(t) for t in zip(samples(0, 10, 2), samples(1, 6, 2)))
+    with torch.no_grad():
+        out["reference"] = F.mse_loss(module(x), y).item()
+    return out
+
+
 def error_of(fn) -> str:
     try:
         fn()
@@ -193,7 +206,8 @@ def error_of(fn) -> str:
 
 
 def empty_rank(rank: int) -> dict:
-    return {"fit": error_of(lambda: quiet_trainer().fit(Net(), DataLoader(Stream([8, 0]), batch_size=B)))}
+    return {"fit": error_of(lambda: quiet_trainer().fit(Net(), DataLoader(Stream([8, 0]), batch_size=B))),
+            "validate": error_of(lambda: quiet_trainer().validate(Net(), DataLoader(Stream([8, 0]), batch_size=B)))}
 
 
 SCENARIOS = {
@@ -204,6 +218,7 @@ SCENARIOS = {
     "limit_above": lambda rank, root: limited(rank, 25),
     "sized_comms": lambda rank, root: collectives_per_step(rank, sized=True),
     "unsized_comms": lambda rank, root: collectives_per_step(rank, sized=False),
+    "evaluation": lambda rank, root: evaluation(rank),
     "empty_rank": lambda rank, root: empty_rank(rank),
 }
 
@@ -314,6 +329,15 @@ def test_unsized_loader_steps_add_exactly_one_small_all_reduce(ranks):
         assert all_reduces(steps) == [2] * 19  # the gradient bucket and the "every rank has a batch" count
 
 
+def test_evaluation_over_uneven_streams_reduces_over_every_sample(ranks):
+    r0, r1 = results(ranks, "evaluation")
+    for stage in ("validate", "test"):
+        assert r0[stage] == r1[stage] == pytest.approx(r0["reference"], rel=1e-5)
+    assert (r0["predict"], r1["predict"]) == (5, 3)  # each rank predicts its own batches
+
+
 def test_a_rank_without_any_batch_raises_on_every_rank_instead_of_hanging(ranks):
     for r in results(ranks, "empty_rank"):
         assert "no batch on some ranks" in r["fit"] and "rank 0: 4, rank 1: 0" in r["fit"]
+        assert "validation dataloader yielded no batch on some ranks" in r["validate"]
+        assert "rank 0: 4, rank 1: 0" in r["validate"]
