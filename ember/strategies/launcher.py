@@ -458,20 +458,34 @@ class SpawnLauncher:
 
     ``fn`` and its arguments are pickled (the standard streams travel as references to the
     worker's own). A failing rank's exception is re-raised here, with the rank noted and the
-    worker's traceback as its cause; the other workers are stopped first.
+    worker's traceback as its cause; the other workers are stopped first. A rank that exits on
+    purpose (``SystemExit``: a preempted run's 143) is not a failure: once the others have ended
+    too, its ``SystemExit`` is re-raised here, so the caller exits with the same status.
+
+    While the workers run, the stop signals this process receives are passed on to them, so that
+    a SIGTERM sent to the caller alone (or to the whole process group: workers die with their
+    parent) still lets them reach a step boundary and write ``last.ckpt``. If the job then ends
+    with an error instead, the signal is raised again here, with the caller's own handler back.
 
     Args:
         num_processes: Number of ranks.
         timeout: Collective and rendezvous timeout.
         dumps: Serialises ``(fn, args, kwargs)`` for the workers.
         loads: Its inverse, run in each worker (a module-level function).
+        forward_signals: Signals passed on to the workers; None: SIGTERM, plus SIGUSR1 under SLURM
+            (the Trainer's default preemption signals).
     """
 
     def __init__(self, num_processes: int, timeout: datetime.timedelta,
                  dumps: Callable[[Any], bytes] = pickle.dumps,
-                 loads: Callable[[bytes], Any] = pickle.loads) -> None:
+                 loads: Callable[[bytes], Any] = pickle.loads,
+                 forward_signals: tuple[int, ...] | None = None) -> None:
         self.num_processes, self.timeout = num_processes, timeout
         self.dumps, self.loads = dumps, loads
+        if forward_signals is None:
+            slurm = "SLURM_JOB_ID" in os.environ and hasattr(signal, "SIGUSR1")
+            forward_signals = (signal.SIGTERM, signal.SIGUSR1) if slurm else (signal.SIGTERM,)
+        self.forward_signals = tuple(forward_signals)
 
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         payload = self.dumps((fn, args, kwargs))
@@ -483,21 +497,44 @@ class SpawnLauncher:
                              args=(rank, env, self.timeout.total_seconds(), payload, self.loads,
                                    results))
                  for rank in range(self.num_processes)]
+        received: list[int] = []
+
+        def forward(signum: int, frame: Any) -> None:
+            received.append(signum)
+            for proc in procs:
+                if proc.pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signum)
+
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, forward) for sig in self.forward_signals}
         try:
             for proc in procs:
                 proc.start()
+            if received:  # arrived while they were starting
+                forward(received[0], None)
             return pickle.loads(self._collect(procs, results, FailureRecord(store))[0])
         finally:
             stop_processes([p for p in procs if p.pid is not None])
+            for sig, handler in previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
             results.close()
             results.join_thread()
             del store
+            leaving = sys.exc_info()[1]
+            if received and leaving is not None and not isinstance(leaving, SystemExit):
+                signal.raise_signal(received[0])  # the workers could not stop on it: act on it here
 
     def _collect(self, procs: list, results: Any, record: FailureRecord) -> dict[int, bytes]:
         done: dict[int, bytes] = {}
+        exits: dict[int, BaseException] = {}  # ranks that raised SystemExit (preemption)
         seen: set[int] = set()  # ranks known to have failed
         give_up = None  # once a failure is known, how long to wait for the original report
-        while len(done) < len(procs):
+        exits_by = None  # once a rank exited, how long the others get to end too
+        while len(done) + len(exits) < len(procs):
+            if exits_by is not None and time.monotonic() > exits_by:
+                break
             if give_up is not None and time.monotonic() > give_up:
                 raise RuntimeError(f"[ember ddp] ranks {sorted(seen)} failed; the job was stopped.")
             try:
@@ -506,7 +543,7 @@ class SpawnLauncher:
                 kind = None
             if kind is None:
                 for rank, proc in enumerate(procs):
-                    if rank in done or rank in seen or proc.exitcode in (None, 0):
+                    if rank in done or rank in exits or rank in seen or proc.exitcode in (None, 0):
                         continue
                     seen.add(rank)
                     give_up = give_up or time.monotonic() + 5.0
@@ -517,6 +554,11 @@ class SpawnLauncher:
             if kind == "ok":
                 done[rank] = rest[0]
                 continue
+            if kind == "exit":
+                pickled, code = rest
+                exits[rank] = _unpickle_error(pickled) or SystemExit(code)
+                exits_by = exits_by or time.monotonic() + _PEERS_EXIT_S
+                continue
             pickled, text, remote_tb, original = rest
             if not original:  # stopped because a peer failed: wait for the peer's report
                 seen.add(rank)
@@ -526,6 +568,8 @@ class SpawnLauncher:
             if hasattr(error, "add_note"):
                 error.add_note(f"[ember ddp] raised on rank {rank} of {len(procs)}.")
             raise error from RemoteTraceback(f"\n--- rank {rank} ---\n{remote_tb}")
+        if exits:
+            raise exits[min(exits)]  # rank 0's when it has one
         return done
 
 
@@ -540,6 +584,13 @@ def _spawn_worker(rank: int, env: dict[str, str], timeout: float, payload: bytes
         record = FailureRecord(store)
         fn, args, kwargs = loads(payload)
         value = pickle.dumps(fn(*args, **kwargs))
+    except SystemExit as exc:  # on purpose (preemption: every rank stops at the same step)
+        exit_code = _exit_status(exc.code)
+        try:
+            pickled = pickle.dumps(exc)
+        except Exception:
+            pickled = None
+        results.put(("exit", rank, pickled, exit_code))
     except BaseException as exc:
         original = classify_failure(record, rank, exc)
         try:

@@ -46,6 +46,10 @@ class Preempted(SystemExit):
         self.signum = signum
         self.checkpoint_path = path
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its own arguments, so that a ddp_spawn worker's reaches the caller as itself.
+        return type(self), (self.signum, self.checkpoint_path)
+
     def __str__(self) -> str:
         return (f"Preempted by {signal.Signals(self.signum).name}: saved {self.checkpoint_path}; "
                 f"exiting with status {self.code}. Resume with trainer.fit(..., ckpt_path='last').")

@@ -117,7 +117,7 @@ def test_a_rank_that_ends_without_a_traceback_is_named_and_the_job_exits_1(job, 
 
 
 # ------------------------------------------------------------------------------ SIGTERM
-@pytest.mark.parametrize("strategy", ["ddp"])
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_sigterm_to_the_launching_process_saves_last_ckpt_and_exits_143(job, tmp_path, strategy):
     j = job("--strategy", strategy)
     j.wait_until_training()
@@ -126,7 +126,7 @@ def test_sigterm_to_the_launching_process_saves_last_ckpt_and_exits_143(job, tmp
     assert_preempted(tmp_path, code, log)
 
 
-@pytest.mark.parametrize("strategy", ["ddp"])
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_sigterm_to_the_whole_process_group_saves_last_ckpt_and_exits_143(job, tmp_path, strategy):
     j = job("--strategy", strategy)
     j.wait_until_training()
@@ -135,7 +135,7 @@ def test_sigterm_to_the_whole_process_group_saves_last_ckpt_and_exits_143(job, t
     assert_preempted(tmp_path, code, log)
 
 
-@pytest.mark.parametrize("strategy", ["ddp"])
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_sigterm_to_rank_1_alone_stops_every_rank_and_exits_143(job, tmp_path, strategy):
     code, log = job("--strategy", strategy, "--end", "term", "--end-rank", "1").finish()
     assert_preempted(tmp_path, code, log)
