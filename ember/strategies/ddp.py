@@ -14,6 +14,12 @@ twice) and may differ by one batch, which is safe because evaluation steps do no
 reduced once at the end, weighted by sample counts. ``training_step`` runs through the wrapper
 (``ddp.call``), so gradients are averaged during ``backward``; inside ``no_backward_sync`` (all
 but the last micro-batch of an accumulation window) nothing is communicated.
+
+Hangs (``watchdog.py``): the verbs here tell the rank's :class:`~ember.strategies.watchdog.Beacon`
+which batch and phase it is in and which collective it waits in (attribute stores only), and a
+watchdog thread per rank stops the job when one rank keeps the others waiting, naming it, with its
+stack. A collective that times out raises :class:`~ember.strategies.watchdog.CollectiveTimeout`,
+which names the rank that did not arrive.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import os
 import pickle
 import sys
 import warnings
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,15 +38,21 @@ from torch.utils.data import RandomSampler
 
 from ember.data_state import make_resumable, rebuild_with_sampler, resumable_sampler_of, why_not_swappable
 from ember.parallel.distributed import DistributedDataParallel
+from ember.strategies import launcher as launcher_module
 from ember.strategies.launcher import Launcher, PopenLauncher, SpawnLauncher, World, detect_world
 from ember.strategies.sampler import ShardedSampler
 from ember.strategies.strategy import Strategy
+from ember.strategies.watchdog import (AFTER_BACKWARD, AFTER_STEP, BACKWARD, TRAINING_STEP, Beacon,
+                                       CollectiveTimeout, Watchdog, exit_with_stacks, is_timeout)
 
 __all__ = ["DDPStrategy"]
 
 T = TypeVar("T")
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
         "max": dist.ReduceOp.MAX}
+# Collectives a rank may wait in at every step, as the watchdog's messages name them.
+_GRADIENTS = "the gradient all-reduce (backward)"
+_BUFFERS = "the buffer broadcast before training_step"
 
 
 class DDPStrategy(Strategy):
@@ -55,6 +67,12 @@ class DDPStrategy(Strategy):
         comm_hook: ``None``, ``"bf16"``, ``"fp16"`` or a callable hook (see
             :mod:`ember.parallel.comm_hooks`).
         timeout: seconds (or a timedelta) a collective may wait before failing.
+        watchdog_timeout: seconds one rank may keep the others waiting in a collective before the
+            watchdog stops the job, printing which rank is stuck, where, and its Python stack (see
+            :mod:`ember.strategies.watchdog`). The deadline grows to 20 times the slowest step
+            seen and stays below ``timeout``; waits before a rank's first batch are left to
+            ``timeout``. ``None`` turns the verdicts off (a collective that times out still names
+            the rank that did not arrive).
         start_method: ``"popen"`` re-runs the script for the other ranks; ``"spawn"`` starts
             workers with multiprocessing spawn (works in notebooks; everything is pickled).
         gradient_as_bucket_view, static_graph, broadcast_buffers: passed to
@@ -67,16 +85,25 @@ class DDPStrategy(Strategy):
     def __init__(self, accelerator: str | None = None, devices: list[torch.device] | None = None,
                  *, bucket_cap_mb: float = 25, find_unused_parameters: bool = False,
                  comm_hook: Any = None, timeout: float | datetime.timedelta = 1800.0,
+                 watchdog_timeout: float | None = 60.0,
                  start_method: str = "popen", gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, broadcast_buffers: bool = True,
                  process_group_backend: str | None = None) -> None:
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"start_method={start_method!r} is not supported; use 'popen' (re-run "
                              "the script, the 'ddp' default) or 'spawn' (what 'ddp_spawn' uses).")
+        if watchdog_timeout is False:
+            watchdog_timeout = None
+        if watchdog_timeout is not None and (isinstance(watchdog_timeout, bool) or not isinstance(
+                watchdog_timeout, (int, float)) or not watchdog_timeout > 0):
+            raise ValueError(f"watchdog_timeout={watchdog_timeout!r} is not valid: give the seconds one rank may "
+                             "keep the others waiting (a number > 0; the deadline grows with the slowest "
+                             "step), or None to turn the watchdog off.")
         super().__init__(accelerator=accelerator, devices=devices)
         self.start_method = start_method
         self.timeout = timeout if isinstance(timeout, datetime.timedelta) else \
             datetime.timedelta(seconds=float(timeout))
+        self.watchdog_timeout = None if watchdog_timeout is None else float(watchdog_timeout)
         self.process_group_backend = process_group_backend
         self.ddp_kwargs = dict(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
                                comm_hook=comm_hook, gradient_as_bucket_view=gradient_as_bucket_view,
@@ -87,12 +114,21 @@ class DDPStrategy(Strategy):
         self._owns_group = False
         self._buffers_stale = False
         self._threads_before: int | None = None
+        self._beacon = Beacon()
+        self._watchdog: Watchdog | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Sent to spawned workers: they find their own place in the job and their own group.
         state = dict(self.__dict__)
-        state.update(ddp=None, _world=None, _launcher=None, _owns_group=False, _threads_before=None)
+        state.update(ddp=None, _world=None, _launcher=None, _owns_group=False, _threads_before=None,
+                     _beacon=Beacon(), _watchdog=None)
         return state
+
+    @property
+    def watchdog(self) -> Watchdog | None:
+        """This rank's hang watchdog: the running one, else the last one (its ``deadline`` and
+        ``slowest_step`` stay readable); None with one process."""
+        return self._watchdog
 
     # ------------------------------------------------------------------ identity
     @property
@@ -147,8 +183,11 @@ class DDPStrategy(Strategy):
     def setup_environment(self) -> None:
         if self._world is None:
             self._world = detect_world()  # a spawned worker: its rank is in the environment
-        if dist.is_initialized():
-            return
+        if not dist.is_initialized():
+            self._init_group()
+        self._start_watchdog()
+
+    def _init_group(self) -> None:
         if self._world is None:  # one process: a private 1-rank group, released at teardown
             dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
             self._owns_group = True
@@ -159,6 +198,69 @@ class DDPStrategy(Strategy):
             self._share_cpu_threads(self._world.local_world_size)
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
+
+    # ------------------------------------------------------------------ hangs (watchdog.py)
+    def _start_watchdog(self) -> None:
+        if self._watching or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        store = self._job_store()
+        if store is None:
+            return  # a process group made without a store we can reach: no watchdog
+        self._beacon = Beacon()
+        self._watchdog = Watchdog(store, dist.get_rank(), dist.get_world_size(), self._beacon,
+                                  floor=self.watchdog_timeout, timeout=self.timeout.total_seconds(),
+                                  progress=self._progress)
+        self._watchdog.start()
+
+    @property
+    def _watching(self) -> bool:
+        return self._watchdog is not None and self._watchdog.running
+
+    def _job_store(self) -> dist.Store | None:
+        if self._launcher is not None and self._launcher.store is not None:
+            return self._launcher.store
+        if launcher_module._job_store is not None:
+            return launcher_module._job_store
+        try:  # a group the user made: its store (a private helper of torch, hence the guard)
+            return dist.distributed_c10d._get_default_store()
+        except Exception:
+            return None
+
+    def _progress(self) -> dict[str, Any]:
+        # Read by the watchdog thread once a second: plain attribute reads.
+        trainer = self.trainer
+        progress = getattr(trainer, "progress", None)
+        return {"stage": getattr(trainer, "state", None), "step": getattr(progress, "global_step", None),
+                "epoch": getattr(progress, "current_epoch", None)}
+
+    def abort_job(self, message: str, exit_code: int) -> NoReturn:
+        """Ends every process of the job now with ``exit_code``, for a rank that cannot stop cleanly
+        (``ember/trainer/signals.py``: a stop signal, and no step boundary within the grace period).
+
+        Every rank prints ``message`` and where the ranks are; this rank and the ranks that are not
+        in a collective (the stuck ones) print their Python stacks.
+        """
+        if self._watching:
+            self._watchdog.abort(message, exit_code)
+        exit_with_stacks(f"[ember ddp] rank {self.global_rank} {message}", exit_code)
+
+    def _waiting(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Runs the collective ``fn`` with the beacon saying so; a timeout names the missing rank."""
+        beacon = self._beacon
+        beacon.waits += 1
+        beacon.waiting = what
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            self._name_missing_rank(exc, what)
+            raise
+        finally:
+            beacon.waiting = None
+
+    def _name_missing_rank(self, exc: Exception, what: str) -> None:
+        """Raises CollectiveTimeout naming the ranks that did not arrive, if ``exc`` is a timeout."""
+        if self._watching and is_timeout(exc):
+            raise CollectiveTimeout(self._watchdog.explain_timeout(what)) from exc
 
     def _share_cpu_threads(self, local_world_size: int) -> None:
         # N processes on one machine each defaulting to every core oversubscribe it, and OpenMP's
@@ -174,10 +276,13 @@ class DDPStrategy(Strategy):
         super().setup(trainer, module)
         if trainer.state == "fitting":
             device_ids = [self.root_device] if self.root_device.type == "cuda" else None
-            self.ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+            self.ddp = self._waiting("the broadcast of rank 0's weights (DistributedDataParallel setup)",
+                                     DistributedDataParallel, module, device_ids=device_ids, **self.ddp_kwargs)
             self._buffers_stale = False
 
     def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()  # kept: its deadline and slowest step stay readable
         if self.ddp is not None:
             self.ddp.reducer.remove_hooks()  # the module trains without us afterwards
             self.ddp = None
@@ -226,34 +331,82 @@ class DDPStrategy(Strategy):
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
-        if self.ddp is None:
+        ddp = self.ddp
+        if ddp is None:
             return super().training_step(batch, batch_idx, *extra)
         self._buffers_stale = True
-        return self.ddp.call("training_step", batch, batch_idx, *extra)
+        beacon = self._beacon  # what the watchdog reads: attribute stores, no communication
+        beacon.batches += 1
+        beacon.batch = batch_idx
+        beacon.loop = "training"
+        beacon.waits += 1
+        beacon.waiting = _BUFFERS
+        try:  # ddp.call, in its two halves: only the first may communicate
+            args, kwargs = ddp.pre_forward(batch, batch_idx, *extra)
+        except Exception as exc:
+            self._name_missing_rank(exc, _BUFFERS)
+            raise
+        finally:
+            beacon.waiting = None
+        beacon.where = TRAINING_STEP
+        outputs = ddp.module.training_step(*args, **kwargs)
+        beacon.where = AFTER_STEP
+        return ddp.post_forward(outputs)
 
     def _fresh_buffers(self) -> None:
         # Training forwards update buffers (BatchNorm statistics) on each rank: evaluate with
         # rank 0's, as a forward through PyTorch's wrapper would.
         if self._buffers_stale and self.ddp is not None:
             self._buffers_stale = False
-            self.ddp.sync_buffers()
+            self._waiting("the buffer broadcast before evaluation", self.ddp.sync_buffers)
+
+    def _eval_step(self, loop: str, batch_idx: int) -> None:
+        self._fresh_buffers()
+        beacon = self._beacon
+        beacon.batches += 1
+        beacon.batch = batch_idx
+        beacon.loop = loop
+        beacon.where = f"{loop}_step"
 
     def validation_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
-        self._fresh_buffers()
-        return super().validation_step(batch, batch_idx, *extra)
+        self._eval_step("validation", batch_idx)
+        out = super().validation_step(batch, batch_idx, *extra)
+        self._beacon.where = "the evaluation loop after validation_step"
+        return out
 
     def test_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
-        self._fresh_buffers()
-        return super().test_step(batch, batch_idx, *extra)
+        self._eval_step("test", batch_idx)
+        out = super().test_step(batch, batch_idx, *extra)
+        self._beacon.where = "the evaluation loop after test_step"
+        return out
 
     def predict_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
-        self._fresh_buffers()
-        return super().predict_step(batch, batch_idx, *extra)
+        self._eval_step("predict", batch_idx)
+        out = super().predict_step(batch, batch_idx, *extra)
+        self._beacon.where = "the predict loop after predict_step"
+        return out
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.ddp is not None:
-            self.ddp.prepare_for_backward(loss)  # a second backward of one step syncs too
-        loss.backward()
+        ddp = self.ddp
+        if ddp is None:
+            loss.backward()
+            return
+        ddp.prepare_for_backward(loss)  # a second backward of one step syncs too
+        beacon = self._beacon
+        if not ddp.require_backward_grad_sync:  # inside no_backward_sync: nothing is communicated
+            beacon.where = BACKWARD
+            loss.backward()
+        else:
+            beacon.waits += 1
+            beacon.waiting = _GRADIENTS
+            try:
+                loss.backward()
+            except Exception as exc:
+                self._name_missing_rank(exc, _GRADIENTS)
+                raise
+            finally:
+                beacon.waiting = None
+        beacon.where = AFTER_BACKWARD
 
     @contextlib.contextmanager
     def no_backward_sync(self) -> Iterator[None]:
@@ -271,7 +424,7 @@ class DDPStrategy(Strategy):
         out = torch.as_tensor(tensor).detach().to(self.root_device).clone()
         if not out.is_floating_point() and op == "mean":
             out = out.double()
-        dist.all_reduce(out, op=_OPS[op])
+        self._waiting(f"an all-reduce (strategy.reduce, op={op!r})", dist.all_reduce, out, op=_OPS[op])
         return out / self.world_size if op == "mean" else out
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -279,25 +432,26 @@ class DDPStrategy(Strategy):
             return super().all_gather(tensor)
         mine = torch.as_tensor(tensor).detach().to(self.root_device).contiguous()
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine)
+        self._waiting("an all-gather (strategy.all_gather)", dist.all_gather, out, mine)
         return torch.stack(out)
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         if self.world_size == 1 or not dist.is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        self._waiting(f"a broadcast from rank {src} (strategy.broadcast)", dist.broadcast_object_list, box, src=src)
         return box[0]
 
     def barrier(self, name: str | None = None) -> None:
         if self.world_size > 1 and dist.is_initialized():
-            dist.barrier()
+            self._waiting(f"a barrier ({name})" if name else "a barrier", dist.barrier)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if self.world_size == 1 or not dist.is_initialized():
             return decision
         flag = torch.tensor([int(bool(decision))], device=self.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN if all else dist.ReduceOp.MAX)
+        self._waiting("an all-reduce (strategy.reduce_boolean_decision)", dist.all_reduce, flag,
+                      op=dist.ReduceOp.MIN if all else dist.ReduceOp.MAX)
         return bool(flag.item())
 
 
