@@ -18,19 +18,38 @@ Which signals: SIGTERM, plus SIGUSR1 under SLURM (``SLURM_JOB_ID`` set), SLURM's
 ``fit`` to choose others, or to ``()`` to leave every handler alone. Handlers can only be
 installed from the main thread; elsewhere preemption is not handled. The previous handlers are
 put back when ``fit`` returns.
+
+A stop signal always ends the run. A rank stuck in ``training_step``, in I/O or waiting for a hung
+peer reaches no step boundary, so the flag alone would let it outlive every SIGTERM. After a
+signal, the run has a grace period (``trainer.preemption_grace``, default 60 s; ``None`` waits
+forever) to reach a step boundary; each boundary reached, and the start of the checkpoint write,
+starts it again. When it runs out, the Python stacks are printed and the process exits with
+``128 + signal number`` without a checkpoint; under ``ddp`` the whole job does, the stuck ranks
+printing their stacks too (``DDPStrategy.abort_job``). The clock is a thread, because Python runs
+signal handlers only in the main thread and only between bytecodes, which a main thread blocked in
+C code (a collective waiting for a hung peer) never reaches: the handler's C half also writes the
+signal's number to a socket (:func:`signal.set_wakeup_fd`), which the thread watches.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
+import socket
 import threading
+import time
 import warnings
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Iterator
 
+from ember.strategies.watchdog import exit_with_stacks
+
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
+
+#: Seconds a run has, after a stop signal, to reach a step boundary (``trainer.preemption_grace``).
+DEFAULT_GRACE_S = 60.0
 
 
 def exit_code(signum: int) -> int:
@@ -63,13 +82,25 @@ def default_signals() -> tuple[int, ...]:
 
 
 class PreemptionHandler:
-    """Records stop signals and turns them into a checkpoint + :class:`Preempted` at a step boundary."""
+    """Records stop signals and turns them into a checkpoint + :class:`Preempted` at a step boundary.
 
-    def __init__(self, trainer: Trainer, signals: tuple[int, ...]) -> None:
+    Args:
+        trainer: The Trainer whose fit loop checks for signals.
+        signals: The signals that stop the run.
+        grace: Seconds to reach a step boundary after a signal before the process is ended without
+            a checkpoint (stacks printed, status ``128 + signal``); None to wait forever.
+    """
+
+    def __init__(self, trainer: Trainer, signals: tuple[int, ...], grace: float | None = DEFAULT_GRACE_S) -> None:
+        if grace is not None and not grace > 0:
+            raise ValueError(f"preemption_grace={grace!r}: give the seconds a run has after a stop signal to reach "
+                             "a step boundary (a number > 0), or None to wait for one forever.")
         self.trainer = trainer
         self.signals = signals
+        self.grace = grace
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        self._clock: _GraceClock | None = None
         #: With several processes, how many step boundaries pass between two agreements on stopping.
         self.sync_every = 8
         self._boundaries = 0
@@ -82,16 +113,37 @@ class PreemptionHandler:
             return False
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if self.grace is not None:
+            self._clock = _GraceClock(self.signals, self.grace, self._expired)
+            self._clock.start()
         return True
 
     def uninstall(self) -> None:
+        if self._clock is not None:
+            self._clock.stop()
+            self._clock = None
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
 
+    def _expired(self, signum: int) -> None:
+        """The grace period ran out: print the stacks and end the process (under ddp, the job)."""
+        code = exit_code(signum)
+        message = (f"received {signal.Signals(signum).name} {self.grace:g} s ago and has reached no step "
+                   f"boundary since, so it cannot stop with a checkpoint: it is stuck. Exiting with status "
+                   f"{code} without saving one.")
+        strategy = self.trainer.strategy
+        abort = getattr(strategy, "abort_job", None)
+        if abort is not None and strategy.world_size > 1:
+            abort(message, code)  # every rank exits; the stuck ones print their stacks
+        exit_with_stacks(f"[ember] The run {message} Python stack (pid {os.getpid()}):", code)
+
     def check(self) -> None:
         """At a step boundary: stop (save, raise) if any rank got a signal."""
         t = self.trainer
+        clock = self._clock
+        if clock is not None and clock.signum is not None:
+            clock.restart()  # a boundary: the run is alive; the grace period starts again
         k, done = t.accumulate_grad_batches, t.progress.batch_in_epoch
         if k > 1 and done % k and done != t.num_training_batches:
             return  # inside a gradient-accumulation window (same counters on every rank): stop once it closes
@@ -111,6 +163,8 @@ class PreemptionHandler:
         from ember.trainer import checkpoint
 
         t = self.trainer
+        if self._clock is not None:
+            self._clock.restart()  # the checkpoint write gets a whole grace period
         callbacks = [cb for cb in t.callbacks if hasattr(cb, "best_model_path") and hasattr(cb, "dirpath")]
         directory = (callbacks[0].dirpath if callbacks and callbacks[0].dirpath else checkpoint.default_dir(t))
         path = checkpoint.save(t, os.path.join(directory, "last.ckpt"))
@@ -128,7 +182,8 @@ class PreemptionHandler:
 def preemption(trainer: Trainer) -> Iterator[PreemptionHandler | None]:
     """Install the handler for the duration of a fit loop and expose it as ``trainer._preemption``."""
     sigs = getattr(trainer, "preemption_signals", None)
-    handler = PreemptionHandler(trainer, default_signals() if sigs is None else tuple(sigs))
+    handler = PreemptionHandler(trainer, default_signals() if sigs is None else tuple(sigs),
+                                getattr(trainer, "preemption_grace", DEFAULT_GRACE_S))
     if not handler.install():
         yield None
         return
@@ -138,3 +193,90 @@ def preemption(trainer: Trainer) -> Iterator[PreemptionHandler | None]:
     finally:
         trainer._preemption = None
         handler.uninstall()
+
+
+class _GraceClock:
+    """A daemon thread that calls ``expire(signum)`` when, after one of ``signals``, ``grace`` seconds
+    pass without :meth:`restart`. It learns of signals through :func:`signal.set_wakeup_fd`, so
+    it works while the main thread is blocked in C code; bytes of other signals are passed on to
+    a wakeup descriptor installed before it."""
+
+    def __init__(self, signals: tuple[int, ...], grace: float, expire: Any) -> None:
+        self.signals = {int(s) for s in signals}
+        self.grace = grace
+        self.expire = expire
+        #: The first of ``signals`` received, once one is.
+        self.signum: int | None = None
+        self._deadline: float | None = None
+        self._stopped = threading.Event()
+        self._reader, self._writer = socket.socketpair()
+        self._writer.setblocking(False)  # set_wakeup_fd needs it: a signal handler must never block
+        self._previous_fd = -1
+        self._thread = threading.Thread(target=self._run, name="ember-preemption-grace", daemon=True)
+
+    def start(self) -> None:
+        global _active_clock
+        self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        _active_clock = self
+        _reset_in_forked_children()
+        self._thread.start()
+
+    def restart(self) -> None:
+        if self.signum is not None:
+            self._deadline = time.monotonic() + self.grace
+
+    def stop(self) -> None:
+        global _active_clock
+        signal.set_wakeup_fd(self._previous_fd)
+        _active_clock = None
+        self._stopped.set()
+        with contextlib.suppress(OSError):
+            self._writer.send(b"\0")  # wakes the thread
+        self._thread.join()
+        self._reader.close()
+        self._writer.close()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            timeout = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+            ready, _, _ = select.select([self._reader], [], [], timeout)
+            if self._stopped.is_set():
+                return
+            if ready:
+                data = self._reader.recv(256)
+                for signum in data:
+                    self._pass_on(signum)
+                    if signum in self.signals and self.signum is None:
+                        self.signum = signum
+                        self.restart()
+                continue
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                self.expire(self.signum)
+                return
+
+    def _pass_on(self, signum: int) -> None:
+        if self._previous_fd >= 0 and signum:
+            with contextlib.suppress(OSError):
+                os.write(self._previous_fd, bytes([signum]))
+
+
+_active_clock: _GraceClock | None = None
+_fork_hook_registered = False
+
+
+def _reset_in_forked_children() -> None:
+    # A child forked while the clock runs (a DataLoader worker) inherits the wakeup descriptor:
+    # a signal sent to the child would reach this process's clock. Give the child none.
+    global _fork_hook_registered
+    if _fork_hook_registered or not hasattr(os, "register_at_fork"):
+        return
+    _fork_hook_registered = True
+
+    def in_child() -> None:
+        global _active_clock
+        if _active_clock is not None:
+            _active_clock = None
+            with contextlib.suppress(ValueError, OSError):
+                signal.set_wakeup_fd(-1)
+
+    os.register_at_fork(after_in_child=in_child)
