@@ -10,8 +10,11 @@ Data: every loader is rebuilt around :class:`~ember.strategies.sampler.ShardedSa
 shards are padded to equal length (every rank takes the same number of steps, so the gradient
 all-reduce never waits on a rank that ran out); evaluation shards are not (no sample counted
 twice) and may differ by one batch, which is safe because evaluation steps do not communicate:
-``validation_step`` runs on the module itself, not through the wrapper, and epoch metrics are
-reduced once at the end, weighted by sample counts. ``training_step`` runs through the wrapper
+``validation_step`` runs on the module itself, not through the wrapper, rank 0's buffers are
+broadcast before the loop (``prepare_for_evaluation``), and epoch metrics are reduced once at the
+end, weighted by sample counts. Loaders without a length (an ``IterableDataset`` each rank feeds
+itself) are not sharded; in training the ranks agree before each step that all of them still have
+a batch (``ember/trainer/lockstep.py``). ``training_step`` runs through the wrapper
 (``ddp.call``), so gradients are averaged during ``backward``; inside ``no_backward_sync`` (all
 but the last micro-batch of an accumulation window) nothing is communicated.
 
@@ -353,15 +356,15 @@ class DDPStrategy(Strategy):
         beacon.where = AFTER_STEP
         return ddp.post_forward(outputs)
 
-    def _fresh_buffers(self) -> None:
+    def prepare_for_evaluation(self) -> None:
         # Training forwards update buffers (BatchNorm statistics) on each rank: evaluate with
-        # rank 0's, as a forward through PyTorch's wrapper would.
+        # rank 0's, as a forward through PyTorch's wrapper would. Here rather than in the first
+        # evaluation step: a rank whose loader has no batch must still join the broadcast.
         if self._buffers_stale and self.ddp is not None:
             self._buffers_stale = False
             self._waiting("the buffer broadcast before evaluation", self.ddp.sync_buffers)
 
     def _eval_step(self, loop: str, batch_idx: int) -> None:
-        self._fresh_buffers()
         beacon = self._beacon
         beacon.batches += 1
         beacon.batch = batch_idx
