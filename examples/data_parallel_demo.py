@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a clone without installing
 
 import ember  # noqa: E402
 from ember.parallel import DataParallel  # noqa: E402

@@ -146,8 +146,8 @@ def test_rng_capture_and_apply_round_trip():
     checkpoint.apply_rng(state)
     b = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
-    flat = checkpoint._rng_to_tensor(state)  # the form ranks exchange through all_gather
-    back = checkpoint._rng_from_tensor(flat, state)
+    flat = checkpoint.rng_to_tensor(state)  # the form ranks exchange through all_gather
+    back = checkpoint.rng_from_tensor(flat, state)
     checkpoint.apply_rng(back)
     assert torch.equal(torch.rand(3), a[0]) and random.random() == a[1] and np.random.rand() == a[2]
 

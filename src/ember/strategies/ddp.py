@@ -41,6 +41,7 @@ from torch.utils.data import RandomSampler
 
 from ember.data_state import make_resumable, rebuild_with_sampler, resumable_sampler_of, why_not_swappable
 from ember.parallel.distributed import DistributedDataParallel
+from ember.rng import apply_rng, capture_rng
 from ember.strategies import launcher as launcher_module
 from ember.strategies.launcher import Launcher, PopenLauncher, SpawnLauncher, World, detect_world
 from ember.strategies.sampler import ShardedSampler
@@ -174,8 +175,6 @@ class DDPStrategy(Strategy):
             self._launcher = PopenLauncher(self.world_size, self.timeout)
             self._world = self._launcher.world
             return self._launcher.launch(fn, *args, **kwargs)
-        from ember.trainer.checkpoint import capture_rng
-
         # Workers start from the caller's random state, as the re-run script starts from its own:
         # a seeded caller gets the same shuffle (and dropout) streams as with "ddp" or "single".
         launcher = SpawnLauncher(self.world_size, self.timeout, dumps=_dumps, loads=_loads)
@@ -461,8 +460,6 @@ class DDPStrategy(Strategy):
 # ---------------------------------------------------------------------- ddp_spawn
 def _run_in_worker(fn: Callable[..., Any], args: tuple, kwargs: dict, rng: dict) -> Any:
     """In a spawned worker: run the Trainer entry point; rank 0 also returns what to copy back."""
-    from ember.trainer.checkpoint import apply_rng
-
     apply_rng(rng)
     value = fn(*args, **kwargs)
     trainer = getattr(fn, "__self__", None)

@@ -1,0 +1,85 @@
+"""This process's random generator states as plain data: capture, restore, and a flat tensor form.
+
+A leaf module: checkpoints save these states (one per rank, gathered as flat tensors), and
+``ddp_spawn`` hands the caller's states to its workers, so that both the trainer and the
+strategies can use them without importing each other.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's generator states as plain data."""
+    version, mt, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss_next": gauss},
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
+        "numpy": None,
+    }
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    return state
+
+
+def apply_rng(state: dict[str, Any]) -> None:
+    """Restore what :func:`capture_rng` returned."""
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss_next"]))
+    if state.get("cuda") and torch.cuda.is_available():
+        cuda = state["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+    npst = state.get("numpy")
+    if npst is not None:
+        try:
+            import numpy as np
+        except ImportError:
+            return
+        np.random.set_state((npst["name"], npst["keys"].numpy().astype("uint32"), npst["pos"], npst["has_gauss"],
+                             npst["cached_gaussian"]))
+
+
+def rng_to_tensor(state: dict[str, Any]) -> torch.Tensor:
+    py = state["python"]
+    parts = [state["torch"].to(torch.int64), torch.tensor([py["version"]]), py["state"],
+             torch.tensor([0 if py["gauss_next"] is None else 1]),
+             torch.tensor([py["gauss_next"] or 0.0], dtype=torch.float64).view(torch.int64)]
+    npst = state["numpy"]
+    if npst is not None:
+        parts += [npst["keys"], torch.tensor([npst["pos"], npst["has_gauss"]]),
+                  torch.tensor([npst["cached_gaussian"]], dtype=torch.float64).view(torch.int64)]
+    return torch.cat(parts)
+
+
+def rng_from_tensor(flat: torch.Tensor, like: dict[str, Any]) -> dict[str, Any]:
+    i = 0
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal i
+        out = flat[i:i + n]
+        i += n
+        return out
+    nt = like["torch"].numel()
+    out: dict[str, Any] = {"torch": take(nt).to(torch.uint8), "cuda": [], "numpy": None}
+    version = int(take(1))
+    mt = take(like["python"]["state"].numel()).clone()
+    has_gauss = int(take(1))
+    gauss = float(take(1).view(torch.float64))
+    out["python"] = {"version": version, "state": mt, "gauss_next": gauss if has_gauss else None}
+    if like["numpy"] is not None:
+        keys = take(like["numpy"]["keys"].numel()).clone()
+        pos, hg = take(2).tolist()
+        cached = float(take(1).view(torch.float64))
+        out["numpy"] = {"name": like["numpy"]["name"], "keys": keys, "pos": pos, "has_gauss": hg, "cached_gaussian": cached}
+    return out
