@@ -6,8 +6,8 @@ and progress bar).
   after writing ``<out>/hanging<r>`` so a test knows when the hang has begun.
 - ``--slow-rank r --slow SECONDS[,SECONDS...]``: rank ``r``'s steps sleep that long (the last value
   repeats), so the other ranks wait for it in every gradient all-reduce.
-- ``--timeout``, ``--watchdog`` (seconds, or ``none``), ``--grace``: DDPStrategy(timeout=...,
-  watchdog_timeout=...) and ``trainer.preemption_grace``.
+- ``--timeout``, ``--watchdog`` (seconds, or ``none``), ``--grace``, ``--start-method``:
+  DDPStrategy(timeout=..., watchdog_timeout=..., start_method=...) and ``trainer.preemption_grace``.
 
 Every rank writes ``<out>/pid<r>`` when fit starts, and ``<out>/done<r>`` (JSON: the watchdog's
 last deadline and slowest step) when fit returns.
@@ -66,10 +66,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--watchdog", default=None)
     parser.add_argument("--grace", type=float, default=None)
+    parser.add_argument("--start-method", default="popen", help="popen (ddp) or spawn (ddp_spawn)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    options = {}
+    options = {"start_method": args.start_method}
     if args.timeout is not None:
         options["timeout"] = args.timeout
     if args.watchdog is not None:

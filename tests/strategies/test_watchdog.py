@@ -311,6 +311,22 @@ def test_a_hung_rank_ends_the_job_within_seconds_under_a_short_collective_timeou
     assert_all_gone(tmp_path)
 
 
+@pytest.mark.timeout(60)
+def test_under_ddp_spawn_the_callers_error_is_the_watchdogs_verdict(tmp_path):
+    proc = start(tmp_path, "--hang-rank", "1", "--timeout", "10", "--start-method", "spawn")
+    hang_began(tmp_path, 1, proc)
+    code, log = finish(proc, limit=40)
+    assert code == 1, log
+    assert "[ember ddp] rank 1: Python stack" in log and STACK_LINE.search(log), log
+    # The caller raises once (its own traceback), with the watchdog's verdict as the message.
+    assert log.count("Traceback") == 1, log
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: [ember ddp] rank 0 (watchdog): stopping the job: rank 1 is stuck in "
+                           "training_step at step 3 (epoch 0, batch 3)"), log
+    assert last.endswith("(backward); the job was stopped."), last
+    assert_all_gone(tmp_path)
+
+
 @pytest.mark.timeout(150)
 def test_a_hung_rank_ends_the_job_about_a_minute_later_by_default(tmp_path):
     began = time.monotonic()

@@ -536,7 +536,9 @@ class SpawnLauncher:
             if exits_by is not None and time.monotonic() > exits_by:
                 break
             if give_up is not None and time.monotonic() > give_up:
-                raise RuntimeError(f"[ember ddp] ranks {sorted(seen)} failed; the job was stopped.")
+                # The job's recorded cause (the watchdog's verdict, say) rather than only who ended.
+                cause = (record.wait(0) or f"ranks {sorted(seen)} failed").rstrip(".")
+                raise RuntimeError(f"[ember ddp] {cause}; the job was stopped.")
             try:
                 kind, rank, *rest = results.get(timeout=0.1)
             except queue.Empty:
