@@ -6,6 +6,6 @@ from ember.data import DataModule
 from ember.module import TrainModule
 from ember.seed import seed_everything
 from ember.trainer import Trainer
+from ember.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["Trainer", "TrainModule", "DataModule", "seed_everything", "callbacks", "strategies", "__version__"]

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from ember.checkpoint_io import read_for_module
+
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
@@ -114,8 +116,6 @@ class TrainModule(nn.Module):
             strict: require the checkpoint's keys and shapes to match the module exactly.
             **overrides: constructor arguments that replace (or add to) the saved hyper-parameters.
         """
-        from ember.trainer.checkpoint import read_for_module
-
         return read_for_module(checkpoint_path, cls, overrides, strict=strict, map_location=map_location)
 
     # ------------------------------------------------------------------ logging

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import CSVLogger
-from ember.callbacks.csv_logger import to_yaml
+from ember.yaml import to_yaml
 
 
 class Tiny(ember.TrainModule):

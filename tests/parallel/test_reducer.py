@@ -16,7 +16,7 @@ from torch import nn
 
 from ember.parallel.comm_hooks import GradBucket, resolve_comm_hook
 from ember.parallel.distributed import DistributedDataParallel as DDP
-from ember.parallel.reducer import MiB, compute_bucket_assignment
+from ember.parallel.buckets import MiB, compute_bucket_assignment
 from tests.helpers.dist import count_collectives
 
 

@@ -1,4 +1,4 @@
-"""The resumable sampler swap (ember.data_state, ember.trainer.resumable) and preemption signal choice."""
+"""The resumable sampler swap (ember.strategies.resumable) and preemption signal choice."""
 from __future__ import annotations
 
 import os
@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, TensorDataset
 
 import ember
-from ember.data_state import SkipFirstBatches, make_resumable, resumable_sampler_of, why_not_swappable
-from ember.trainer import signals
+from ember.strategies.resumable import SkipFirstBatches, make_resumable, resumable_sampler_of, why_not_swappable
+from ember.trainer import preemption
 from ember.strategies.sampler import ShardedSampler
 
 
@@ -89,9 +89,9 @@ def test_skip_first_batches_wrapper():
 
 def test_default_signals_add_sigusr1_under_slurm(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    assert signals.default_signals() == (signal.SIGTERM,)
+    assert preemption.default_signals() == (signal.SIGTERM,)
     monkeypatch.setenv("SLURM_JOB_ID", "42")
-    assert signals.default_signals() == (signal.SIGTERM, signal.SIGUSR1)
+    assert preemption.default_signals() == (signal.SIGTERM, signal.SIGUSR1)
 
 
 def test_configured_signal_preempts_with_its_exit_status(tmp_path):
@@ -111,9 +111,9 @@ def test_configured_signal_preempts_with_its_exit_status(tmp_path):
     trainer = ember.Trainer(max_epochs=1, enable_progress_bar=False, logger=False, default_root_dir=str(tmp_path))
     trainer.preemption_signals = (signal.SIGUSR1,)
     before = signal.getsignal(signal.SIGUSR1)
-    with pytest.warns(UserWarning, match="SIGUSR1"), pytest.raises(signals.Preempted) as info:
+    with pytest.warns(UserWarning, match="SIGUSR1"), pytest.raises(preemption.Preempted) as info:
         trainer.fit(Net(), DataLoader(ds(), batch_size=2))
-    assert info.value.code == 128 + signal.SIGUSR1 == signals.exit_code(signal.SIGUSR1)
+    assert info.value.code == 128 + signal.SIGUSR1 == preemption.exit_code(signal.SIGUSR1)
     assert info.value.checkpoint_path == str(tmp_path / "checkpoints" / "last.ckpt")
     assert torch.load(info.value.checkpoint_path, weights_only=True)["progress"]["global_step"] == 3
     assert signal.getsignal(signal.SIGUSR1) is before

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import Callback, ModelCheckpoint
-from ember.trainer.signals import Preempted
+from ember.trainer.preemption import Preempted
 
 N, BATCH, EPOCHS = 48, 4, 3  # 12 batches per epoch, 36 steps
 

@@ -24,7 +24,7 @@ import torch
 import ember
 from ember.callbacks import ModelCheckpoint
 from ember.trainer import checkpoint
-from ember.trainer.checkpoint_io import (
+from ember.checkpoint_io import (
     CheckpointError,
     DirectoryLock,
     remove_stale_temporaries,

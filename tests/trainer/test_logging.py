@@ -306,7 +306,7 @@ def test_half_precision_values_are_reduced_in_float32(dtype):
 
 
 def test_to_floats_converts_every_kind_of_value_exactly_and_keeps_the_order():
-    from ember.trainer.metrics import to_floats
+    from ember.utils import to_floats
 
     bf16 = torch.tensor(1.0078125, dtype=torch.bfloat16)  # exactly representable in bfloat16
     metrics = {"z": 3, "f64": torch.tensor(0.1, dtype=torch.float64), "bf16": bf16, "i": torch.tensor(7),

@@ -1,4 +1,4 @@
-"""A stop signal always ends the run (ember/trainer/signals.py): a run that reaches no step boundary
+"""A stop signal always ends the run (ember/trainer/preemption.py): a run that reaches no step boundary
 within the grace period after SIGTERM prints its stack and exits 143, on one process and under ddp
 (where the stuck rank prints its stack too); boundaries keep restarting the grace period."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ember.trainer import signals
+from ember.trainer import preemption
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "strategies" / "hang_script.py")
@@ -24,11 +24,11 @@ GRACE = 3.0
 
 
 # ------------------------------------------------------------------------------ the clock, in process
-def _installed(grace: float) -> tuple[signals.PreemptionHandler, threading.Event, list[int]]:
+def _installed(grace: float) -> tuple[preemption.PreemptionHandler, threading.Event, list[int]]:
     expired = threading.Event()
     seen: list[int] = []
     trainer = SimpleNamespace(strategy=SimpleNamespace(world_size=1))
-    handler = signals.PreemptionHandler(trainer, (signal.SIGUSR1,), grace=grace)
+    handler = preemption.PreemptionHandler(trainer, (signal.SIGUSR1,), grace=grace)
 
     def expire(signum: int) -> None:
         seen.append(signum)
@@ -74,7 +74,7 @@ def test_no_signal_no_expiry_and_the_wakeup_descriptor_is_put_back():
 
 def test_grace_is_checked():
     with pytest.raises(ValueError, match="preemption_grace"):
-        signals.PreemptionHandler(SimpleNamespace(), (signal.SIGTERM,), grace=0)
+        preemption.PreemptionHandler(SimpleNamespace(), (signal.SIGTERM,), grace=0)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

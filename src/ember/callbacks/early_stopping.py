@@ -7,7 +7,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
-from ember.trainer.metrics import to_floats
+from ember.utils import to_floats
 
 if TYPE_CHECKING:
     from ember.module import TrainModule

@@ -4,30 +4,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
+from ember.callbacks.logger_writes import logs_after_this_batch, write_to_loggers
 
 if TYPE_CHECKING:
     import torch
 
     from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
-
-
-def logs_after_this_batch(trainer: Trainer) -> bool:
-    """Called in ``on_train_batch_end``: will the loop write step metrics once this batch is done?
-
-    The loop increments ``global_step`` after ``on_train_batch_end`` when the batch stepped an
-    optimizer, and writes step metrics when the new step is a multiple of ``log_every_n_steps``.
-    """
-    return getattr(trainer._loop, "stepped_this_batch", False) and (trainer.global_step + 1) % trainer.log_every_n_steps == 0
-
-
-def write_to_loggers(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
-    """Hand ``metrics`` (floats) to every logger at ``step``, on global rank zero only."""
-    if not trainer.is_global_zero:
-        return
-    trainer.logged_metrics.update(metrics)
-    for lg in trainer.loggers:
-        lg.log_metrics(metrics, step)
 
 
 class LearningRateMonitor(Callback):

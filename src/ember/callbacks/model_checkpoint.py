@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.callback import Callback
-from ember.trainer.checkpoint_io import DirectoryLock, fsync_dir, remove_stale_temporaries, temporary_prefix
+from ember.checkpoint_io import DirectoryLock, fsync_dir, remove_stale_temporaries, temporary_prefix
+from ember.exceptions import Preempted
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -396,8 +397,6 @@ def _link_atomic(src: str, dst: str) -> bool:
 
 
 def _save_on_exception(trainer: Trainer, dirpath: str, name: str, exception: BaseException) -> None:
-    from ember.trainer.signals import Preempted
-
     if isinstance(exception, Preempted) or trainer.module is None:
         return  # preemption already saved at a step boundary
     if trainer.world_size > 1:
@@ -413,7 +412,7 @@ class OnExceptionCheckpoint(Callback):
 
     The state is whatever it was when the exception arrived, which may be mid-step; resuming from
     it is exact only if the exception was raised at a step boundary (for clean stops, send SIGTERM:
-    see ``ember.trainer.signals``).
+    see ``ember.trainer.preemption``).
 
     Args:
         dirpath: the directory.

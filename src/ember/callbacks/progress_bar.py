@@ -16,7 +16,7 @@ import time
 from typing import Any, TextIO
 
 from ember.callbacks.callback import Callback
-from ember.trainer.metrics import to_floats
+from ember.utils import to_floats
 
 _MODES = ("auto", "bar", "lines")
 

@@ -12,7 +12,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from ember.callbacks.csv_logger import FileLogger
+from ember.callbacks.file_logger import FileLogger
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

@@ -5,7 +5,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from ember.callbacks.callback import Callback
-from ember.callbacks.lr_monitor import logs_after_this_batch, write_to_loggers
+from ember.callbacks.logger_writes import logs_after_this_batch, write_to_loggers
 from ember.utils import infer_batch_size
 
 if TYPE_CHECKING:

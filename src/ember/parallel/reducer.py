@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ember.parallel.comm_hooks import (DEFAULT_FIRST_BUCKET_BYTES, CommHook, FlatBucket,
-                                       GradBucket, MiB, compute_bucket_assignment, sole_owner)
+from ember.parallel.buckets import DEFAULT_FIRST_BUCKET_BYTES, FlatBucket, MiB, compute_bucket_assignment, sole_owner
+from ember.parallel.comm_hooks import CommHook, GradBucket
 
 __all__ = ["Reducer", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES", "MiB"]
 

@@ -39,15 +39,24 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import RandomSampler
 
-from ember.data_state import make_resumable, rebuild_with_sampler, resumable_sampler_of, why_not_swappable
 from ember.parallel.distributed import DistributedDataParallel
 from ember.rng import apply_rng, capture_rng
 from ember.strategies import launcher as launcher_module
 from ember.strategies.launcher import Launcher, PopenLauncher, SpawnLauncher, World, detect_world
+from ember.strategies.resumable import make_resumable, rebuild_with_sampler, resumable_sampler_of, why_not_swappable
 from ember.strategies.sampler import ShardedSampler
 from ember.strategies.strategy import Strategy
-from ember.strategies.watchdog import (AFTER_BACKWARD, AFTER_STEP, BACKWARD, TRAINING_STEP, Beacon,
-                                       CollectiveTimeout, Watchdog, exit_with_stacks, is_timeout)
+from ember.strategies.watchdog import (
+    AFTER_BACKWARD,
+    AFTER_STEP,
+    BACKWARD,
+    TRAINING_STEP,
+    Beacon,
+    CollectiveTimeout,
+    Watchdog,
+    exit_with_stacks,
+    is_timeout,
+)
 
 __all__ = ["DDPStrategy"]
 
@@ -237,7 +246,7 @@ class DDPStrategy(Strategy):
 
     def abort_job(self, message: str, exit_code: int) -> NoReturn:
         """Ends every process of the job now with ``exit_code``, for a rank that cannot stop cleanly
-        (``ember/trainer/signals.py``: a stop signal, and no step boundary within the grace period).
+        (``ember/trainer/preemption.py``: a stop signal, and no step boundary within the grace period).
 
         Every rank prints ``message`` and where the ranks are; this rank and the ranks that are not
         in a collective (the stuck ones) print their Python stacks.

@@ -24,7 +24,7 @@ outlives the job by more than a few seconds.
 Exit status of the process that started the job (what a scheduler reads), from
 :func:`job_status`: 1 when a rank failed; ``128 + N`` when the ranks stopped on signal N rather
 than failed (a preempted run exits 143 on every rank after writing ``last.ckpt``, see
-``ember/trainer/signals.py``); 0 otherwise. A rank the launcher itself stopped does not count.
+``ember/trainer/preemption.py``); 0 otherwise. A rank the launcher itself stopped does not count.
 Ctrl-C ends the launching process as Python ends any script on an uncaught
 ``KeyboardInterrupt``: killed by SIGINT, which a shell reports as 130.
 """

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import torch
 
+from ember.strategies.resumable import make_resumable
 from ember.utils import move_to_device
 
 if TYPE_CHECKING:
@@ -104,8 +105,6 @@ class Strategy:
         collate and drop_last) so a checkpoint can continue an epoch where it stopped.
         """
         if stage == "fit":
-            from ember.data_state import make_resumable
-
             return make_resumable(dataloader)
         return dataloader
 

@@ -39,7 +39,7 @@ When a collective does time out, :meth:`Watchdog.explain_timeout` reads the same
 ranks that did not arrive to print their stacks, and the strategy raises :class:`CollectiveTimeout`
 naming them instead of gloo's "Timed out waiting 1800000ms for recv". :meth:`Watchdog.abort` ends
 the whole job the same way on request (a stop signal whose grace period ran out, see
-``ember/trainer/signals.py``).
+``ember/trainer/preemption.py``).
 
 Cost outside the step: per rank, one store write and one store read a second; a rank reads every
 rank's record only once it has waited in a collective, or made no progress, past the deadline.

@@ -1,4 +1,4 @@
-"""Checkpoint contents, saving, and resuming (files themselves: ``checkpoint_io.py``).
+"""Checkpoint contents, saving, and resuming (files themselves: ``ember/checkpoint_io.py``).
 
 A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so it loads with
 ``torch.load(path, weights_only=True)`` and loading a file never runs code. Keys:
@@ -50,9 +50,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ember.rng import apply_rng, capture_rng, rng_from_tensor, rng_to_tensor  # noqa: F401 (re-exported)
-from ember.trainer import checkpoint_check
-from ember.trainer.checkpoint_io import (  # noqa: F401  (file-level API, re-exported here)
+from ember.callbacks.callback import Callback
+from ember.callbacks.file_logger import FileLogger
+from ember.checkpoint_io import (  # noqa: F401  (file-level API, re-exported here)
     FORMAT,
     FORMAT_VERSION,
     CheckpointError,
@@ -60,8 +60,14 @@ from ember.trainer.checkpoint_io import (  # noqa: F401  (file-level API, re-exp
     check_plain_data,
     check_state_dict,
     load,
+    read_for_module,
     write_atomic,
 )
+from ember.rng import apply_rng, capture_rng, rng_from_tensor, rng_to_tensor  # noqa: F401 (re-exported)
+from ember.strategies.resumable import SkipFirstBatches, resumable_sampler_of
+from ember.trainer import checkpoint_check
+from ember.trainer.metrics import _Entry
+from ember.version import __version__
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -83,14 +89,12 @@ def _plain_hparams(module: TrainModule) -> dict[str, Any]:
 
 def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
     """Everything needed to resume ``trainer``'s fit (or only the weights). Runs on every rank."""
-    import ember
-
     module = trainer.module
     strategy = trainer.strategy
     ckpt: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "ember_version": ember.__version__,
+        "ember_version": __version__,
         "torch_version": str(torch.__version__),
         "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
         "state_dict": strategy.model_state_dict(),
@@ -114,7 +118,7 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
         ckpt["epoch_metrics"] = _train_accumulators(trainer)
         ckpt["rng"] = _gather_rng(strategy)
         for cb in trainer.callbacks:
-            if type(cb).on_save_checkpoint is not _callback_base().on_save_checkpoint:
+            if type(cb).on_save_checkpoint is not Callback.on_save_checkpoint:
                 cb.on_save_checkpoint(trainer, module, ckpt)
     module.on_save_checkpoint(ckpt)
     return ckpt
@@ -138,15 +142,7 @@ def save(trainer: Trainer, filepath: str, weights_only: bool = False,
     return filepath
 
 
-def _callback_base() -> Any:
-    from ember.callbacks.callback import Callback
-
-    return Callback
-
-
 def _sampler_state(trainer: Trainer) -> dict[str, Any] | None:
-    from ember.data_state import resumable_sampler_of
-
     loader = trainer._train_loader
     sampler = resumable_sampler_of(loader)
     if sampler is None:
@@ -184,8 +180,6 @@ def _train_accumulators(trainer: Trainer) -> list[dict[str, Any]]:
 
 
 def _restore_train_accumulators(trainer: Trainer, saved: list[dict[str, Any]]) -> None:
-    from ember.trainer.metrics import _Entry
-
     if not saved or trainer.strategy.world_size != 1:
         return
     device = trainer.strategy.root_device
@@ -225,8 +219,6 @@ def _checkpoint_callbacks(trainer: Trainer) -> list[Any]:
 def _default_dirs(trainer: Trainer) -> list[str]:
     """Where a ModelCheckpoint without a ``dirpath`` writes: ``<log dir>/checkpoints``, for every run
     directory of the first logger when its version is not chosen yet."""
-    from ember.callbacks.csv_logger import FileLogger
-
     for lg in trainer.loggers:
         if isinstance(lg, FileLogger):
             return [os.path.join(d, "checkpoints") for d in lg.run_dirs(trainer.default_root_dir)]
@@ -261,8 +253,6 @@ def find_last(trainer: Trainer) -> tuple[str | None, list[str]]:
 def _continue_run(trainer: Trainer, path: str) -> None:
     """Loggers whose version is not chosen continue the run ``path`` belongs to
     (``<root>/<version>/checkpoints/last.ckpt``), so its curves and checkpoints carry on there."""
-    from ember.callbacks.csv_logger import FileLogger
-
     checkpoints = os.path.dirname(os.path.abspath(path))
     if os.path.basename(checkpoints) != "checkpoints":
         return
@@ -323,9 +313,8 @@ def restore(trainer: Trainer, path: str, weights_only: bool = False) -> dict[str
     checkpoint_check.validate(trainer, ckpt, path)
     module.on_load_checkpoint(ckpt)
     check_state_dict(module, ckpt["state_dict"], path, exact_dtype=True)
-    base = _callback_base()
     for cb in trainer.callbacks:
-        if type(cb).on_load_checkpoint is not base.on_load_checkpoint:
+        if type(cb).on_load_checkpoint is not Callback.on_load_checkpoint:
             cb.on_load_checkpoint(trainer, module, ckpt)
     undo = _snapshot(trainer)
     try:
@@ -363,8 +352,6 @@ def _apply(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
 def _snapshot(trainer: Trainer) -> Callable[[], None]:
     """What ``_apply`` may change, and a function that puts it back. At the start of a fit the
     optimizers hold no state yet, so their copies are small."""
-    from ember.data_state import resumable_sampler_of
-
     callbacks = [(cb, copy.deepcopy(cb.state_dict())) for cb in trainer.callbacks]
     optimizers = [(opt, copy.deepcopy(opt.state_dict())) for opt in trainer._optim.optimizers]
     schedulers = [(cfg.scheduler, copy.deepcopy(cfg.scheduler.state_dict())) for cfg in trainer._optim.schedulers]
@@ -399,8 +386,6 @@ def _snapshot(trainer: Trainer) -> Callable[[], None]:
 
 
 def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
-    from ember.data_state import SkipFirstBatches, resumable_sampler_of
-
     progress = trainer.progress
     saved = ckpt.get("sampler")
     saved_world = int(ckpt.get("strategy", {}).get("world_size", 1))
@@ -457,21 +442,3 @@ def _restore_rng(trainer: Trainer, ckpt: dict[str, Any]) -> None:
                       UserWarning)
     if rank < len(per_rank):
         apply_rng(per_rank[rank])
-
-
-def read_for_module(path: str, cls: type[TrainModule], overrides: dict[str, Any], strict: bool = True,
-                    map_location: Any = "cpu") -> TrainModule:
-    """Build ``cls`` from the hyper-parameters saved in ``path`` (``overrides`` win) and load its weights."""
-    ckpt = load(path, map_location=map_location)
-    hparams = {**dict(ckpt.get("hyper_parameters") or {}), **overrides}
-    try:
-        module = cls(**hparams)
-    except TypeError as err:
-        raise CheckpointError(f"Could not build {cls.__name__} from the hyper-parameters saved in {path!r} "
-                              f"({sorted(hparams)}): {err}. Pass the missing arguments as keyword overrides to "
-                              "load_from_checkpoint, or call save_hyperparameters() in __init__.") from err
-    if strict:
-        check_state_dict(module, ckpt["state_dict"], path)
-    module.on_load_checkpoint(ckpt)
-    module.load_state_dict(ckpt["state_dict"], strict=strict)
-    return module

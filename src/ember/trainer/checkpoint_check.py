@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.trainer.checkpoint_io import CheckpointError
+from ember.checkpoint_io import CheckpointError
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.trainer.metrics import to_floats
+from ember.utils import to_floats
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy

@@ -175,7 +175,7 @@ class FitLoop:
         # After a batch's bookkeeping and any validation: where checkpoints resume exactly (see checkpoint.py).
         boundary = [getattr(cb, "on_train_step_boundary") for cb in t.callbacks if hasattr(cb, "on_train_step_boundary")]
         preemption = getattr(t, "_preemption", None)
-        # One process only needs to look when a signal arrived; several agree periodically (signals.py).
+        # One process only needs to look when a signal arrived; several agree periodically (preemption.py).
         preemption_polls = preemption is not None and strategy.world_size > 1
         may_validate = bool(t._val_loaders and any(t.num_val_batches))
         max_steps = t.max_steps
@@ -235,7 +235,7 @@ class FitLoop:
             for h in boundary:
                 h(t, t.module)
             if preemption_polls or (preemption is not None and preemption.received is not None):
-                preemption.check()  # on a stop signal (any rank): saves, then raises ember.trainer.signals.Preempted
+                preemption.check()  # on a stop signal (any rank): saves, then raises ember.exceptions.Preempted
             # current_epoch counts finished epochs: before min_epochs, finish this one whole.
             if (t.should_stop and p.current_epoch >= t.min_epochs) or (max_steps != -1 and p.global_step >= max_steps):
                 # Stopping mid-epoch: run the epoch-end validation that would otherwise be skipped,

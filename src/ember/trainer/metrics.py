@@ -219,29 +219,3 @@ class MetricCollector:
                 v = totals.min()
             results.append(v.float())
         return results
-
-
-def to_floats(metrics: dict[str, Any]) -> dict[str, float]:
-    """Convert a dict of scalar tensors / numbers to Python floats with one device synchronisation.
-
-    Values on the CPU are read one by one (``float(t)`` costs about a tenth of a microsecond);
-    values on an accelerator are stacked and copied together, so that reading several waits for
-    the device once rather than once per value.
-    """
-    out: dict[str, float] = {}
-    on_device: list[str] = []
-    for k, v in metrics.items():
-        if not isinstance(v, torch.Tensor):
-            out[k] = float(v)
-        elif v.is_cpu:
-            out[k] = float(v.item())  # exact for every dtype a logged value can have (float32/64, bf16, ints)
-        else:
-            out[k] = 0.0  # placeholder, keeps the key order
-            on_device.append(k)
-    by_device: dict[torch.device, list[str]] = {}
-    for k in on_device:
-        by_device.setdefault(metrics[k].device, []).append(k)
-    for keys in by_device.values():
-        stacked = torch.stack([metrics[k].detach().to(torch.float64).reshape(()) for k in keys])
-        out.update(zip(keys, stacked.tolist()))
-    return out

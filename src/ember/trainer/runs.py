@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 from ember.data import DataModule
 from ember.module import TrainModule
 from ember.trainer import checkpoint, evaluation, loops
-from ember.trainer.metrics import MetricCollector, to_floats
+from ember.trainer.metrics import MetricCollector
 from ember.trainer.optim import OptimizerState, parse_optimizers
+from ember.trainer.preemption import preemption
 from ember.trainer.progress import FitProgress
-from ember.utils import move_to_device
+from ember.utils import move_to_device, to_floats
 
 if TYPE_CHECKING:
     pass
@@ -110,8 +111,6 @@ class _Runs:
             if ckpt_path is not None:
                 self._restore(ckpt_path)
             module.train()
-            from ember.trainer.signals import preemption
-
             with preemption(self):  # SIGTERM -> checkpoint at the next step boundary -> Preempted exit
                 self._loop.run()
             self._call("on_fit_end")

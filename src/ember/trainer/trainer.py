@@ -13,7 +13,7 @@ from ember.callbacks.logger import Logger
 from ember.data import DataModule
 from ember.module import TrainModule
 from ember.strategies.strategy import Strategy
-from ember.trainer import loops, setup
+from ember.trainer import arguments, loops
 from ember.trainer.runs import _Runs
 from ember.trainer.metrics import MetricCollector
 from ember.trainer.optim import OptimizerState
@@ -116,10 +116,10 @@ class Trainer(_Runs):
         self.gradient_clip_algorithm = gradient_clip_algorithm
         self.val_check_interval = val_check_interval
         self.check_val_every_n_epoch = check_val_every_n_epoch
-        self.limit_train_batches = setup.check_limit("limit_train_batches", limit_train_batches)
-        self.limit_val_batches = setup.check_limit("limit_val_batches", limit_val_batches)
-        self.limit_test_batches = setup.check_limit("limit_test_batches", limit_test_batches)
-        self.limit_predict_batches = setup.check_limit("limit_predict_batches", limit_predict_batches)
+        self.limit_train_batches = arguments.check_limit("limit_train_batches", limit_train_batches)
+        self.limit_val_batches = arguments.check_limit("limit_val_batches", limit_val_batches)
+        self.limit_test_batches = arguments.check_limit("limit_test_batches", limit_test_batches)
+        self.limit_predict_batches = arguments.check_limit("limit_predict_batches", limit_predict_batches)
         self.num_sanity_val_steps = math.inf if num_sanity_val_steps == -1 else num_sanity_val_steps
         self.log_every_n_steps = log_every_n_steps
         self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
@@ -141,14 +141,14 @@ class Trainer(_Runs):
             torch.use_deterministic_algorithms(bool(deterministic), warn_only=deterministic == "warn")
 
         self._precision_name = normalize_precision(precision)
-        accelerator_name, device_list = setup.resolve_devices(accelerator, devices)
-        self.strategy = setup.resolve_strategy(self, strategy, accelerator_name, device_list)
+        accelerator_name, device_list = arguments.resolve_devices(accelerator, devices)
+        self.strategy = arguments.resolve_strategy(self, strategy, accelerator_name, device_list)
         self._precision = Precision(self._precision_name, self.strategy.root_device.type)
         self._input_dtype = self._precision.input_dtype
 
-        self.callbacks: list[Callback] = setup.build_callbacks(self, callbacks, enable_progress_bar, enable_checkpointing,
+        self.callbacks: list[Callback] = arguments.build_callbacks(self, callbacks, enable_progress_bar, enable_checkpointing,
                                                                enable_model_summary)
-        self.loggers: list[Logger] = setup.build_loggers(self, logger)
+        self.loggers: list[Logger] = arguments.build_loggers(self, logger)
         for lg in self.loggers:
             if lg not in self.callbacks:
                 self.callbacks.append(lg)

@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
+from ember.strategies.sampler import ShardedSampler
+
 
 def resumable_sampler_of(loader: Any) -> Any:
     """The sampler of ``loader`` that can be restored (``state_dict``/``load_state_dict``/``set_epoch``), or None."""
@@ -90,8 +92,6 @@ def make_resumable(loader: Any, sampler_factory: Callable[[int, bool, Any], Samp
         return loader
     shuffle = isinstance(loader.sampler, RandomSampler)
     if sampler_factory is None:
-        from ember.strategies.sampler import ShardedSampler
-
         def sampler_factory(n: int, shuffle: bool, user_sampler: Any) -> Sampler:
             return ShardedSampler(n, 1, 0, shuffle=shuffle, generator=getattr(user_sampler, "generator", None))
     return rebuild_with_sampler(loader, sampler_factory(len(loader.dataset), shuffle, loader.sampler))

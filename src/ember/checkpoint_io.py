@@ -1,7 +1,9 @@
 """Checkpoint files: atomic durable writes and validated loading.
 
-Kept apart from ``checkpoint.py`` (what a checkpoint contains and how a run resumes from one):
-this module only knows files. ``write_atomic`` writes under a temporary name in the same
+Kept apart from ``trainer/checkpoint.py`` (what a checkpoint contains and how a run resumes from
+one): this module only knows files, and imports nothing of ember, so that every layer may use it
+(``TrainModule.load_from_checkpoint`` reads through ``read_for_module`` here, not through the
+trainer). ``write_atomic`` writes under a temporary name in the same
 directory, flushes and fsyncs, renames over the target and fsyncs the directory, so a crash
 leaves either the previous file or the new one, never a truncated one. ``load`` refuses, with an
 explanation, every kind of file it cannot use, before anything is changed.
@@ -25,9 +27,12 @@ import tempfile
 import threading
 import zipfile
 from collections import Counter, OrderedDict
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from ember.module import TrainModule
 
 FORMAT = "ember.checkpoint"
 FORMAT_VERSION = 1
@@ -381,3 +386,21 @@ def _kind(dtype: torch.dtype) -> str:
 
 def _short(items: list[str], n: int = 10) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def read_for_module(path: str, cls: type[TrainModule], overrides: dict[str, Any], strict: bool = True,
+                    map_location: Any = "cpu") -> TrainModule:
+    """Build ``cls`` from the hyper-parameters saved in ``path`` (``overrides`` win) and load its weights."""
+    ckpt = load(path, map_location=map_location)
+    hparams = {**dict(ckpt.get("hyper_parameters") or {}), **overrides}
+    try:
+        module = cls(**hparams)
+    except TypeError as err:
+        raise CheckpointError(f"Could not build {cls.__name__} from the hyper-parameters saved in {path!r} "
+                              f"({sorted(hparams)}): {err}. Pass the missing arguments as keyword overrides to "
+                              "load_from_checkpoint, or call save_hyperparameters() in __init__.") from err
+    if strict:
+        check_state_dict(module, ckpt["state_dict"], path)
+    module.on_load_checkpoint(ckpt)
+    module.load_state_dict(ckpt["state_dict"], strict=strict)
+    return module

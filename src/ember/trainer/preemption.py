@@ -43,35 +43,15 @@ import warnings
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Iterator
 
+from ember.exceptions import Preempted, exit_code
 from ember.strategies.watchdog import exit_with_stacks
+from ember.trainer import checkpoint
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 #: Seconds a run has, after a stop signal, to reach a step boundary (``trainer.preemption_grace``).
 DEFAULT_GRACE_S = 60.0
-
-
-def exit_code(signum: int) -> int:
-    """The exit status of a run preempted by ``signum``."""
-    return 128 + int(signum)
-
-
-class Preempted(SystemExit):
-    """Raised on every rank after the preemption checkpoint is written. ``code`` is the exit status."""
-
-    def __init__(self, signum: int, path: str) -> None:
-        super().__init__(exit_code(signum))
-        self.signum = signum
-        self.checkpoint_path = path
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Rebuilt from its own arguments, so that a ddp_spawn worker's reaches the caller as itself.
-        return type(self), (self.signum, self.checkpoint_path)
-
-    def __str__(self) -> str:
-        return (f"Preempted by {signal.Signals(self.signum).name}: saved {self.checkpoint_path}; "
-                f"exiting with status {self.code}. Resume with trainer.fit(..., ckpt_path='last').")
 
 
 def default_signals() -> tuple[int, ...]:
@@ -160,8 +140,6 @@ class PreemptionHandler:
             self.stop()
 
     def stop(self) -> None:
-        from ember.trainer import checkpoint
-
         t = self.trainer
         if self._clock is not None:
             self._clock.restart()  # the checkpoint write gets a whole grace period

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ember.trainer.signals import PreemptionHandler
+from ember.trainer.preemption import PreemptionHandler
 
 
 class _TwoRanks:

@@ -1,0 +1,131 @@
+"""FileLogger: what every file-writing logger shares (CSVLogger and TensorBoardLogger derive from it).
+
+The ``<save_dir>/<name>/version_N/`` directory scheme, agreed across processes, and
+``hparams.yaml`` (written with ``ember/yaml.py``, because PyYAML is not a dependency).
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from ember.callbacks.logger import Logger
+from ember.yaml import to_yaml
+
+if TYPE_CHECKING:
+    from ember.module import TrainModule
+    from ember.trainer.trainer import Trainer
+
+HPARAMS_FILE = "hparams.yaml"
+
+
+# ---------------------------------------------------------------------------------------- directory scheme
+class FileLogger(Logger):
+    """A logger writing into ``<save_dir>/<name>/version_<N>/`` on global rank zero.
+
+    Args:
+        save_dir: the root directory; defaults to the Trainer's ``default_root_dir``.
+        name: sub-directory for this experiment ("" for none).
+        version: an int (``version_<int>``), a string (used as the directory name), or None for
+            the next free ``version_<N>`` (one above the highest present).
+        prefix: put in front of every metric name.
+    """
+
+    def __init__(self, save_dir: str | os.PathLike[str] | None = None, name: str = "ember_logs",
+                 version: int | str | None = None, prefix: str = "") -> None:
+        if version is not None and (isinstance(version, bool) or not isinstance(version, (int, str))):
+            raise TypeError(f"version must be an int, a str or None, got {type(version).__name__}.")
+        self._save_dir = os.fspath(save_dir) if save_dir is not None else None
+        self._name = name or ""
+        self._version = version
+        self._fixed_version = version is not None
+        self.prefix = prefix
+        self.hparams: dict[str, Any] = {}
+        self._rank = 0
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir if self._save_dir is not None else os.getcwd()
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def version(self) -> int | str:
+        if self._version is None:
+            self._version = self._next_version()
+        return self._version
+
+    @property
+    def root_dir(self) -> str:
+        return os.path.join(self.save_dir, self._name) if self._name else self.save_dir
+
+    @property
+    def log_dir(self) -> str:
+        version = self.version
+        return os.path.join(self.root_dir, version if isinstance(version, str) else f"version_{version}")
+
+    def _next_version(self) -> int:
+        root = self.root_dir
+        try:
+            names = os.listdir(root)
+        except FileNotFoundError:
+            return 0
+        found = [int(n[8:]) for n in names
+                 if n.startswith("version_") and n[8:].isdigit() and os.path.isdir(os.path.join(root, n))]
+        return max(found) + 1 if found else 0
+
+    def run_dirs(self, default_root_dir: str) -> list[str]:
+        """The directories of this logger's runs: its own version's when the version is chosen,
+        else every run directory under ``root_dir`` (without choosing a version)."""
+        if self._fixed_version or self._version is not None:
+            return [self.log_dir]
+        root = os.path.join(self._save_dir if self._save_dir is not None else default_root_dir, self._name)
+        try:
+            names = sorted(os.listdir(root))
+        except OSError:
+            return []
+        return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))]
+
+    def continue_run(self, run_dir: str, default_root_dir: str) -> bool:
+        """Write into ``run_dir`` (one of ``run_dirs``), if this logger's version is not fixed."""
+        if self._fixed_version:
+            return False
+        root = os.path.join(self._save_dir if self._save_dir is not None else default_root_dir, self._name)
+        if os.path.abspath(os.path.dirname(run_dir)) != os.path.abspath(root):
+            return False
+        name = os.path.basename(run_dir)
+        self._version = int(name[8:]) if name.startswith("version_") and name[8:].isdigit() else name
+        return True
+
+    @property
+    def _writes(self) -> bool:
+        return self._rank == 0
+
+    def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        if self._save_dir is None:
+            self._save_dir = trainer.default_root_dir
+        self._rank = trainer.global_rank
+        if not self._fixed_version:
+            # Resolved here at the latest, before anything is written, so that several loggers of one
+            # run pick the same free version_N; rank zero's choice is broadcast (even if another
+            # process already resolved its own, e.g. for a checkpoint path), so every process agrees
+            # on trainer.log_dir.
+            mine = self.version if self._rank == 0 else None
+            self._version = trainer.strategy.broadcast(mine) if trainer.world_size > 1 else mine
+
+    def log_hyperparams(self, params: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        """Remember ``params`` and write them to ``hparams.yaml`` (``metrics`` are logged as usual)."""
+        if not self._writes:
+            return
+        self.hparams.update(params)
+        os.makedirs(self.log_dir, exist_ok=True)
+        tmp = os.path.join(self.log_dir, HPARAMS_FILE + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(to_yaml(self.hparams))
+        os.replace(tmp, os.path.join(self.log_dir, HPARAMS_FILE))
+        if metrics:
+            self.log_metrics(metrics, 0)
+
+    def _state_key_args(self) -> dict[str, Any]:
+        return {"name": self._name, "version": self._version}

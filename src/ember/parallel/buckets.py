@@ -1,0 +1,104 @@
+"""Gradient buckets' layout and storage.
+
+``compute_bucket_assignment`` groups parameters into buckets (the order gradients are expected to
+become ready, a small first bucket so communication starts early, then up to the cap); each
+bucket owns one flat buffer (:class:`FlatBucket`) whose views are the parameters' gradients.
+How a bucket is reduced across ranks is in ``comm_hooks.py``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["FlatBucket", "compute_bucket_assignment", "sole_owner", "DEFAULT_FIRST_BUCKET_BYTES", "MiB"]
+
+MiB = 1024 * 1024
+DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
+
+# How many tensors share a storage. Private in torch, hence the fallback: without it a dropped
+# gradient buffer is never reused (always correct, one allocation per step slower).
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _users(tensor: Tensor) -> int:
+    storage = tensor.untyped_storage()  # held while counting: it is one of the users
+    return _use_count(storage._cdata) if _use_count is not None else 1 << 30
+
+
+_SOLE_OWNER = _users(torch.empty(1))  # the count of a tensor nobody else shares
+
+
+def sole_owner(buffer: Tensor) -> bool:
+    """Whether no other tensor shares ``buffer``'s memory (so it may be overwritten)."""
+    return _users(buffer) <= _SOLE_OWNER
+
+
+def compute_bucket_assignment(params: Sequence[Tensor], order: Iterable[int],
+                              limits: Sequence[int]) -> list[list[int]]:
+    """Groups parameter indices into buckets, walking them in ``order``.
+
+    Each (dtype, device) fills its own buckets. A parameter is added before the size check, so a
+    bucket may exceed its limit by one tensor and a tensor larger than the limit is a bucket of
+    its own. The k-th bucket of a key uses ``limits[k]`` (the last limit repeats).
+
+    Args:
+        params: The parameters, indexed by position.
+        order: The indices in the order gradients are expected to become ready.
+        limits: Byte limits, e.g. ``[1 MiB, 25 MiB]``.
+
+    Returns:
+        Lists of indices, ordered by where their first index appears in ``order``.
+    """
+    open_: dict[tuple, tuple[list[int], int, int]] = {}  # key -> (indices, bytes, n closed)
+    done: list[list[int]] = []
+    position: dict[int, int] = {}
+    for pos, i in enumerate(order):
+        position[i] = pos
+        p = params[i]
+        key = (p.dtype, p.device)
+        indices, size, closed = open_.get(key, ([], 0, 0))
+        indices.append(i)
+        size += p.numel() * p.element_size()
+        if size >= limits[min(closed, len(limits) - 1)]:
+            done.append(indices)
+            indices, size, closed = [], 0, closed + 1
+        open_[key] = (indices, size, closed)
+    done.extend(indices for indices, _, _ in open_.values() if indices)
+    return sorted(done, key=lambda b: position[b[0]])
+
+
+class FlatBucket:
+    """One flat buffer and the parameters whose gradients live in it (the Reducer's storage)."""
+
+    __slots__ = ("indices", "params", "numel", "buffer", "views", "pending", "work", "lent")
+
+    def __init__(self, indices: list[int], params: Sequence[Tensor]) -> None:
+        self.indices = indices
+        self.params = [params[i] for i in indices]
+        self.numel = sum(p.numel() for p in self.params)
+        self.pending = len(indices)
+        self.work = None  # a Work (plain all-reduce) or a Future (comm hook)
+        self.lent = False  # gradients currently point into `buffer`
+        # Allocated at the first gradient of a backward: every slot is written before the
+        # all-reduce (a gradient, or zeros), so no zero-fill is needed.
+        self.buffer: Tensor | None = None
+        self.views: list[Tensor] = []
+
+    def release(self) -> None:
+        self.buffer, self.views, self.lent = None, [], False
+
+    def allocate(self, buffer: Tensor | None = None) -> None:
+        first = self.params[0]
+        self.buffer = buffer if buffer is not None else \
+            torch.empty(self.numel, dtype=first.dtype, device=first.device)
+        self.views, offset = [], 0
+        for p in self.params:
+            flat = self.buffer[offset:offset + p.numel()]
+            # Match the parameter's layout (e.g. channels_last) so gradients keep their strides.
+            if p.is_contiguous() or p.dim() < 2:
+                self.views.append(flat.view(p.shape))
+            else:
+                self.views.append(flat.as_strided(p.shape, p.stride()))
+            offset += p.numel()
