@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import RandomSampler
 
+from ember.module import TrainModule
 from ember.parallel.distributed import DistributedDataParallel
 from ember.rng import apply_rng, capture_rng
 from ember.strategies import launcher as launcher_module
@@ -57,6 +58,7 @@ from ember.strategies.watchdog import (
     exit_with_stacks,
     is_timeout,
 )
+from ember.utils import move_to_device
 
 __all__ = ["DDPStrategy"]
 
@@ -495,8 +497,6 @@ def _adopt_worker_state(trainer: Any, args: tuple, state: dict | None) -> None:
     """In the caller: make its module and Trainer look as if it had trained itself."""
     if trainer is None or state is None:
         return
-    from ember.module import TrainModule
-
     module = next((a for a in args if isinstance(a, TrainModule)), None)
     if module is not None:
         module.load_state_dict(state["weights"])
@@ -518,8 +518,6 @@ def _adopt_worker_state(trainer: Any, args: tuple, state: dict | None) -> None:
 
 
 def _to_cpu(obj: Any) -> Any:
-    from ember.utils import move_to_device
-
     return move_to_device(obj, torch.device("cpu"))
 
 

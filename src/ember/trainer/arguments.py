@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import ember.callbacks as cbs
 from ember.callbacks.callback import Callback
 from ember.callbacks.logger import Logger
 from ember.strategies.registry import get_strategy
@@ -84,8 +85,6 @@ def build_callbacks(trainer: Trainer, callbacks: Any, progress_bar: bool, checkp
     for cb in callbacks:
         if not isinstance(cb, Callback):
             raise TypeError(f"callbacks must be ember.callbacks.Callback instances, got {type(cb).__name__}.")
-    from ember import callbacks as cbs
-
     if progress_bar and not any(isinstance(c, cbs.ProgressBar) for c in callbacks):
         callbacks.append(cbs.ProgressBar())
     if summary and not any(isinstance(c, cbs.ModelSummary) for c in callbacks):
@@ -105,8 +104,6 @@ def build_loggers(trainer: Trainer, logger: Any) -> list[Logger]:
     if logger is None or logger is False:
         return []
     if logger is True:
-        from ember import callbacks as cbs
-
         default = getattr(cbs, "default_logger", None)
         return [default(trainer.default_root_dir)] if default is not None else []
     if isinstance(logger, Logger):
