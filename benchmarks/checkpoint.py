@@ -2,7 +2,8 @@
 
     python benchmarks/checkpoint.py [--mb 100] [--repeats 5] [--dir DIR]
 
-Measured in one run, interleaved; medians and minima reported (minima are the least noisy). "bare" is ``torch.save(model.state_dict(), path)``
+Measured in one run, interleaved; medians and minima reported (minima are the least noisy).
+"bare" is ``torch.save(model.state_dict(), path)``
 (no fsync: the data may still be in the page cache when it returns). "ember" is
 ``trainer.save_checkpoint(path)``: the full training state (SGD without momentum holds no
 optimizer tensors, so the bytes written are the same) to a temporary file, fsync, rename, fsync of
@@ -21,7 +22,8 @@ import warnings
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))  # run from a clone without installing
+# Run from a clone without installing.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 import ember  # noqa: E402
 
 

@@ -90,7 +90,7 @@ def time_worker(rank: int, args: argparse.Namespace) -> dict[str, list[float]]:
     """Per variant: the median step time (ms) of each round's block."""
     runners = {v: Runner(v, args.batch, rank) for v in ("single", *VARIANTS)}
     blocks: dict[str, list[float]] = {v: [] for v in runners}
-    for v, runner in runners.items():
+    for runner in runners.values():
         for _ in range(args.warmup):
             runner.step()
     for r in range(args.rounds):

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers.models import BoringModel
 
 import ember
-from tests.helpers.models import BoringModel
 
 
 class HP(ember.TrainModule):
@@ -65,8 +65,9 @@ def test_hyperparameters_are_copied():
 
 
 def test_missing_hyperparameter_message():
-    with pytest.raises(AttributeError, match=r"No hyper-parameter named 'momentum'; saved ones: \['layers', 'lr', 'name'\]"):
-        HP().hparams.momentum
+    message = r"No hyper-parameter named 'momentum'; saved ones: \['layers', 'lr', 'name'\]"
+    with pytest.raises(AttributeError, match=message):
+        _ = HP().hparams.momentum
 
 
 def test_hparams_attribute_assignment():
@@ -84,7 +85,7 @@ def test_log_outside_a_trainer():
 def test_trainer_and_optimizers_outside_a_trainer():
     m = BoringModel()
     with pytest.raises(RuntimeError, match="BoringModel is not attached to a Trainer"):
-        m.trainer
+        _ = m.trainer
     with pytest.raises(RuntimeError, match="not attached to a Trainer"):
         m.optimizers()
 

@@ -27,7 +27,8 @@ import tempfile
 import threading
 import zipfile
 from collections import Counter, OrderedDict
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -305,7 +306,8 @@ def load(path: str, map_location: Any = "cpu") -> dict[str, Any]:
     except (RuntimeError, EOFError, KeyError, ValueError, OSError) as err:
         raise _corrupt(path, size, err) from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        what = f"a dict with keys {sorted(map(str, ckpt))[:12]}" if isinstance(ckpt, dict) else f"a {type(ckpt).__name__}"
+        what = (f"a dict with keys {sorted(map(str, ckpt))[:12]}" if isinstance(ckpt, dict)
+                else f"a {type(ckpt).__name__}")
         hint = ""
         if isinstance(ckpt, dict) and any("lightning" in str(k) for k in ckpt):
             hint = " It looks like a PyTorch Lightning checkpoint; load its 'state_dict' into the module instead."

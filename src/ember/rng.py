@@ -81,5 +81,6 @@ def rng_from_tensor(flat: torch.Tensor, like: dict[str, Any]) -> dict[str, Any]:
         keys = take(like["numpy"]["keys"].numel()).clone()
         pos, hg = take(2).tolist()
         cached = float(take(1).view(torch.float64))
-        out["numpy"] = {"name": like["numpy"]["name"], "keys": keys, "pos": pos, "has_gauss": hg, "cached_gaussian": cached}
+        out["numpy"] = {"name": like["numpy"]["name"], "keys": keys, "pos": pos, "has_gauss": hg,
+                        "cached_gaussian": cached}
     return out

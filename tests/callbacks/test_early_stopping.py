@@ -160,7 +160,8 @@ def test_state_dict_round_trip_and_argument_checks():
     other.load_state_dict(es.state_dict())
     assert (other.wait_count, other.best_score, other.patience) == (2, 0.9, 4)
     assert es.state_key != EarlyStopping(monitor="val/loss").state_key
-    for bad, match in [(dict(mode="avg"), "mode"), (dict(patience=-1), "patience"), (dict(min_delta=-0.1), "min_delta")]:
+    cases = [(dict(mode="avg"), "mode"), (dict(patience=-1), "patience"), (dict(min_delta=-0.1), "min_delta")]
+    for bad, match in cases:
         with pytest.raises(ValueError, match=match):
             EarlyStopping(monitor="x", **bad)
     with pytest.raises(ValueError, match="monitor"):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from ember.callbacks import Logger, LearningRateMonitor
+from ember.callbacks import LearningRateMonitor, Logger
 
 
 class Recorder(Logger):

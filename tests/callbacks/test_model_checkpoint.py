@@ -160,7 +160,8 @@ def test_save_weights_only(tmp_path):
 def test_save_on_train_epoch_end_false_saves_after_validation_only(tmp_path):
     cb = ModelCheckpoint(dirpath=tmp_path, save_on_train_epoch_end=False, save_top_k=-1, save_last=False)
     fit(tmp_path, cb, epochs=2, val_check_interval=0.5)
-    assert files(tmp_path) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt"]
+    assert files(tmp_path) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt",
+                               "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt"]
 
 
 def test_version_counter_does_not_overwrite_foreign_files(tmp_path):

@@ -70,7 +70,7 @@ def test_training_several_steps_matches_plain_training():
     model = DataParallel(module, ["cpu", "cpu", "cpu"])
     opt_a = torch.optim.SGD(module.parameters(), lr=0.5, momentum=0.9)
     opt_b = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
-    for step in range(4):
+    for _ in range(4):
         x, y = torch.randn(10, 5), torch.randint(0, 3, (10,))
         for m, opt in ((model, opt_a), (reference, opt_b)):
             opt.zero_grad()

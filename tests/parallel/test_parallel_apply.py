@@ -87,7 +87,10 @@ def boom_in_replica():
 
 def test_exception_names_replica_and_device_with_traceback():
     threads_before = threading.active_count()
-    ok = lambda: 1
+
+    def ok() -> int:
+        return 1
+
     with pytest.raises(KeyError) as info:
         parallel_apply([ok, boom_in_replica], [(), ()], devices=["cpu", "cpu"])
     text = str(info.value)

@@ -8,14 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from ember.parallel.replicate import (
-    Broadcast,
-    DeviceMismatchError,
-    ReduceAdd,
-    Replicator,
-    _copy_to,
-    replicate,
-)
+from ember.parallel.replicate import Broadcast, DeviceMismatchError, ReduceAdd, Replicator, _copy_to, replicate
 
 CPU2 = ["cpu", "cpu"]
 

@@ -5,9 +5,6 @@ import os
 
 import pytest
 import torch
-
-import ember
-from ember.callbacks import Callback
 from tests.helpers.models import (
     BoringModel,
     RecordingCallback,
@@ -17,6 +14,9 @@ from tests.helpers.models import (
     fast_trainer,
     regression_loader,
 )
+
+import ember
+from ember.callbacks import Callback
 
 
 class Counter(Callback):
@@ -423,7 +423,8 @@ def test_enable_checkpointing_keeps_the_users_checkpoint(tmp_path):
 def test_enable_checkpointing_false_with_a_model_checkpoint_is_an_error(tmp_path):
     from ember.callbacks import ModelCheckpoint
 
-    with pytest.raises(ValueError, match=r"enable_checkpointing=False but a ModelCheckpoint is in callbacks; remove one"):
+    message = r"enable_checkpointing=False but a ModelCheckpoint is in callbacks; remove one"
+    with pytest.raises(ValueError, match=message):
         fast_trainer(enable_checkpointing=False, callbacks=[ModelCheckpoint(dirpath=tmp_path)])
 
 

@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, Ten
 
 import ember
 from ember.strategies.resumable import SkipFirstBatches, make_resumable, resumable_sampler_of, why_not_swappable
-from ember.trainer import preemption
 from ember.strategies.sampler import ShardedSampler
+from ember.trainer import preemption
 
 
 def ds(n: int = 10) -> TensorDataset:

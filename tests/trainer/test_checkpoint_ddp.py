@@ -141,7 +141,8 @@ def test_ddp_program_resumes_bitwise_after_interruption(runs, tmp_path, mode, wo
 def test_two_ranks_to_one_trains_each_sample_once_per_epoch(runs):
     path = os.path.join(runs["root"], "from_2_ranks.ckpt")
     ckpt = torch.load(path, weights_only=True)
-    assert (ckpt["progress"]["current_epoch"], ckpt["progress"]["batch_in_epoch"], ckpt["sampler"]["position"]) == (1, 2, 16)
+    progress = ckpt["progress"]
+    assert (progress["current_epoch"], progress["batch_in_epoch"], ckpt["sampler"]["position"]) == (1, 2, 16)
     with pytest.warns(UserWarning, match="per-rank random streams"):
         module, trainer = R.fit(os.path.join(runs["root"], "to_single"), ckpt_path=path)
     seen = module.seen

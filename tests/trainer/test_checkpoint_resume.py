@@ -258,8 +258,8 @@ def test_unresumable_loader_falls_back_to_skipping_batches(tmp_path):
     def run(root, ckpt_path=None, stop=None):
         ember.seed_everything(0)
         m = DropoutNet()
-        t = ember.Trainer(max_epochs=2, enable_progress_bar=False, logger=False,
-                          callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=5)] + ([StopAt(stop)] if stop else []))
+        callbacks = [ModelCheckpoint(dirpath=root, every_n_train_steps=5)] + ([StopAt(stop)] if stop else [])
+        t = ember.Trainer(max_epochs=2, enable_progress_bar=False, logger=False, callbacks=callbacks)
         t.fit(m, MyLoader(dataset(), batch_size=BATCH), ckpt_path=ckpt_path)  # not shuffled: deterministic order
         return m
 

@@ -20,18 +20,12 @@ import warnings
 
 import pytest
 import torch
+from tests.helpers.models import BoringModel, regression_loader
 
 import ember
 from ember.callbacks import ModelCheckpoint
+from ember.checkpoint_io import CheckpointError, DirectoryLock, remove_stale_temporaries, temporary_prefix, write_atomic
 from ember.trainer import checkpoint
-from ember.checkpoint_io import (
-    CheckpointError,
-    DirectoryLock,
-    remove_stale_temporaries,
-    temporary_prefix,
-    write_atomic,
-)
-from tests.helpers.models import BoringModel, regression_loader
 
 _SCRIPT = textwrap.dedent("""
     import sys, torch, ember
@@ -233,7 +227,8 @@ def _resume_expecting_error(tmp_path, ckpt, match):
     ("progress", lambda c: c["progress"].__setitem__("batch_in_epoch", 99), r"'progress'.*at batch 99 of an epoch "
                                                                               r"that has 4 batches"),
     ("optimizer_states", lambda c: c.__setitem__("optimizer_states", [{"state": {}}]), r"'optimizer_states'"),
-    ("optimizer_states", lambda c: c["optimizer_states"][0].__setitem__("state", {0: {"momentum_buffer": torch.ones(7)}}),
+    ("optimizer_states",
+     lambda c: c["optimizer_states"][0].__setitem__("state", {0: {"momentum_buffer": torch.ones(7)}}),
      r"'optimizer_states'.*'momentum_buffer' for parameter 0 has shape \(7,\)"),
     ("lr_schedulers", lambda c: c.__setitem__("lr_schedulers", ["x"]), r"'optimizer_states'.*1 LR scheduler"),
     ("callbacks", lambda c: c.__setitem__("callbacks", ["x"]), r"'callbacks' entry: callbacks is a list"),

@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
+from tests.helpers.models import BoringModel, TrainOnlyModel, fast_trainer, regression_loader
 
 import ember
 from ember.callbacks import Callback
 from ember.strategies import SingleDeviceStrategy
-from tests.helpers.models import BoringModel, TrainOnlyModel, fast_trainer, regression_loader
 
 
 class ConstEval(BoringModel):
@@ -176,7 +176,7 @@ def test_module_state_outside_a_trainer():
     module = BoringModel()
     assert module.current_epoch == 0 and module.global_step == 0 and module.global_rank == 0
     with pytest.raises(RuntimeError, match=r"BoringModel is not attached to a Trainer. Call trainer.fit\(module"):
-        module.trainer
+        _ = module.trainer
 
 
 def test_fit_with_a_loader_without_length():

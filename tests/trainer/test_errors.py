@@ -5,10 +5,10 @@ import warnings
 
 import pytest
 import torch
+from tests.helpers.models import BoringModel, TrainOnlyModel, fast_trainer, regression_loader
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ember
-from tests.helpers.models import BoringModel, TrainOnlyModel, fast_trainer, regression_loader
 
 
 def returning(value_fn, base=TrainOnlyModel):
@@ -195,7 +195,8 @@ def test_empty_train_stream_without_length():
 def test_fractional_limit_on_a_loader_without_length():
     from tests.helpers.models import UnsizedBatches
 
-    with pytest.raises(ValueError, match=r"A fractional limit_\*_batches needs a dataloader with a length; pass an int"):
+    message = r"A fractional limit_\*_batches needs a dataloader with a length; pass an int"
+    with pytest.raises(ValueError, match=message):
         fast_trainer(limit_train_batches=0.5).fit(BoringModel(), UnsizedBatches())
 
 

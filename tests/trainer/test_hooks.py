@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers.models import RecordingCallback, RecordingModule, fast_trainer, regression_loader
 
 import ember
 from ember.callbacks import Callback
-from tests.helpers.models import RecordingCallback, RecordingModule, fast_trainer, regression_loader
 
 
 def both(*names: str) -> list[str]:
@@ -74,7 +74,8 @@ def test_accumulation_zero_grad_first_and_optimizer_step_last_in_window():
     expected = (
         head + both("on_before_zero_grad") + backward + both("on_train_batch_end")                 # opens window
         + head + backward + both("on_before_optimizer_step", "on_train_batch_end")               # closes it
-        + head + both("on_before_zero_grad") + backward + both("on_before_optimizer_step", "on_train_batch_end")  # short
+        + head + both("on_before_zero_grad") + backward
+        + both("on_before_optimizer_step", "on_train_batch_end")                                   # short window
     )
     assert calls[start:end] == expected
 

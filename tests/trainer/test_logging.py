@@ -5,10 +5,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.helpers.models import RecordingLogger, fast_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from tests.helpers.models import RecordingLogger, fast_trainer
 
 
 def value_loader(values: list[float], batch_size: int) -> DataLoader:
@@ -258,7 +258,8 @@ def test_log_accepts_a_one_element_tensor():
 
 
 def test_log_rejects_unknown_reduce_fx():
-    with pytest.raises(ValueError, match=r"reduce_fx='median'\): reduce_fx must be one of \('mean', 'sum', 'min', 'max'\)"):
+    message = r"reduce_fx='median'\): reduce_fx must be one of \('mean', 'sum', 'min', 'max'\)"
+    with pytest.raises(ValueError, match=message):
         run(only("training_step", lambda m, b, i: m.log("a", 1.0, reduce_fx="median")))
 
 

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.helpers.models import UnsizedBatches, fast_trainer, regression_data, regression_loader
 from torch.utils.data import DataLoader
 
 import ember
-from tests.helpers.models import UnsizedBatches, fast_trainer, regression_data, regression_loader
 
 
 class MLP(ember.TrainModule):
@@ -41,7 +41,7 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, atol: float = 1e
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     for k in sa:
-        torch.testing.assert_close(sa[k], sb[k], atol=atol, rtol=0, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(sa[k], sb[k], atol=atol, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def plain_loop(module: MLP, loader: Any, epochs: int, accumulate: int = 1, n_batches: int | None = None,
@@ -195,7 +195,8 @@ def test_gradients_are_clipped_before_the_step(algorithm, value):
             def step(*args, **kwargs):
                 grads = [p.grad for p in self.parameters() if p.grad is not None]
                 if algorithm == "norm":
-                    seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+                    norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+                    seen.append(float(torch.linalg.vector_norm(norms)))
                 else:
                     seen.append(max(float(g.abs().max()) for g in grads))
                 return original(*args, **kwargs)
@@ -300,8 +301,10 @@ def test_lbfgs_runs_the_step_hooks_inside_each_closure_call():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(accumulate_grad_batches=2), r"LBFGS.step needs a closure .* gradient accumulation \(accumulate_grad_batches=2\)"),
-    (dict(precision="16-mixed"), r"LBFGS.step needs a closure, which a gradient scaler \(precision='16-mixed'\) cannot"),
+    (dict(accumulate_grad_batches=2),
+     r"LBFGS.step needs a closure .* gradient accumulation \(accumulate_grad_batches=2\)"),
+    (dict(precision="16-mixed"),
+     r"LBFGS.step needs a closure, which a gradient scaler \(precision='16-mixed'\) cannot"),
 ])
 def test_lbfgs_with_what_cannot_drive_a_closure_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 from ember.trainer.precision import Precision, normalize_precision
-from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 
 def _cpu_fp16_autocast_works() -> bool:
@@ -157,7 +157,8 @@ def test_precision_aliases(alias, name):
 
 @pytest.mark.parametrize("bad", ["fp8", "16-true", 8, None])
 def test_unknown_precision(bad):
-    with pytest.raises(ValueError, match=r"Unknown precision .*Use one of '32-true', '64-true', 'bf16-mixed', '16-mixed'"):
+    message = r"Unknown precision .*Use one of '32-true', '64-true', 'bf16-mixed', '16-mixed'"
+    with pytest.raises(ValueError, match=message):
         fast_trainer(precision=bad)
 
 

@@ -14,7 +14,8 @@ def logs_after_this_batch(trainer: Trainer) -> bool:
     The loop increments ``global_step`` after ``on_train_batch_end`` when the batch stepped an
     optimizer, and writes step metrics when the new step is a multiple of ``log_every_n_steps``.
     """
-    return getattr(trainer._loop, "stepped_this_batch", False) and (trainer.global_step + 1) % trainer.log_every_n_steps == 0
+    stepped = getattr(trainer._loop, "stepped_this_batch", False)
+    return stepped and (trainer.global_step + 1) % trainer.log_every_n_steps == 0
 
 
 def write_to_loggers(trainer: Trainer, metrics: dict[str, float], step: int) -> None:

@@ -84,10 +84,19 @@ class LearningRateMonitor(Callback):
         self.last_stats = self._stats()
         write_to_loggers(trainer, self.last_stats, step)
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # Schedulers step after this hook, so the rates read here are the ones this step used.
+    def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
+        # Schedulers step before on_train_batch_end (as in Lightning): read the rates this step uses now.
+        if self._interval == "step":
+            self._rates_of_this_step = self._stats()
+
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         if self._interval == "step" and logs_after_this_batch(trainer):
-            self._log(trainer, trainer.global_step + 1)
+            step = trainer.global_step + 1
+            if step != self._last_step:
+                self._last_step = step
+                self.last_stats = getattr(self, "_rates_of_this_step", None) or self._stats()
+                write_to_loggers(trainer, self.last_stats, step)
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
         if self._interval == "epoch":

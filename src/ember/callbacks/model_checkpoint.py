@@ -73,8 +73,9 @@ class ModelCheckpoint(Callback):
     FILE_EXTENSION = ".ckpt"
     STARTING_VERSION = 1
 
-    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None, monitor: str | None = None,
-                 verbose: bool = False, save_last: bool = True, save_top_k: int = 1, save_weights_only: bool = False,
+    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
+                 monitor: str | None = None, verbose: bool = False, save_last: bool = True, save_top_k: int = 1,
+                 save_weights_only: bool = False,
                  mode: str = "min", auto_insert_metric_name: bool = True, every_n_train_steps: int | None = None,
                  train_time_interval: datetime.timedelta | float | None = None, every_n_epochs: int | None = None,
                  save_on_train_epoch_end: bool | None = None, save_on_exception: bool = False,
@@ -85,7 +86,8 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"ModelCheckpoint save_top_k must be an int >= -1 (-1 keeps all), got {save_top_k!r}.")
         if monitor is None and save_top_k not in (-1, 0, 1):
             raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None): keeping the best {save_top_k} "
-                             "needs a metric to rank them by. Set monitor='...' or use save_top_k=1 (latest) / -1 (all).")
+                             "needs a metric to rank them by. Set monitor='...' or use save_top_k=1 (latest) / -1 "
+                             "(all).")
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"ModelCheckpoint {name} must be a non-negative int or None, got {value!r}.")
@@ -150,9 +152,9 @@ class ModelCheckpoint(Callback):
         if state.get("dirpath") != self.dirpath:
             # Another directory's files are that run's: listing them here would let top-k rotation
             # delete them. Only where the best model was is kept, as information (as Lightning does).
-            warnings.warn(f"ModelCheckpoint: the checkpoint's callback state is for directory {state.get('dirpath')!r}, "
-                          f"this one writes to {self.dirpath!r}; its top-k list is not carried over (and none of "
-                          "that directory's files will be deleted).", UserWarning)
+            warnings.warn("ModelCheckpoint: the checkpoint's callback state is for directory "
+                          f"{state.get('dirpath')!r}, this one writes to {self.dirpath!r}; its top-k list is not "
+                          "carried over (and none of that directory's files will be deleted).", UserWarning)
             self.best_model_path = state.get("best_model_path", "")
             return
         score = state.get("best_model_score")
@@ -317,7 +319,8 @@ class ModelCheckpoint(Callback):
         return pick(self.best_k_models, key=self.best_k_models.get)
 
     # ------------------------------------------------------------------ names
-    def format_checkpoint_name(self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None) -> str:
+    def format_checkpoint_name(self, metrics: dict[str, Any], filename: str | None = None,
+                               ver: int | None = None) -> str:
         """The file path for ``metrics`` under this callback's template (and version ``ver``)."""
         template = filename or self.filename or "{epoch}" + self.CHECKPOINT_JOIN_CHAR + "{step}"
 

@@ -241,7 +241,8 @@ class ProgressBar(Callback):
     def on_validation_start(self, trainer: Any, module: Any) -> None:
         self._eval_start(trainer, "Sanity check" if trainer.sanity_checking else "Validation", trainer._eval_total)
 
-    def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
         self._eval_step(trainer, batch_idx)
 
     def on_validation_end(self, trainer: Any, module: Any) -> None:
@@ -250,7 +251,8 @@ class ProgressBar(Callback):
     def on_test_start(self, trainer: Any, module: Any) -> None:
         self._eval_start(trainer, "Testing", trainer._eval_total)
 
-    def on_test_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_test_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
+                          dataloader_idx: int = 0) -> None:
         self._eval_step(trainer, batch_idx)
 
     def on_test_end(self, trainer: Any, module: Any) -> None:
@@ -259,7 +261,8 @@ class ProgressBar(Callback):
     def on_predict_start(self, trainer: Any, module: Any) -> None:
         self._eval_start(trainer, "Predicting", trainer._eval_total)
 
-    def on_predict_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_predict_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
+                             dataloader_idx: int = 0) -> None:
         self._eval_step(trainer, batch_idx)
 
     def on_predict_end(self, trainer: Any, module: Any) -> None:

@@ -171,14 +171,15 @@ def _hparams_summary(session_start: dict[str, Any] | None = None,
         kinds = {bool: "DATA_TYPE_BOOL", str: "DATA_TYPE_STRING"}
         exp = api_pb2.Experiment(
             time_created_secs=time.time(),
-            hparam_infos=[api_pb2.HParamInfo(name=k, type=api_pb2.DataType.Value(kinds.get(type(v), "DATA_TYPE_FLOAT64")))
+            hparam_infos=[api_pb2.HParamInfo(name=k,
+                                             type=api_pb2.DataType.Value(kinds.get(type(v), "DATA_TYPE_FLOAT64")))
                           for k, v in params.items()],
             metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=t)) for t in metric_tags],
         )
         data, tag = plugin_data_pb2.HParamsPluginData(experiment=exp), metadata.EXPERIMENT_TAG
     else:
-        end = plugin_data_pb2.SessionEndInfo(status=api_pb2.Status.Value(_STATUS.get(session_end or "", "STATUS_UNKNOWN")),
-                                             end_time_secs=time.time())
+        status = api_pb2.Status.Value(_STATUS.get(session_end or "", "STATUS_UNKNOWN"))
+        end = plugin_data_pb2.SessionEndInfo(status=status, end_time_secs=time.time())
         data, tag = plugin_data_pb2.HParamsPluginData(session_end_info=end), metadata.SESSION_END_INFO_TAG
     data.version = metadata.PLUGIN_DATA_VERSION
     meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=metadata.PLUGIN_NAME,
@@ -210,8 +211,8 @@ class _EventFile:
         os.makedirs(log_dir, exist_ok=True)
         # The file name scheme TensorBoard's own writers use; the counter keeps two loggers of one
         # process (or a reopened one) in separate files.
-        name = "events.out.tfevents.%010d.%s.%s.%s" % (time.time(), socket.gethostname(), os.getpid(),
-                                                       next(self._count))
+        name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
+                f"{next(self._count)}")
         self._event, self._summary = Event, Summary
         self._records = RecordWriter(open(os.path.join(log_dir, name), "wb"))
         self._flush_secs = flush_secs

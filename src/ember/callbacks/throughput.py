@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
 from ember.callbacks.logger_writes import logs_after_this_batch, write_to_loggers
@@ -62,7 +63,8 @@ class ThroughputMonitor(Callback):
         self._batch_start = now
         self._samples += self.batch_size_fn(batch)
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         now = time.perf_counter()
         self._compute += now - self._batch_start
         self._batches += 1

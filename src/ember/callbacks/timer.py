@@ -118,7 +118,8 @@ class Timer(Callback):
         self._finish("test")
 
     # ------------------------------------------------------------------ the budget
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         if self.interval == "step" and self._budget is not None:
             self._check(trainer)
 

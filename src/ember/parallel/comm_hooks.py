@@ -18,7 +18,6 @@ only 8 significant bits (relative error up to ~2**-8 per rounding, so expect ~0.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -126,7 +125,7 @@ def compress_hook(dtype: torch.dtype, process_group: dist.ProcessGroup | None = 
 _NAMED = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_comm_hook(spec: Union[str, CommHook, None],
+def resolve_comm_hook(spec: str | CommHook | None,
                       process_group: dist.ProcessGroup | None) -> CommHook | None:
     """Turns the ``comm_hook`` option into a hook.
 

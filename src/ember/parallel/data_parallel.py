@@ -17,14 +17,7 @@ from torch import Tensor, nn
 
 from ember.parallel.parallel_apply import attach_replica_graphs, parallel_apply
 from ember.parallel.replicate import DeviceMismatchError, Replicator
-from ember.parallel.scatter_gather import (
-    DeviceLike,
-    as_device,
-    flatten,
-    gather,
-    scatter_kwargs,
-    unflatten,
-)
+from ember.parallel.scatter_gather import DeviceLike, as_device, flatten, gather, scatter_kwargs, unflatten
 
 __all__ = ["DataParallel", "data_parallel", "run_replicas"]
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,7 +78,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                  process_group: dist.ProcessGroup | None = None, bucket_cap_mb: float = 25,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False,
-                 comm_hook: Union[str, CommHook, None] = None) -> None:
+                 comm_hook: str | CommHook | None = None) -> None:
         super().__init__()
         Joinable.__init__(self)
         if not (dist.is_available() and dist.is_initialized()):

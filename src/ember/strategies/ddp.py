@@ -33,7 +33,8 @@ import os
 import pickle
 import sys
 import warnings
-from typing import Any, Callable, Iterator, NoReturn, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist

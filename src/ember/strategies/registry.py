@@ -6,16 +6,18 @@ strategy (``import ember`` stays cheap, and ``ddp``'s launcher is not loaded for
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 from ember.strategies.strategy import Strategy
 from ember.utils import closest
 
-_Factory = Union[str, Callable[..., Strategy]]
+_Factory = str | Callable[..., Strategy]
 _REGISTRY: dict[str, tuple[_Factory, dict[str, Any], str]] = {}
 
 
-def register_strategy(name: str, factory: _Factory, description: str = "", override: bool = False, **init_params: Any) -> None:
+def register_strategy(name: str, factory: _Factory, description: str = "", override: bool = False,
+                      **init_params: Any) -> None:
     """Register ``factory`` (a Strategy class, a callable or a ``"module:attr"`` string) as ``name``.
 
     Args:

@@ -10,7 +10,8 @@ mid-epoch falls back to iterating past the consumed batches, with a warning.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler

@@ -55,7 +55,8 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 

@@ -57,12 +57,14 @@ def resolve_devices(accelerator: str, devices: Any) -> tuple[str, list[torch.dev
         if not ids or any(not isinstance(i, int) or i < 0 for i in ids) or len(set(ids)) != len(ids):
             raise ValueError(f"devices list must hold distinct non-negative device indices, got {devices!r}.")
         if available is not None and max(ids) >= available:
-            raise ValueError(f"devices={ids} names CUDA device {max(ids)} but only {available} exist (0..{available - 1}).")
+            raise ValueError(f"devices={ids} names CUDA device {max(ids)} but only {available} exist "
+                             f"(0..{available - 1}).")
     if accelerator == "cpu":
         return "cpu", [torch.device("cpu")] * len(ids)
     return "cuda", [torch.device("cuda", i) for i in ids]
 
-def resolve_strategy(trainer: Trainer, strategy: str | Strategy, accelerator: str, devices: list[torch.device]) -> Strategy:
+def resolve_strategy(trainer: Trainer, strategy: str | Strategy, accelerator: str,
+                     devices: list[torch.device]) -> Strategy:
     if isinstance(strategy, Strategy):
         resolved = strategy
     elif isinstance(strategy, str):
@@ -76,7 +78,8 @@ def resolve_strategy(trainer: Trainer, strategy: str | Strategy, accelerator: st
     resolved.connect(trainer, accelerator, devices)
     return resolved
 
-def build_callbacks(trainer: Trainer, callbacks: Any, progress_bar: bool, checkpointing: bool, summary: bool) -> list[Callback]:
+def build_callbacks(trainer: Trainer, callbacks: Any, progress_bar: bool, checkpointing: bool,
+                    summary: bool) -> list[Callback]:
     if callbacks is None:
         callbacks = []
     elif isinstance(callbacks, Callback):

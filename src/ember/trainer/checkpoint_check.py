@@ -104,7 +104,8 @@ def _optimizers(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
         if ours != theirs:
             raise _Bad(f"optimizer {i} has parameter groups of sizes {theirs}, but the optimizer now has {ours}")
         # The saved ids are positions in the saved groups; match them to this run's parameters.
-        params = {pid: p for g_saved, g in zip(groups, opt.param_groups) for pid, p in zip(g_saved["params"], g["params"])}
+        params = {pid: p for g_saved, g in zip(groups, opt.param_groups)
+                  for pid, p in zip(g_saved["params"], g["params"])}
         for pid, slots in per_param.items():
             if pid not in params:
                 raise _Bad(f"optimizer {i} has state for parameter id {pid!r}, which none of its groups lists")
@@ -189,5 +190,6 @@ def _rng(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
         if not isinstance(py.get("state"), torch.Tensor) or py["state"].numel() != py_len:
             raise _Bad(f"rank {r}'s Python generator state is not {py_len} numbers")
         np_state = state.get("numpy")
-        if np_state is not None and not isinstance(_dict(np_state, f"rank {r}'s NumPy state").get("keys"), torch.Tensor):
+        np_keys = None if np_state is None else _dict(np_state, f"rank {r}'s NumPy state").get("keys")
+        if np_state is not None and not isinstance(np_keys, torch.Tensor):
             raise _Bad(f"rank {r}'s NumPy generator state has no keys tensor")

@@ -15,7 +15,8 @@ communicate, so each rank runs its own number of batches and the epoch metrics a
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 

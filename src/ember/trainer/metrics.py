@@ -118,7 +118,8 @@ class MetricCollector:
         else:
             raise TypeError(f"self.log({name!r}, ...) expects a number or a scalar tensor, got {type(value).__name__}.")
         if entry.on_step:
-            step_value = self.strategy.reduce(value, entry.reduce_fx) if entry.sync_dist and isinstance(value, torch.Tensor) else value
+            synced = entry.sync_dist and isinstance(value, torch.Tensor)
+            step_value = self.strategy.reduce(value, entry.reduce_fx) if synced else value
             key = entry.step_key
             self.callback_metrics[key] = step_value
             if entry.on_epoch:
@@ -147,7 +148,8 @@ class MetricCollector:
             on_step = False  # evaluation values are only meaningful over the whole evaluation epoch
             on_epoch = True
         if not on_step and not on_epoch:
-            raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) would record nothing; set one of them.")
+            raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) would record nothing; "
+                             "set one of them.")
         entry = _Entry(name, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
         self._entries[name] = entry
         return entry

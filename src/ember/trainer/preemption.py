@@ -40,8 +40,9 @@ import socket
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from ember.exceptions import Preempted, exit_code
 from ember.strategies.watchdog import exit_with_stacks

@@ -4,7 +4,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -14,11 +15,11 @@ from ember.data import DataModule
 from ember.module import TrainModule
 from ember.strategies.strategy import Strategy
 from ember.trainer import arguments, loops
-from ember.trainer.runs import _Runs
 from ember.trainer.metrics import MetricCollector
 from ember.trainer.optim import OptimizerState
 from ember.trainer.precision import Precision, normalize_precision
 from ember.trainer.progress import FitProgress
+from ember.trainer.runs import _Runs
 
 
 class Trainer(_Runs):
@@ -97,12 +98,17 @@ class Trainer(_Runs):
             raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}.")
         if gradient_clip_val is not None and gradient_clip_val < 0:
             raise ValueError(f"gradient_clip_val must be >= 0, got {gradient_clip_val!r}.")
-        if isinstance(val_check_interval, bool) or not isinstance(val_check_interval, (int, float)) or val_check_interval <= 0:
-            raise ValueError(f"val_check_interval must be a fraction in (0, 1] or a positive int, got {val_check_interval!r}.")
+        if (isinstance(val_check_interval, bool) or not isinstance(val_check_interval, (int, float))
+                or val_check_interval <= 0):
+            raise ValueError("val_check_interval must be a fraction in (0, 1] or a positive int, "
+                             f"got {val_check_interval!r}.")
         if isinstance(val_check_interval, float) and val_check_interval > 1.0:
-            raise ValueError(f"val_check_interval={val_check_interval} is a fraction above 1.0; pass an int for a batch count.")
-        if check_val_every_n_epoch is not None and (not isinstance(check_val_every_n_epoch, int) or check_val_every_n_epoch < 1):
-            raise ValueError(f"check_val_every_n_epoch must be a positive int or None, got {check_val_every_n_epoch!r}.")
+            raise ValueError(f"val_check_interval={val_check_interval} is a fraction above 1.0; "
+                             "pass an int for a batch count.")
+        if check_val_every_n_epoch is not None and (not isinstance(check_val_every_n_epoch, int)
+                                                    or check_val_every_n_epoch < 1):
+            raise ValueError("check_val_every_n_epoch must be a positive int or None, "
+                             f"got {check_val_every_n_epoch!r}.")
         if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be a positive int, got {log_every_n_steps!r}.")
         if not isinstance(num_sanity_val_steps, int) or num_sanity_val_steps < -1:
@@ -146,8 +152,8 @@ class Trainer(_Runs):
         self._precision = Precision(self._precision_name, self.strategy.root_device.type)
         self._input_dtype = self._precision.input_dtype
 
-        self.callbacks: list[Callback] = arguments.build_callbacks(self, callbacks, enable_progress_bar, enable_checkpointing,
-                                                               enable_model_summary)
+        self.callbacks: list[Callback] = arguments.build_callbacks(self, callbacks, enable_progress_bar,
+                                                                   enable_checkpointing, enable_model_summary)
         self.loggers: list[Logger] = arguments.build_loggers(self, logger)
         for lg in self.loggers:
             if lg not in self.callbacks:
@@ -196,7 +202,8 @@ class Trainer(_Runs):
                 table.append(functools.partial(getattr(cb, name), self, self.module))
         module = self.module
         mod_base = getattr(TrainModule, name, None)
-        if module is not None and monitoring is not True and mod_base is not None and getattr(type(module), name) is not mod_base:
+        if (module is not None and monitoring is not True and mod_base is not None
+                and getattr(type(module), name) is not mod_base):
             table.append(getattr(module, name))
         self._hook_table[key] = table
         return table
