@@ -159,7 +159,7 @@ def remove_stale_temporaries(directory: str) -> list[str]:
     longer exists. Files of live processes, and of other hosts (whose processes cannot be checked
     from here), are left alone.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:

@@ -7,7 +7,7 @@ strategies can use them without importing each other.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -25,7 +25,7 @@ def capture_rng() -> dict[str, Any]:
         import numpy as np
     except ImportError:
         return state
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    name, keys, pos, has_gauss, cached = cast("tuple[str, Any, int, int, float]", np.random.get_state(legacy=True))
     state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     return state

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ def first_tensor(batch: Any) -> torch.Tensor | None:
     """The first tensor found in a nested batch, or ``None``."""
     if isinstance(batch, torch.Tensor):
         return batch
+    items: Iterable[Any]
     if isinstance(batch, (list, tuple)):
         items = batch
     elif isinstance(batch, dict):

@@ -300,8 +300,8 @@ class ModelCheckpoint(Callback):
             del self.best_k_models[dropped]
         worst = self._worst()
         self.kth_best_model_path, self.kth_value = worst, self.best_k_models[worst]
-        best = min(self.best_k_models, key=self.best_k_models.get) if self.mode == "min" \
-            else max(self.best_k_models, key=self.best_k_models.get)
+        best = min(self.best_k_models, key=self.best_k_models.__getitem__) if self.mode == "min" \
+            else max(self.best_k_models, key=self.best_k_models.__getitem__)
         self.best_model_path = best
         self.best_model_score = torch.tensor(self.best_k_models[best])
         self._write(trainer, path)
@@ -316,7 +316,7 @@ class ModelCheckpoint(Callback):
 
     def _worst(self) -> str:
         pick = max if self.mode == "min" else min
-        return pick(self.best_k_models, key=self.best_k_models.get)
+        return pick(self.best_k_models, key=self.best_k_models.__getitem__)
 
     # ------------------------------------------------------------------ names
     def format_checkpoint_name(self, metrics: dict[str, Any], filename: str | None = None,

@@ -45,7 +45,7 @@ def _tqdm_class() -> Any:
     if _TQDM is None:
         from tqdm.auto import tqdm
 
-        class _Tqdm(tqdm):  # type: ignore[misc, valid-type]
+        class _Tqdm(tqdm):
             monitor_interval = 0
 
         _TQDM = _Tqdm

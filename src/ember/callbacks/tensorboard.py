@@ -98,7 +98,9 @@ class TensorBoardLogger(FileLogger):
             return
         super().log_hyperparams(params, metrics)
         flat = _flatten(self.hparams)
-        self._event_file().add_summary(_hparams_summary(session_start=flat))
+        events = self._event_file()
+        assert events is not None  # this logger writes (checked above)
+        events.add_summary(_hparams_summary(session_start=flat))
         self._session_started = True
 
     def save(self) -> None:

@@ -8,6 +8,7 @@ How a bucket is reduced across ranks is in ``comm_hooks.py``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -79,7 +80,7 @@ class FlatBucket:
         self.params = [params[i] for i in indices]
         self.numel = sum(p.numel() for p in self.params)
         self.pending = len(indices)
-        self.work = None  # a Work (plain all-reduce) or a Future (comm hook)
+        self.work: Any = None  # a Work (plain all-reduce) or a Future (comm hook)
         self.lent = False  # gradients currently point into `buffer`
         # Allocated at the first gradient of a backward: every slot is written before the
         # all-reduce (a gradient, or zeros), so no zero-fill is needed.

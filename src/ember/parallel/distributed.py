@@ -99,7 +99,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device_ids = None if device_ids is None else [self.device]
         self._rank = dist.get_rank(self.process_group)
         self._verify_same_model(named)
-        states = [p for _, p in module.named_parameters()]
+        states: list[Tensor] = [p for _, p in module.named_parameters()]
         if broadcast_buffers:
             states += list(module.buffers())
         self._broadcast(states, src=0)
@@ -138,7 +138,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"Call module.to({str(wanted)!r}) before wrapping it.")
         return wanted
 
-    def _verify_same_model(self, named: list[tuple[str, Tensor]]) -> None:
+    def _verify_same_model(self, named: Sequence[tuple[str, Tensor]]) -> None:
         # One small all-gather instead of letting mismatched broadcasts hang or corrupt memory.
         shapes = ";".join(f"{tuple(p.shape)}{p.dtype}" for _, p in named).encode()
         mine = torch.tensor([len(named), sum(p.numel() for _, p in named), zlib.crc32(shapes)],
@@ -331,7 +331,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self.device
 
     @property
-    def join_process_group(self) -> dist.ProcessGroup:
+    def join_process_group(self) -> dist.ProcessGroup | None:
         return self.process_group
 
 
@@ -354,7 +354,7 @@ class _JoinHook(JoinHook):
         ddp = self.ddp
         # Ranks that joined early skipped optimizer steps: take the model of a last joiner.
         src = ddp._common_rank(is_last_joiner)
-        states = list(ddp.module.parameters())
+        states: list[Tensor] = list(ddp.module.parameters())
         if ddp.broadcast_buffers:
             states += list(ddp.module.buffers())
         ddp._broadcast(states, src)

@@ -131,7 +131,8 @@ def parallel_apply(
     for i in range(n):
         args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
         kw = kwargs_tup[i] or {}
-        device = as_device(devs[i]) if devs[i] is not None else _infer_device(args, kw)
+        dev = devs[i]
+        device = as_device(dev) if dev is not None else _infer_device(args, kw)
         fn = getattr(modules[i], method) if method else modules[i]
         calls.append((fn, args, kw, device))
     state = _CallerState([c[3] for c in calls])
@@ -140,7 +141,7 @@ def parallel_apply(
     def work(i: int, pin_threads: bool) -> None:
         fn, args, kw, device = calls[i]
         try:
-            if pin_threads:
+            if pin_threads and threads_per_replica is not None:
                 torch.set_num_threads(threads_per_replica)
             with ExitStack() as stack:
                 state.enter(stack, device)
@@ -225,7 +226,7 @@ class _JoinReplicaGraphs(torch.autograd.Function):
         for i, outs in enumerate(graphs.outputs):
             pairs = [(o, g) for o, g in zip(outs, grads[pos:pos + len(outs)]) if g is not None]
             pos += len(outs)
-            targets = [graphs.leaves[i][j] for j in wanted if graphs.leaves[i][j] is not None]
+            targets = [t for t in (graphs.leaves[i][j] for j in wanted) if t is not None]
             # One job per replica, even an empty one, so an error names the right replica.
             jobs.append(_replica_backward(pairs, targets, keep))
         parallel_apply(jobs, [()] * len(jobs), devices=graphs.devices,

@@ -203,7 +203,7 @@ class Reducer:
         if self.static_graph:
             if self._static_counts is None:  # first iteration: count, reduce at the end
                 self._first_counts[index] += 1
-                if self._first_counts[index] == 1:
+                if self._first_counts[index] == 1 and self._order is not None:
                     self._order.append(index)
                 return
             self._static_left[index] -= 1
@@ -280,6 +280,7 @@ class Reducer:
         # Some gradient was dropped or replaced. Reuse the memory only if no old gradient (or
         # a view of one) is still held anywhere; otherwise leave it to its holder.
         buffer = bucket.buffer
+        assert buffer is not None  # allocated at this backward's first gradient
         bucket.release()
         if sole_owner(buffer):
             bucket.allocate(buffer)
@@ -292,7 +293,9 @@ class Reducer:
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
             b = self._next_bucket
             self._next_bucket += 1
-            self._launch(b, buckets[b].buffer)
+            buffer = buckets[b].buffer
+            assert buffer is not None  # every gradient of the bucket arrived
+            self._launch(b, buffer)
         if self._next_bucket == len(buckets) and self._used_map is not None \
                 and self._used_work is None:
             self._used_work = dist.all_reduce(self._used_map, group=self.group, async_op=True)
@@ -318,6 +321,7 @@ class Reducer:
                 self._abort()
                 raise RuntimeError(self._missing_message(missing, "backward finished"))
             for bucket in self.buckets:
+                assert bucket.work is not None and bucket.buffer is not None  # every bucket launched
                 result = bucket.work.wait()
                 if self.comm_hook is not None and isinstance(result, Tensor) \
                         and result.data_ptr() != bucket.buffer.data_ptr():

@@ -164,7 +164,7 @@ def _collect(modules: list[nn.Module], names: list[tuple[str, ...]], attr: str,
     slots = []
     for m, keys in zip(modules, names):
         table = getattr(m, attr)
-        row = []
+        row: list[tuple[str, int | None]] = []
         for name in keys:
             t = table[name]  # KeyError: renamed since the plan was made; the caller re-plans
             if t is None:

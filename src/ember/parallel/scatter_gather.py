@@ -17,7 +17,7 @@ import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -153,7 +153,7 @@ def leaf_paths(spec: Spec | None, root: str = "batch") -> list[str]:
         if spec.kind == "dataclass":
             sub = f"{root}.{key}"
         elif spec.kind == "namedtuple":
-            sub = f"{root}.{spec.type._fields[key]}"
+            sub = f"{root}.{cast(Any, spec.type)._fields[key]}"
         else:
             sub = f"{root}[{key!r}]"
         out.extend(leaf_paths(child, sub))

@@ -34,7 +34,7 @@ import pickle
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -254,7 +254,7 @@ class DDPStrategy(Strategy):
         Every rank prints ``message`` and where the ranks are; this rank and the ranks that are not
         in a collective (the stuck ones) print their Python stacks.
         """
-        if self._watching:
+        if self._watchdog is not None and self._watching:
             self._watchdog.abort(message, exit_code)
         exit_with_stacks(f"[ember ddp] rank {self.global_rank} {message}", exit_code)
 
@@ -273,7 +273,7 @@ class DDPStrategy(Strategy):
 
     def _name_missing_rank(self, exc: Exception, what: str) -> None:
         """Raises CollectiveTimeout naming the ranks that did not arrive, if ``exc`` is a timeout."""
-        if self._watching and is_timeout(exc):
+        if self._watchdog is not None and self._watching and is_timeout(exc):
             raise CollectiveTimeout(self._watchdog.explain_timeout(what)) from exc
 
     def _share_cpu_threads(self, local_world_size: int) -> None:
@@ -363,7 +363,7 @@ class DDPStrategy(Strategy):
         finally:
             beacon.waiting = None
         beacon.where = TRAINING_STEP
-        outputs = ddp.module.training_step(*args, **kwargs)
+        outputs = cast(TrainModule, ddp.module).training_step(*args, **kwargs)
         beacon.where = AFTER_STEP
         return ddp.post_forward(outputs)
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ember.module import TrainModule
 from ember.parallel.data_parallel import run_replicas
 from ember.parallel.replicate import Replicator
 from ember.parallel.scatter_gather import flatten, gather, scatter_kwargs
@@ -68,7 +69,7 @@ def _weighted_mean(values: list[Any], weights: list[float], device: torch.device
     return _weighted_sum(values, [w / total for w in weights], device)
 
 
-def _combine_logs(module: nn.Module, sinks: list[_ReplicaLog], weights: list[int],
+def _combine_logs(module: TrainModule, sinks: list[_ReplicaLog], weights: list[int],
                   device: torch.device) -> None:
     """Log, on ``module``, one value per name (and per repeated call) from all replicas."""
     order: list[str] = []
@@ -80,10 +81,10 @@ def _combine_logs(module: nn.Module, sinks: list[_ReplicaLog], weights: list[int
             if name not in by_name:
                 order.append(name)
                 by_name[name] = []
-            calls = by_name[name]
-            while len(calls) <= k:
-                calls.append([])
-            calls[k].append((value, options, weight))
+            per_call = by_name[name]
+            while len(per_call) <= k:
+                per_call.append([])
+            per_call[k].append((value, options, weight))
     for name in order:
         for calls in by_name[name]:
             values = [v for v, _, _ in calls]
@@ -148,6 +149,7 @@ class DataParallelStrategy(Strategy):
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        assert self.module is not None  # set by setup()
         if not self.module.automatic_optimization and len(self.parallel_devices) > 1:
             raise ValueError(
                 "strategy='dp' trains with automatic optimization only: with "
@@ -172,6 +174,7 @@ class DataParallelStrategy(Strategy):
     def _run(self, method: str, batch: Any, batch_idx: int, extra: tuple,
              training: bool = False) -> Any:
         module = self.module
+        assert module is not None  # set by setup()
         devices = self.parallel_devices
         if len(devices) <= 1:
             return getattr(module, method)(batch, batch_idx, *extra)

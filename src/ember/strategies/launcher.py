@@ -208,11 +208,12 @@ _PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken 
 
 def is_peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` looks like the consequence of another rank failing."""
-    while exc is not None:
-        if isinstance(exc, getattr(dist, "DistError", ())) or \
-                any(s in str(exc) for s in _PEER_SIGNS):
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, getattr(dist, "DistError", ())) or \
+                any(s in str(cause) for s in _PEER_SIGNS):
             return True
-        exc = exc.__cause__ or exc.__context__
+        cause = cause.__cause__ or cause.__context__
     return False
 
 
@@ -392,7 +393,8 @@ class PopenLauncher(Launcher):
         what = describe_exit(code)
         # Claimed even when Python already printed why (an uncaught exception before the rank
         # joined the job, Ctrl-C), so that ranks which merely lose their peer stay quiet.
-        if self.record.claim(f"rank {rank} {what}") and code != -signal.SIGINT:
+        claimed = self.record.claim(f"rank {rank} {what}") if self.record is not None else True
+        if claimed and code != -signal.SIGINT:
             print(f"[ember ddp] rank {rank} {what}; stopping the job.", file=sys.stderr, flush=True)
 
     def on_failure(self, grace: float = 0.0) -> None:

@@ -10,11 +10,12 @@ mid-epoch falls back to iterating past the consumed batches, with a warning.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from ember.strategies.sampler import ShardedSampler
 
@@ -39,7 +40,7 @@ def why_not_swappable(loader: Any) -> str | None:
         return "it has batch_size=None (no automatic batching)"
     sampler = loader.sampler
     if isinstance(sampler, RandomSampler):
-        if sampler.replacement or sampler.num_samples != len(loader.dataset):
+        if sampler.replacement or sampler.num_samples != len(cast(Sized, loader.dataset)):
             return "its RandomSampler draws with replacement or a custom num_samples"
     elif type(sampler) is not SequentialSampler:
         return f"it has a custom sampler ({type(sampler).__name__})"
@@ -51,7 +52,7 @@ class _ResumableDataLoader(DataLoader):
     global RNG (a fresh DataLoader iterator draws its workers' base seed from it), so that the
     global stream restored from the checkpoint stays exactly where the interrupted run had it."""
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> _BaseDataLoaderIter:
         sampler = self.sampler
         if getattr(sampler, "resuming", False) and self.generator is None:
             g = torch.Generator()

@@ -219,7 +219,8 @@ class Watchdog:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._samples = 0
-        self._batches, self._batch_seen = 0, None  # last batch count and when it changed
+        self._batches: int = 0  # last batch count
+        self._batch_seen: float | None = None  # and when it changed
         self._wait_id: int | None = None  # `waits` of the wait being timed
         self._wait_since = 0.0
         self._wait_judged = False  # the wait began after this rank's first batch
@@ -348,6 +349,7 @@ class Watchdog:
         slowest = max(self.slowest_step, self._others_slowest)
         limit = self._deadline(slowest)
         mine = records[self.rank]
+        assert mine is not None  # this rank published its record before reading them
         if waited < limit or bool(mine["waiting"]) != in_collective:
             return
         missing, elsewhere = self._missing(records) if in_collective else ([], [])
@@ -394,6 +396,7 @@ class Watchdog:
     def _missing(self, records: dict[int, dict[str, Any] | None]) -> tuple[list[int], list[int]]:
         """Ranks not in any collective (they did not arrive), and ranks waiting in another one than this."""
         mine = records[self.rank]
+        assert mine is not None  # this rank published its record before reading them
         missing, elsewhere = [], []
         for r, rec in records.items():
             if r == self.rank:

@@ -91,6 +91,7 @@ def _plain_hparams(module: TrainModule) -> dict[str, Any]:
 def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
     """Everything needed to resume ``trainer``'s fit (or only the weights). Runs on every rank."""
     module = trainer.module
+    assert module is not None  # checkpoints are written during a run, with the module attached
     strategy = trainer.strategy
     ckpt: dict[str, Any] = {
         "format": FORMAT,
@@ -301,6 +302,7 @@ def restore(trainer: Trainer, path: str, weights_only: bool = False) -> dict[str
     """
     ckpt = load(path)
     module = trainer.module
+    assert module is not None  # restored at the start of a run, with the module attached
     if weights_only:
         module.on_load_checkpoint(ckpt)
         check_state_dict(module, ckpt["state_dict"], path)
@@ -394,7 +396,7 @@ def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) ->
     loader = trainer._train_loader
     sampler = resumable_sampler_of(loader)
     new_world = saved is not None and saved_world != world and progress.batch_in_epoch and not progress.epoch_finished
-    if new_world:
+    if new_world and saved is not None:
         # Continue from the next unseen sample of the global order, counted in this run's batches.
         batch_size = getattr(loader, "batch_size", None) or saved.get("batch_size", 1)
         progress.batch_in_epoch = math.ceil(saved["position"] / (batch_size * world))

@@ -18,6 +18,7 @@ from ember.trainer import arguments, loops
 from ember.trainer.metrics import MetricCollector
 from ember.trainer.optim import OptimizerState
 from ember.trainer.precision import Precision, normalize_precision
+from ember.trainer.preemption import PreemptionHandler
 from ember.trainer.progress import FitProgress
 from ember.trainer.runs import _Runs
 
@@ -160,10 +161,12 @@ class Trainer(_Runs):
                 self.callbacks.append(lg)
 
         self.progress = FitProgress()
+        self._preemption: PreemptionHandler | None = None  # installed for the length of a fit loop
         self.should_stop = False
         self.sanity_checking = False
         self.state = "initializing"
-        self.module: TrainModule | None = None
+        # None until a run attaches one; _Runs (runs.py) types it without None: see pyproject.toml.
+        self.module: TrainModule | None = None  # type: ignore[assignment]
         self.datamodule: DataModule | None = None
         self._metrics = MetricCollector(self.strategy)
         self.logged_metrics: dict[str, float] = {}
