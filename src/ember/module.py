@@ -12,6 +12,7 @@ from ember.checkpoint_io import read_for_module
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
+    from ember.types import ReduceOp, Stage
 
 
 class AttributeDict(dict):
@@ -120,7 +121,7 @@ class TrainModule(nn.Module):
 
     # ------------------------------------------------------------------ logging
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
-            on_epoch: bool | None = None, reduce_fx: str = "mean", batch_size: int | None = None,
+            on_epoch: bool | None = None, reduce_fx: ReduceOp = "mean", batch_size: int | None = None,
             sync_dist: bool = False, rank_zero_only: bool = False) -> None:
         """Record a metric.
 
@@ -194,8 +195,14 @@ class TrainModule(nn.Module):
         return []
 
     def prepare_data(self) -> None: ...
-    def setup(self, stage: str) -> None: ...
-    def teardown(self, stage: str) -> None: ...
+    def configure_model(self) -> None:
+        """Create layers here (called after ``setup`` on every entry point, before optimizers exist).
+
+        It may run more than once (each fit / validate / ...): skip what already exists.
+        """
+
+    def setup(self, stage: Stage) -> None: ...
+    def teardown(self, stage: Stage) -> None: ...
     def on_fit_start(self) -> None: ...
     def on_fit_end(self) -> None: ...
     def on_train_start(self) -> None: ...
@@ -228,3 +235,87 @@ class TrainModule(nn.Module):
     def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
+
+    def on_validation_model_eval(self) -> None:
+        """Put the module in eval mode before validation (default: ``self.eval()``)."""
+        self.eval()
+
+    def on_validation_model_train(self) -> None:
+        """After validation; by default every submodule gets back its own previous ``training`` flag."""
+        _restore_modes(self)
+
+    def on_test_model_eval(self) -> None:
+        self.eval()
+
+    def on_test_model_train(self) -> None:
+        _restore_modes(self)
+
+    def on_predict_model_eval(self) -> None:
+        self.eval()
+
+    # ------------------------------------------------------------------ override points the loops call
+    # The Trainer calls these only when a subclass overrides them; otherwise it does the same work
+    # inline (the defaults below say what that work is).
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change the batch before it is moved to the device; return it."""
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move ``batch`` to ``device`` (default: every tensor in nested lists, tuples and dicts)."""
+        from ember.utils import move_to_device
+
+        return move_to_device(batch, device)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change the batch after it was moved to the device; return it."""
+        return batch
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Compute gradients of ``loss`` (already scaled for accumulation and mixed precision)."""
+        loss.backward(*args, **kwargs)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Reset gradients at the start of an accumulation window."""
+        optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Step ``optimizer``. ``optimizer_closure`` runs training_step, zero_grad and backward (and the
+        pre-step hooks and clipping): pass it to ``optimizer.step(closure=...)``, or call it yourself to
+        skip the step. It must be called exactly once.
+        """
+        optimizer.step(closure=optimizer_closure)
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Clip before each optimizer step; the arguments are the Trainer's. Default: ``clip_gradients``."""
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                       gradient_clip_algorithm: str | None = None) -> None:
+        """Clip the gradients of ``optimizer``'s parameters by norm or value (nothing when the value is 0 or None)."""
+        if not gradient_clip_val:
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if (gradient_clip_algorithm or "norm") == "norm":
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+        elif gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+        else:
+            raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}.")
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Step ``scheduler`` (with the monitored value as argument when it monitors one)."""
+        if metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
+
+
+def _restore_modes(module: nn.Module) -> None:
+    """Give every submodule the ``training`` flag saved by the loop before evaluation."""
+    saved = getattr(module, "_ember_saved_modes", None)
+    if saved is None:
+        module.train()
+        return
+    for m, flag in saved:
+        m.training = flag

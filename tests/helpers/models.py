@@ -95,14 +95,15 @@ class TrainOnlyModel(BoringModel):
 _MODULE_HOOKS = tuple(
     n for n in vars(ember.TrainModule)
     if (n.startswith("on_") or n in ("setup", "teardown", "prepare_data"))
-    and n not in ("on_save_checkpoint", "on_load_checkpoint")
+    and n not in ("on_save_checkpoint", "on_load_checkpoint", "on_before_batch_transfer", "on_after_batch_transfer")
+    and not n.endswith(("_model_eval", "_model_train"))
 )
 
 
 def _recorder(owner: str, name: str, with_stage: bool):
     if with_stage:
-        def hook(self, *args: Any) -> None:
-            self.calls.append(f"{owner}.{name}:{args[-1]}")
+        def hook(self, *args: Any, **kwargs: Any) -> None:
+            self.calls.append(f"{owner}.{name}:{kwargs['stage'] if 'stage' in kwargs else args[-1]}")
     else:
         def hook(self, *args: Any) -> None:
             self.calls.append(f"{owner}.{name}")

@@ -109,6 +109,38 @@ def _warn_skipped(batch_idx: int) -> None:
                   UserWarning, stacklevel=3)
 
 
+def _override(module: Any, name: str) -> Callable[..., Any] | None:
+    """``module``'s bound ``name`` when its class overrides TrainModule's, else None."""
+    from ember.module import TrainModule
+
+    return getattr(module, name) if getattr(type(module), name) is not getattr(TrainModule, name) else None
+
+
+class _StepProxy:
+    """The optimizer an overridden ``TrainModule.optimizer_step`` receives: ``step(closure)`` runs the
+    closure (training_step, backward, pre-step hooks) and then the real step, through the precision
+    plugin and the strategy."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, loop: FitLoop) -> None:
+        self.optimizer = optimizer
+        self._loop = loop
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        t = self._loop.trainer
+        if closure is not None and not _needs_closure(self.optimizer):
+            closure()  # outside optimizer.step: a skipped batch (None loss) must not step
+            if not self._loop._window_has_grad:
+                return None
+            return self._loop._step_optimizer(self.optimizer)
+        return t._precision.optimizer_step(self.optimizer, t.strategy, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
 class FitLoop:
     """Runs epochs of training with validation interleaved. Holds no state that progress doesn't."""
 
@@ -161,8 +193,9 @@ class FitLoop:
         else:
             metrics.resume_stage("train")
         self._keep_train_stage = False
-        metrics.fx = "on_train_epoch_start"
-        t._call("on_train_epoch_start")
+        if start == 0:  # a mid-epoch resume continues the epoch: it already started (as in Lightning)
+            metrics.fx = "on_train_epoch_start"
+            t._call("on_train_epoch_start")
         t._set_loader_epoch(loader, p.current_epoch, start)
 
         # Look up per-step hooks once: a hook nobody overrides costs nothing inside the loop.
@@ -180,10 +213,14 @@ class FitLoop:
         may_validate = bool(t._val_loaders and any(t.num_val_batches))
         max_steps = t.max_steps
         automatic = t.module.automatic_optimization
-        # Bound once: the strategy's own transfer unless inputs must also be cast (64-true).
-        to_device = strategy.batch_to_device if t._input_dtype is None else t._batch_to_device
+        # Bound once: the strategy's own transfer (unless inputs must also be cast, 64-true, or the
+        # module overrides a batch-transfer hook).
+        to_device = t._transfer(0)
         step = self._bind_step_hooks()
         schedulers = t._optim.schedulers if automatic else None  # manual optimization steps its own schedulers
+        # As Lightning: step-interval schedulers step before on_train_batch_end, and epoch-interval ones
+        # (except ReduceLROnPlateau, which waits for the epoch's metrics) after the epoch's last batch.
+        epoch_schedulers = bool(schedulers) and any(c.interval == "epoch" and not c.is_plateau for c in schedulers)
         loggers, log_every = t.loggers, t.log_every_n_steps
         last_idx = n_batches - 1 if n_batches != math.inf else -1
         self._sized = _has_len(loader)
@@ -205,17 +242,22 @@ class FitLoop:
             if batch_idx >= n_batches:
                 break
             is_last = is_last or batch_idx == last_idx
+            batch = to_device(batch)
             metrics.batch = batch
             metrics.batch_size = None
             if batch_start:
                 metrics.fx = "on_train_batch_start"
                 if any(h(batch, batch_idx) == -1 for h in batch_start):
                     break
-            batch = to_device(batch)
             metrics.fx = "training_step"
             outputs = step(batch, batch_idx, is_last)
             p.batch_in_epoch = batch_idx + 1
             p.total_batches += 1
+            if schedulers:
+                if self.stepped_this_batch:
+                    t._optim.step_schedulers("step", p.global_step + 1, metrics.callback_metrics, plateau=False)
+                if is_last and epoch_schedulers:
+                    t._optim.step_schedulers("epoch", p.current_epoch + 1, metrics.callback_metrics, plateau=False)
             if batch_end:
                 metrics.fx = "on_train_batch_end"
                 if automatic and wants_outputs:  # as Lightning: hooks see a dict with a detached "loss"
@@ -226,7 +268,7 @@ class FitLoop:
                 self.stepped_this_batch = False
                 p.global_step += 1
                 if schedulers:
-                    t._optim.step_schedulers("step", p.global_step, metrics.callback_metrics)
+                    t._optim.step_schedulers("step", p.global_step, metrics.callback_metrics, plateau=True)
                 if loggers and p.global_step % log_every == 0:
                     t._log_step_metrics()
             if may_validate and t._val_due(batch_idx, is_last):
@@ -285,7 +327,8 @@ class FitLoop:
         p.batch_in_epoch = 0
         p.val_checks_in_epoch = 0
         if t._optim.schedulers and t.module.automatic_optimization:
-            t._optim.step_schedulers("epoch", p.current_epoch, t._metrics.callback_metrics)
+            # Only ReduceLROnPlateau here: the others stepped after the epoch's last batch.
+            t._optim.step_schedulers("epoch", p.current_epoch, t._metrics.callback_metrics, plateau=True)
 
     # ------------------------------------------------------------------ one batch
     def _bind_step_hooks(self) -> Callable[[Any, int, bool], Any]:
@@ -302,6 +345,14 @@ class FitLoop:
         self._training_step = (t.module.training_step if type(strategy).training_step is base.training_step
                                else strategy.training_step)
         self._backward = torch.Tensor.backward if type(strategy).backward is base.backward else strategy.backward
+        module = t.module
+        # The module's override points, each None unless the module overrides it (then the step calls it).
+        self._m_zero_grad = _override(module, "optimizer_zero_grad")
+        self._m_optimizer_step = _override(module, "optimizer_step")
+        self._m_clip = _override(module, "configure_gradient_clipping") or (
+            module.configure_gradient_clipping if _override(module, "clip_gradients") else None)
+        if _override(module, "backward") is not None and type(strategy).backward is base.backward:
+            self._backward = module.backward
         plain_step = t._precision.scaler is None and type(strategy).optimizer_step is base.optimizer_step
         self._step_optimizer = (lambda opt: opt.step()) if plain_step else \
             (lambda opt: t._precision.optimizer_step(opt, strategy))
@@ -313,7 +364,9 @@ class FitLoop:
             return self._closure_step
         # The common case (one step per batch, no scaling, clipping or step hooks) runs in one frame.
         simple = (t.accumulate_grad_batches == 1 and self._autocast is None and plain_step and not t.gradient_clip_val
-                  and not (self._h_zero_grad or self._h_before_backward or self._h_after_backward or self._h_before_step))
+                  and not (self._h_zero_grad or self._h_before_backward or self._h_after_backward or self._h_before_step)
+                  and self._m_zero_grad is None and self._m_optimizer_step is None and self._m_clip is None
+                  and self._backward is torch.Tensor.backward)
         return self._simple_step if simple else self._automatic_step
 
     def _simple_step(self, batch: Any, batch_idx: int, is_last: bool) -> Any:
@@ -338,6 +391,8 @@ class FitLoop:
         pos = batch_idx % k
         optimizer = t._optim.optimizers[0]
         if pos == k - 1 or is_last:
+            if self._m_optimizer_step is not None:
+                return self._module_optimizer_step(batch, batch_idx, pos, optimizer)
             outputs = self._forward_backward(batch, batch_idx, pos, optimizer)
             if self._window_has_grad:
                 if not self._sized and pos + 1 < k:
@@ -360,7 +415,10 @@ class FitLoop:
         if pos == 0:
             for h in self._h_zero_grad:
                 h(optimizer)
-            optimizer.zero_grad(set_to_none=True)
+            if self._m_zero_grad is None:
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                self._m_zero_grad(t.progress.current_epoch, batch_idx, optimizer)
             self._window_has_grad = False
         if loss is None:
             if may_skip:
@@ -401,12 +459,41 @@ class FitLoop:
             t._metrics.fx = "on_before_optimizer_step"
             for h in self._h_before_step:
                 h(optimizer)
-        if t.gradient_clip_val:
+        if self._m_clip is not None:
+            self._m_clip(optimizer, t.gradient_clip_val, t.gradient_clip_algorithm)
+        elif t.gradient_clip_val:
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             if t.gradient_clip_algorithm == "norm":
                 torch.nn.utils.clip_grad_norm_(params, t.gradient_clip_val)
             else:
                 torch.nn.utils.clip_grad_value_(params, t.gradient_clip_val)
+
+    def _module_optimizer_step(self, batch: Any, batch_idx: int, pos: int, optimizer: torch.optim.Optimizer) -> Any:
+        """The window's last batch when the module overrides ``optimizer_step``: it gets a closure that runs
+        training_step, zero_grad, backward and the pre-step work (hooks, clipping), as in Lightning, and
+        an optimizer whose ``step(closure)`` runs it before stepping."""
+        t = self.trainer
+        outputs: list[Any] = []
+
+        def closure() -> Any:
+            out = self._forward_backward(batch, batch_idx, pos, optimizer)
+            if not outputs:
+                outputs.append(out)
+            loss = check_loss(out)
+            if self._window_has_grad:
+                if not self._sized and pos + 1 < t.accumulate_grad_batches:
+                    self._rescale_grads(optimizer, t.accumulate_grad_batches / (pos + 1))
+                self._before_optimizer_step(optimizer)
+            return loss
+
+        proxy = _StepProxy(optimizer, self)
+        self._m_optimizer_step(t.progress.current_epoch, batch_idx, proxy, closure)
+        if not outputs:
+            raise RuntimeError(f"{type(t.module).__name__}.optimizer_step did not call optimizer_closure (batch "
+                               f"{batch_idx}): pass it to optimizer.step(closure=optimizer_closure), or call it "
+                               "yourself to skip the step. It runs training_step and backward.")
+        self.stepped_this_batch = True
+        return outputs[0]
 
     def _closure_step(self, batch: Any, batch_idx: int, is_last: bool) -> Any:
         """One batch with an optimizer that evaluates the loss itself (LBFGS): ``optimizer.step(closure)``.
@@ -468,8 +555,14 @@ class FitLoop:
         t = self.trainer
         t._call("on_before_backward", loss)
         scaled = t._precision.scale_loss(loss)
+        custom = _override(t.module, "backward")
         if args or kwargs:
-            scaled.backward(*args, **kwargs)
+            if custom is not None:
+                custom(scaled, *args, **kwargs)
+            else:
+                scaled.backward(*args, **kwargs)
+        elif custom is not None and type(t.strategy).backward is Strategy.backward:
+            custom(scaled)
         else:
             t.strategy.backward(scaled)
         t._call("on_after_backward")

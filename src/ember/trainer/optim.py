@@ -107,6 +107,8 @@ class OptimizerProxy:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loop = self._trainer._loop
         loop.stepped_this_batch = True
+        if not self._trainer.module.automatic_optimization:  # as Lightning: once per step() call
+            self._trainer._call("on_before_optimizer_step", self.optimizer)
         return self._trainer._precision.optimizer_step(self.optimizer, self._trainer.strategy, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -123,11 +125,30 @@ class OptimizerState:
         self.optimizers = optimizers
         self.schedulers = schedulers
         self.wrapped_optimizers = [OptimizerProxy(o, trainer) for o in optimizers]
+        self._trainer = trainer
 
-    def step_schedulers(self, interval: str, count: int, metrics: dict[str, Any]) -> None:
-        """Step schedulers of ``interval`` whose frequency divides ``count`` (steps or epochs done)."""
+    def step_schedulers(self, interval: str, count: int, metrics: dict[str, Any], plateau: bool | None = None) -> None:
+        """Step schedulers of ``interval`` whose frequency divides ``count`` (steps or epochs done).
+
+        ``plateau``: only ReduceLROnPlateau-like schedulers (True), only the others (False), or all.
+        A module overriding ``lr_scheduler_step`` steps them itself.
+        """
+        from ember.module import TrainModule
+
+        module = getattr(self._trainer, "module", None)
+        custom = module is not None and type(module).lr_scheduler_step is not TrainModule.lr_scheduler_step
         for cfg in self.schedulers:
             if cfg.interval != interval or count % cfg.frequency:
+                continue
+            if plateau is not None and cfg.is_plateau != plateau:
+                continue
+            if custom:
+                value = metrics.get(cfg.monitor) if cfg.monitor is not None else None
+                if cfg.monitor is not None and value is None and cfg.strict:
+                    raise KeyError(f"The LR scheduler monitors {cfg.monitor!r}, which was not logged. Logged keys: "
+                                   f"{sorted(metrics)}.")
+                if cfg.monitor is None or value is not None:
+                    module.lr_scheduler_step(cfg.scheduler, value)
                 continue
             if cfg.monitor is not None:
                 if cfg.monitor not in metrics:

@@ -58,8 +58,15 @@ class _Runs:
         # last.ckpt continues writing into that run's directory.
         path = checkpoint.resolve(self, ckpt_path, continue_run=stage == "fit") if ckpt_path is not None else None
         if datamodule is not None:
-            datamodule.setup(stage)
-        self._call("setup", stage)
+            datamodule.setup(stage=stage)
+        hooks = self._hooks("setup")
+        if hooks:
+            self._metrics.fx = "setup"
+            for h in hooks:
+                h(stage=stage)  # by keyword, as Lightning: ``def setup(self, stage)`` and ``(self, stage=None)`` both work
+        if type(module).configure_model is not TrainModule.configure_model:
+            self._metrics.fx = "configure_model"
+            module.configure_model()
         return path
 
     def _loader(self, given: Any, stage: str, attr: str) -> Any:
@@ -72,10 +79,20 @@ class _Runs:
     def _run_fit(self, module: TrainModule, train: Any, val: Any, datamodule: DataModule | None, ckpt_path: str | None) -> None:
         try:
             ckpt_path = self._prepare("fit", module, datamodule, ckpt_path)
+            self._given_loaders = (train, val)
+            # ``validation_step = None`` in a module means "no validation" (Lightning's way to switch it off).
+            validates = getattr(type(module), "validation_step", None) is not None
+            # Requested in Lightning's order: the validation loader first when a sanity check will use it.
+            val_first = validates and bool(self.num_sanity_val_steps) and self.limit_val_batches != 0
+            if val_first:
+                val = self._loader(val, "fit", "val_dataloader")
             train = self._loader(train, "fit", "train_dataloader")
             if train is None:
                 raise ValueError("fit needs training data: pass train_dataloaders, or a datamodule with train_dataloader().")
-            val = self._loader(val, "fit", "val_dataloader")
+            if not validates:
+                val = None
+            elif not val_first:
+                val = self._loader(val, "fit", "val_dataloader")
             self._val_loaders = self._as_list(val)
             if self._val_loaders and type(module).validation_step is TrainModule.validation_step:
                 raise ValueError(f"Validation data was given but {type(module).__name__} defines no validation_step. "
@@ -126,7 +143,7 @@ class _Runs:
         hook = "validation" if stage == "validate" else "test"
         try:
             ckpt_path = self._prepare(stage, module, datamodule, ckpt_path)
-            if getattr(type(module), f"{hook}_step") is getattr(TrainModule, f"{hook}_step"):
+            if getattr(type(module), f"{hook}_step") in (None, getattr(TrainModule, f"{hook}_step")):
                 raise ValueError(f"{type(module).__name__} defines no {hook}_step; define it to {stage}.")
             loaders = self._as_list(self._loader(dataloaders, stage, f"{'val' if stage == 'validate' else 'test'}_dataloader"))
             if not loaders:
@@ -226,6 +243,43 @@ class _Runs:
         n = self.check_val_every_n_epoch
         return n is not None and (self.progress.current_epoch + 1) % n == 0
 
+    def _reload_loaders(self) -> None:
+        """``reload_dataloaders_every_n_epochs``: ask the module / datamodule for fresh loaders (loaders
+        passed to ``fit`` directly are kept)."""
+        train, val = getattr(self, "_given_loaders", (None, None))
+        if train is None:
+            loader = self._loader(None, "fit", "train_dataloader")
+            if loader is not None:
+                self._train_loader = self.strategy.process_dataloader(loader, "fit")
+                self.num_training_batches = loops.num_batches(self._train_loader, self.limit_train_batches)
+        if val is None and self._val_loaders:
+            loaders = self._as_list(self._loader(None, "fit", "val_dataloader"))
+            self._val_loaders = [self.strategy.process_dataloader(v, "validate") for v in loaders]
+            self.num_val_batches = [loops.num_batches(v, self.limit_val_batches) for v in self._val_loaders]
+
+    def _transfer(self, dataloader_idx: int) -> Any:
+        """The batch transfer for loader ``dataloader_idx``: the strategy's (casting under 64-true), wrapped in
+        the module's ``on_before_batch_transfer`` / ``transfer_batch_to_device`` / ``on_after_batch_transfer``
+        where it overrides them (otherwise nothing extra runs per batch)."""
+        module = self.module
+        base = self.strategy.batch_to_device if self._input_dtype is None else self._batch_to_device
+        cls = type(module)
+        before = cls.on_before_batch_transfer is not TrainModule.on_before_batch_transfer
+        custom = cls.transfer_batch_to_device is not TrainModule.transfer_batch_to_device
+        after = cls.on_after_batch_transfer is not TrainModule.on_after_batch_transfer
+        if not (before or custom or after):
+            return base
+        device = self.strategy.root_device
+
+        def transfer(batch: Any) -> Any:
+            if before:
+                batch = module.on_before_batch_transfer(batch, dataloader_idx)
+            batch = module.transfer_batch_to_device(batch, device, dataloader_idx) if custom else base(batch)
+            if after:
+                batch = module.on_after_batch_transfer(batch, dataloader_idx)
+            return batch
+        return transfer
+
     def _batch_to_device(self, batch: Any) -> Any:
         """The strategy's transfer, or (64-true) a transfer that also casts floating tensors."""
         if self._input_dtype is None:
@@ -310,9 +364,10 @@ class _Runs:
     def _teardown(self, stage: str) -> None:
         try:
             if self.module is not None:
-                self._call("teardown", stage)
+                for h in self._hooks("teardown"):
+                    h(stage=stage)
             if self.datamodule is not None:
-                self.datamodule.teardown(stage)
+                self.datamodule.teardown(stage=stage)
         finally:
             self.strategy.teardown()
             self.state = "finished"
