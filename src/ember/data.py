@@ -1,7 +1,10 @@
 """DataModule: the data side of an experiment, in one object."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ember.types import Stage
 
 
 class DataModule:
@@ -15,8 +18,8 @@ class DataModule:
         self.trainer: Any = None
 
     def prepare_data(self) -> None: ...
-    def setup(self, stage: str) -> None: ...
-    def teardown(self, stage: str) -> None: ...
+    def setup(self, stage: Stage) -> None: ...
+    def teardown(self, stage: Stage) -> None: ...
 
     def train_dataloader(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} defines no train_dataloader(); define it to fit.")

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
     from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
+    from ember.types import Stage
 
 
 class Callback:
@@ -20,6 +21,10 @@ class Callback:
     #: Set to False in a callback whose ``on_train_batch_end`` ignores ``outputs``: when no hook
     #: reads them, the loop skips building the ``{"loss": detached loss}`` dict every step.
     uses_step_outputs: bool = True
+
+    #: Set to True in a callback that reads logged metrics (``EarlyStopping``, ``ModelCheckpoint``):
+    #: its epoch-end hooks then run after the module's, so they see the metrics logged there.
+    monitors_metrics: bool = False
 
     @property
     def state_key(self) -> str:
@@ -39,8 +44,8 @@ class Callback:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
 
-    def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None: ...
-    def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None: ...
+    def setup(self, trainer: Trainer, module: TrainModule, stage: Stage) -> None: ...
+    def teardown(self, trainer: Trainer, module: TrainModule, stage: Stage) -> None: ...
 
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None: ...
     def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None: ...

@@ -14,6 +14,7 @@ from ember.yaml import to_yaml
 if TYPE_CHECKING:
     from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
+    from ember.types import Stage
 
 HPARAMS_FILE = "hparams.yaml"
 
@@ -102,7 +103,7 @@ class FileLogger(Logger):
     def _writes(self) -> bool:
         return self._rank == 0
 
-    def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+    def setup(self, trainer: Trainer, module: TrainModule, stage: Stage) -> None:
         if self._save_dir is None:
             self._save_dir = trainer.default_root_dir
         self._rank = trainer.global_rank

@@ -37,6 +37,7 @@ from ember.exceptions import Preempted
 if TYPE_CHECKING:
     from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
+    from ember.types import Stage
 
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 
@@ -171,7 +172,7 @@ class ModelCheckpoint(Callback):
             return self.dirpath
         return os.path.abspath(os.path.join(trainer.log_dir, "checkpoints"))
 
-    def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+    def setup(self, trainer: Trainer, module: TrainModule, stage: Stage) -> None:
         if stage != "fit":
             return
         self.dirpath = trainer.strategy.broadcast(self._resolve_dirpath(trainer))
@@ -192,7 +193,7 @@ class ModelCheckpoint(Callback):
                 "Wait for that run to end, or give this one its own directory: another default_root_dir, "
                 "ModelCheckpoint(dirpath=...), or a logger version of its own.")
 
-    def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+    def teardown(self, trainer: Trainer, module: TrainModule, stage: Stage) -> None:
         if self._lock is not None:
             self._lock.release()
             self._lock = None

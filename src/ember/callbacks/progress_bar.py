@@ -16,6 +16,7 @@ import time
 from typing import Any, TextIO
 
 from ember.callbacks.callback import Callback
+from ember.types import Stage
 from ember.utils import to_floats
 
 _MODES = ("auto", "bar", "lines")
@@ -122,7 +123,7 @@ class ProgressBar(Callback):
         """Whether this run prints timed lines (True) or tqdm bars (False)."""
         return self._lines
 
-    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+    def setup(self, trainer: Any, module: Any, stage: Stage) -> None:
         self._stream = self._given_stream or sys.stdout
         self._enabled = self.refresh_rate > 0 and trainer.is_global_zero
         if self.mode == "auto":
@@ -277,5 +278,5 @@ class ProgressBar(Callback):
     def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
         self._close()
 
-    def teardown(self, trainer: Any, module: Any, stage: str) -> None:
+    def teardown(self, trainer: Any, module: Any, stage: Stage) -> None:
         self._close()

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
+    from ember.types import Stage
 
 # The HParams plugin knows only success, failure, running and unknown: an interrupted run did not succeed.
 _STATUS = {"success": "STATUS_SUCCESS", "failed": "STATUS_FAILURE", "interrupted": "STATUS_FAILURE"}
@@ -121,7 +122,7 @@ class TensorBoardLogger(FileLogger):
             file_writer.add_summary(_hparams_summary(session_end=status))
         self._close()
 
-    def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+    def teardown(self, trainer: Trainer, module: TrainModule, stage: Stage) -> None:
         # validate/test/predict log without a finalize; never leave the writer's thread running.
         self._close()
 

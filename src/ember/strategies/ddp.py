@@ -59,6 +59,7 @@ from ember.strategies.watchdog import (
     exit_with_stacks,
     is_timeout,
 )
+from ember.types import ReduceOp, Stage
 from ember.utils import move_to_device
 
 __all__ = ["DDPStrategy"]
@@ -308,7 +309,7 @@ class DDPStrategy(Strategy):
             self._threads_before = None
 
     # ------------------------------------------------------------------ data
-    def process_dataloader(self, dataloader: Any, stage: str) -> Any:
+    def process_dataloader(self, dataloader: Any, stage: Stage) -> Any:
         if self.world_size == 1:
             return super().process_dataloader(dataloader, stage)
         if stage == "fit":
@@ -335,7 +336,7 @@ class DDPStrategy(Strategy):
                                   agree=lambda seed: self.broadcast(seed, 0))
         return factory
 
-    def _warn_unsharded(self, loader: Any, stage: str, reason: str | None = None) -> None:
+    def _warn_unsharded(self, loader: Any, stage: Stage, reason: str | None = None) -> None:
         if self.is_global_zero:
             warnings.warn(
                 f"The {stage} loader cannot be sharded by ember ({reason or why_not_swappable(loader)}),"
@@ -431,7 +432,7 @@ class DDPStrategy(Strategy):
             yield
 
     # ------------------------------------------------------------------ collectives
-    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         super().reduce(tensor, op)  # validates op
         if self.world_size == 1 or not dist.is_initialized():
             return tensor

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from ember.strategies.resumable import make_resumable
+from ember.types import REDUCE_OPS, ReduceOp, Stage
 from ember.utils import move_to_device
 
 if TYPE_CHECKING:
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-_REDUCE_OPS = ("mean", "sum", "min", "max")
 
 
 class Strategy:
@@ -99,7 +99,7 @@ class Strategy:
         """Release what ``setup`` and ``setup_environment`` acquired. Must be safe to call twice."""
 
     # ------------------------------------------------------------------ data
-    def process_dataloader(self, dataloader: Any, stage: str) -> Any:
+    def process_dataloader(self, dataloader: Any, stage: Stage) -> Any:
         """Return the loader to iterate for ``stage`` ("fit", "validate", "test", "predict").
 
         For "fit", a plain DataLoader gets a resumable sampler (same order, batch size, workers,
@@ -144,10 +144,10 @@ class Strategy:
         return optimizer.step(closure) if closure is not None else optimizer.step()
 
     # ------------------------------------------------------------------ collectives
-    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         """Reduce ``tensor`` across all processes with ``op`` ("mean", "sum", "min", "max")."""
-        if op not in _REDUCE_OPS:
-            raise ValueError(f"reduce op must be one of {_REDUCE_OPS}, got {op!r}")
+        if op not in REDUCE_OPS:
+            raise ValueError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

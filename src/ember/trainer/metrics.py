@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ember.types import REDUCE_OPS, ReduceOp
 from ember.utils import infer_batch_size
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
 
-_REDUCE_FX = ("mean", "sum", "min", "max")
+_REDUCE_FX = REDUCE_OPS
 _FLOAT32 = torch.float32
 # Hooks whose ``self.log`` defaults to per-step values; everything else defaults to per-epoch.
 _STEP_HOOKS = frozenset({
@@ -30,7 +31,7 @@ class _Entry:
                  "step_key")
 
     def __init__(self, name: str, prog_bar: bool, logger: bool, on_step: bool, on_epoch: bool,
-                 reduce_fx: str, sync_dist: bool) -> None:
+                 reduce_fx: ReduceOp, sync_dist: bool) -> None:
         self.name, self.prog_bar, self.logger = name, prog_bar, logger
         self.on_step, self.on_epoch, self.reduce_fx, self.sync_dist = on_step, on_epoch, reduce_fx, sync_dist
         self.total: Any = None
@@ -93,7 +94,7 @@ class MetricCollector:
 
     # ------------------------------------------------------------------ what self.log calls
     def log(self, name: str, value: Any, *, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
-            on_epoch: bool | None = None, reduce_fx: str = "mean", batch_size: int | None = None,
+            on_epoch: bool | None = None, reduce_fx: ReduceOp = "mean", batch_size: int | None = None,
             sync_dist: bool = False) -> None:
         if self.key_suffix:
             name += self.key_suffix
@@ -136,7 +137,7 @@ class MetricCollector:
             entry.accumulate(value, batch_size or 1)
 
     def _new_entry(self, name: str, value: Any, prog_bar: bool, logger: bool, on_step: bool | None,
-                   on_epoch: bool | None, reduce_fx: str, sync_dist: bool) -> _Entry:
+                   on_epoch: bool | None, reduce_fx: ReduceOp, sync_dist: bool) -> _Entry:
         if not isinstance(name, str) or not name:
             raise ValueError(f"self.log needs a non-empty string name, got {name!r}.")
         if reduce_fx not in _REDUCE_FX:
@@ -191,7 +192,7 @@ class MetricCollector:
     def logger_keys(self) -> set[str]:
         return {(e.name + "_epoch" if e.on_step else e.name) for e in self._entries.values() if e.on_epoch and e.logger}
 
-    def _reduce_across_processes(self, rows: list[tuple[str, str, Any, Any]]) -> list[Any]:
+    def _reduce_across_processes(self, rows: list[tuple[str, ReduceOp, Any, Any]]) -> list[Any]:
         """Reduce ``(name, reduce_fx, total, weight)`` rows: a weighted mean, or a sum / max / min."""
         if self.strategy.world_size == 1:
             return [total / weight if fx == "mean" else total for _, fx, total, weight in rows]

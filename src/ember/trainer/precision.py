@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ember.types import PrecisionName
+
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
 
-_ALIASES = {
+_ALIASES: dict[str | int, PrecisionName] = {
     "32": "32-true", 32: "32-true", "32-true": "32-true",
     "64": "64-true", 64: "64-true", "64-true": "64-true",
     "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
@@ -18,7 +20,7 @@ _ALIASES = {
 }
 
 
-def normalize_precision(value: Any) -> str:
+def normalize_precision(value: Any) -> PrecisionName:
     if value not in _ALIASES:
         raise ValueError(f"Unknown precision {value!r}. Use one of '32-true', '64-true', 'bf16-mixed', '16-mixed'.")
     return _ALIASES[value]

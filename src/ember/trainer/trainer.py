@@ -21,6 +21,7 @@ from ember.trainer.precision import Precision, normalize_precision
 from ember.trainer.preemption import PreemptionHandler
 from ember.trainer.progress import FitProgress
 from ember.trainer.runs import _Runs
+from ember.types import PrecisionInput, Stage, TrainerState
 
 
 class Trainer(_Runs):
@@ -67,7 +68,7 @@ class Trainer(_Runs):
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
-        precision: str | int = "32-true",
+        precision: PrecisionInput = "32-true",
         val_check_interval: int | float = 1.0,
         check_val_every_n_epoch: int | None = 1,
         limit_train_batches: int | float | None = None,
@@ -164,7 +165,7 @@ class Trainer(_Runs):
         self._preemption: PreemptionHandler | None = None  # installed for the length of a fit loop
         self.should_stop = False
         self.sanity_checking = False
-        self.state = "initializing"
+        self.state: TrainerState = "initializing"
         # None until a run attaches one; _Runs (runs.py) types it without None: see pyproject.toml.
         self.module: TrainModule | None = None  # type: ignore[assignment]
         self.datamodule: DataModule | None = None
@@ -199,7 +200,7 @@ class Trainer(_Runs):
         table = []
         base = getattr(Callback, name, None)
         for cb in self.callbacks:
-            if monitoring is not None and bool(getattr(cb, "monitors_metrics", False)) != monitoring:
+            if monitoring is not None and bool(cb.monitors_metrics) != monitoring:
                 continue
             if base is not None and getattr(type(cb), name, base) is not base:
                 table.append(functools.partial(getattr(cb, name), self, self.module))
@@ -257,7 +258,7 @@ class Trainer(_Runs):
         self.state = "predicting"
         return self.strategy.launch(self._run_predict, module, dataloaders, datamodule, ckpt_path)
 
-    def _evaluate(self, stage: str, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
+    def _evaluate(self, stage: Stage, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
                   ckpt_path: str | None) -> list[dict[str, float]]:
         module = self._module_for_eval(module)
         if isinstance(dataloaders, DataModule) and datamodule is None:  # Lightning's validate/test(model, dm)
