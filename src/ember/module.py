@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ember.checkpoint_io import read_for_module
+from ember.utils import move_to_device
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -262,8 +263,6 @@ class TrainModule(nn.Module):
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Move ``batch`` to ``device`` (default: every tensor in nested lists, tuples and dicts)."""
-        from ember.utils import move_to_device
-
         return move_to_device(batch, device)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

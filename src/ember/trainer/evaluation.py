@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ember.module import TrainModule, _restore_modes
 from ember.utils import to_floats
 
 if TYPE_CHECKING:
@@ -27,8 +28,6 @@ if TYPE_CHECKING:
 
 
 def _overrides(module: Any, name: str) -> bool:
-    from ember.module import TrainModule
-
     return getattr(type(module), name) is not getattr(TrainModule, name)
 
 
@@ -44,8 +43,6 @@ def _to_eval(trainer: Trainer, hook: str) -> None:
 
 def _back_to_train(trainer: Trainer, hook: str) -> None:
     """``on_{hook}_model_train`` (default: every submodule gets back its own previous flag)."""
-    from ember.module import _restore_modes
-
     module = trainer.module
     try:
         name = f"on_{hook}_model_train"

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
+from ember.module import TrainModule
 from ember.strategies.strategy import Strategy
 from ember.trainer.lockstep import Lockstep, uneven_message
 
@@ -111,8 +112,6 @@ def _warn_skipped(batch_idx: int) -> None:
 
 def _override(module: Any, name: str) -> Callable[..., Any] | None:
     """``module``'s bound ``name`` when its class overrides TrainModule's, else None."""
-    from ember.module import TrainModule
-
     return getattr(module, name) if getattr(type(module), name) is not getattr(TrainModule, name) else None
 
 

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ember.module import TrainModule
+
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
@@ -133,8 +135,6 @@ class OptimizerState:
         ``plateau``: only ReduceLROnPlateau-like schedulers (True), only the others (False), or all.
         A module overriding ``lr_scheduler_step`` steps them itself.
         """
-        from ember.module import TrainModule
-
         module = getattr(self._trainer, "module", None)
         custom = module is not None and type(module).lr_scheduler_step is not TrainModule.lr_scheduler_step
         for cfg in self.schedulers:
