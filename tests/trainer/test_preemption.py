@@ -1,11 +1,16 @@
 """Preemption: how often ranks agree on stopping, and that a signal on any rank stops them all."""
 from __future__ import annotations
 
+import os
 import signal
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
+import ember
+from ember.trainer import preemption
 from ember.trainer.preemption import PreemptionHandler
 
 
@@ -57,3 +62,35 @@ def test_a_signal_on_any_rank_stops_at_the_next_agreement(own_signal):
         if stops:
             break
     assert stops == [handler.sync_every]  # the first agreement after the signal
+
+
+def test_default_signals_add_sigusr1_under_slurm(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert preemption.default_signals() == (signal.SIGTERM,)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert preemption.default_signals() == (signal.SIGTERM, signal.SIGUSR1)
+
+
+def test_configured_signal_preempts_with_its_exit_status(tmp_path):
+    class Net(ember.TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return self.layer(batch[0].float().unsqueeze(1)).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = ember.Trainer(max_epochs=1, enable_progress_bar=False, logger=False, default_root_dir=str(tmp_path))
+    trainer.preemption_signals = (signal.SIGUSR1,)
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.warns(UserWarning, match="SIGUSR1"), pytest.raises(preemption.Preempted) as info:
+        trainer.fit(Net(), DataLoader(TensorDataset(torch.arange(10)), batch_size=2))
+    assert info.value.code == 128 + signal.SIGUSR1 == preemption.exit_code(signal.SIGUSR1)
+    assert info.value.checkpoint_path == str(tmp_path / "checkpoints" / "last.ckpt")
+    assert torch.load(info.value.checkpoint_path, weights_only=True)["progress"]["global_step"] == 3
+    assert signal.getsignal(signal.SIGUSR1) is before

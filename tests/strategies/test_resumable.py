@@ -1,17 +1,12 @@
-"""The resumable sampler swap (ember.strategies.resumable) and preemption signal choice."""
+"""The resumable sampler swap (ember.strategies.resumable)."""
 from __future__ import annotations
-
-import os
-import signal
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, TensorDataset
 
-import ember
 from ember.strategies.resumable import SkipFirstBatches, make_resumable, resumable_sampler_of, why_not_swappable
 from ember.strategies.sampler import ShardedSampler
-from ember.trainer import preemption
 
 
 def ds(n: int = 10) -> TensorDataset:
@@ -85,35 +80,3 @@ def test_skip_first_batches_wrapper():
     wrapped = SkipFirstBatches(loader, 3)
     assert [b[0].tolist() for b in wrapped] == [[6, 7], [8, 9]]
     assert len(list(wrapped)) == 5 and len(wrapped) == 5 and wrapped.batch_size == 2
-
-
-def test_default_signals_add_sigusr1_under_slurm(monkeypatch):
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    assert preemption.default_signals() == (signal.SIGTERM,)
-    monkeypatch.setenv("SLURM_JOB_ID", "42")
-    assert preemption.default_signals() == (signal.SIGTERM, signal.SIGUSR1)
-
-
-def test_configured_signal_preempts_with_its_exit_status(tmp_path):
-    class Net(ember.TrainModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(1, 1)
-
-        def training_step(self, batch, batch_idx):
-            if self.global_step == 2:
-                os.kill(os.getpid(), signal.SIGUSR1)
-            return self.layer(batch[0].float().unsqueeze(1)).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    trainer = ember.Trainer(max_epochs=1, enable_progress_bar=False, logger=False, default_root_dir=str(tmp_path))
-    trainer.preemption_signals = (signal.SIGUSR1,)
-    before = signal.getsignal(signal.SIGUSR1)
-    with pytest.warns(UserWarning, match="SIGUSR1"), pytest.raises(preemption.Preempted) as info:
-        trainer.fit(Net(), DataLoader(ds(), batch_size=2))
-    assert info.value.code == 128 + signal.SIGUSR1 == preemption.exit_code(signal.SIGUSR1)
-    assert info.value.checkpoint_path == str(tmp_path / "checkpoints" / "last.ckpt")
-    assert torch.load(info.value.checkpoint_path, weights_only=True)["progress"]["global_step"] == 3
-    assert signal.getsignal(signal.SIGUSR1) is before
