@@ -459,7 +459,9 @@ class FitLoop:
             for h in self._h_before_step:
                 h(optimizer)
         if self._m_clip is not None:
-            self._m_clip(optimizer, t.gradient_clip_val, t.gradient_clip_algorithm)
+            # The Trainer's values; like Lightning, no algorithm is named when no clipping value is set.
+            self._m_clip(optimizer, gradient_clip_val=t.gradient_clip_val,
+                         gradient_clip_algorithm=t.gradient_clip_algorithm if t.gradient_clip_val is not None else None)
         elif t.gradient_clip_val:
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             if t.gradient_clip_algorithm == "norm":

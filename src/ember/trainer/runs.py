@@ -80,34 +80,10 @@ class _Runs:
         try:
             ckpt_path = self._prepare("fit", module, datamodule, ckpt_path)
             self._given_loaders = (train, val)
-            # ``validation_step = None`` in a module means "no validation" (Lightning's way to switch it off).
-            validates = getattr(type(module), "validation_step", None) is not None
-            # Requested in Lightning's order: the validation loader first when a sanity check will use it.
-            val_first = validates and bool(self.num_sanity_val_steps) and self.limit_val_batches != 0
-            if val_first:
-                val = self._loader(val, "fit", "val_dataloader")
-            train = self._loader(train, "fit", "train_dataloader")
-            if train is None:
-                raise ValueError("fit needs training data: pass train_dataloaders, or a datamodule with train_dataloader().")
-            if not validates:
-                val = None
-            elif not val_first:
-                val = self._loader(val, "fit", "val_dataloader")
-            self._val_loaders = self._as_list(val)
-            if self._val_loaders and type(module).validation_step is TrainModule.validation_step:
-                raise ValueError(f"Validation data was given but {type(module).__name__} defines no validation_step. "
-                                 "Define validation_step or do not pass val_dataloaders.")
+            self._train_loader = None
             if not module.automatic_optimization and (self.accumulate_grad_batches > 1 or self.gradient_clip_val):
                 raise ValueError("accumulate_grad_batches and gradient_clip_val apply to automatic optimization only; "
                                  "with automatic_optimization=False, accumulate and clip in training_step yourself.")
-            self._train_loader = self.strategy.process_dataloader(train, "fit")
-            self._val_loaders = [self.strategy.process_dataloader(v, "validate") for v in self._val_loaders]
-            self.num_training_batches = loops.num_batches(self._train_loader, self.limit_train_batches)
-            if self.num_training_batches == 0:
-                raise ValueError("The train dataloader is empty (0 batches after limit_train_batches). Check the "
-                                 "dataset, batch_size with drop_last, and limit_train_batches.")
-            self.num_val_batches = [loops.num_batches(v, self.limit_val_batches) for v in self._val_loaders]
-            self._check_val_interval()
             self._precision.convert_module(module)
             self.strategy.setup(self, module)
             if type(module).configure_optimizers is TrainModule.configure_optimizers:
@@ -125,6 +101,9 @@ class _Runs:
             self.progress = FitProgress()
             self._call("on_fit_start")
             self._log_hyperparams()
+            # The loaders are requested after on_fit_start, as in Lightning (earlier only when
+            # configure_optimizers reads trainer.estimated_stepping_batches).
+            self._load_fit_loaders()
             if ckpt_path is not None:
                 self._restore(ckpt_path)
             module.train()
@@ -242,6 +221,38 @@ class _Runs:
             return False
         n = self.check_val_every_n_epoch
         return n is not None and (self.progress.current_epoch + 1) % n == 0
+
+    def _load_fit_loaders(self) -> None:
+        """Request fit's loaders from the module or datamodule (once per fit) and count their batches."""
+        if self._train_loader is not None:
+            return
+        module = self.module
+        train, val = getattr(self, "_given_loaders", (None, None))
+        # ``validation_step = None`` in a module means "no validation" (Lightning's way to switch it off).
+        validates = getattr(type(module), "validation_step", None) is not None and self.limit_val_batches != 0
+        # Requested in Lightning's order: the validation loader first when a sanity check will use it.
+        val_first = validates and bool(self.num_sanity_val_steps)
+        if val_first:
+            val = self._loader(val, "fit", "val_dataloader")
+        train = self._loader(train, "fit", "train_dataloader")
+        if train is None:
+            raise ValueError("fit needs training data: pass train_dataloaders, or a datamodule with train_dataloader().")
+        if not validates:
+            val = None
+        elif not val_first:
+            val = self._loader(val, "fit", "val_dataloader")
+        val_loaders = self._as_list(val)
+        if val_loaders and type(module).validation_step is TrainModule.validation_step:
+            raise ValueError(f"Validation data was given but {type(module).__name__} defines no validation_step. "
+                             "Define validation_step or do not pass val_dataloaders.")
+        self._train_loader = self.strategy.process_dataloader(train, "fit")
+        self._val_loaders = [self.strategy.process_dataloader(v, "validate") for v in val_loaders]
+        self.num_training_batches = loops.num_batches(self._train_loader, self.limit_train_batches)
+        if self.num_training_batches == 0:
+            raise ValueError("The train dataloader is empty (0 batches after limit_train_batches). Check the "
+                             "dataset, batch_size with drop_last, and limit_train_batches.")
+        self.num_val_batches = [loops.num_batches(v, self.limit_val_batches) for v in self._val_loaders]
+        self._check_val_interval()
 
     def _reload_loaders(self) -> None:
         """``reload_dataloaders_every_n_epochs``: ask the module / datamodule for fresh loaders (loaders

@@ -353,6 +353,8 @@ class Trainer(_Runs):
     @property
     def estimated_stepping_batches(self) -> float:
         """Optimizer steps the fit will take (inf when the loader has no length and no max_steps)."""
+        if self.state == "fitting" and self._train_loader is None and self.module is not None:
+            self._load_fit_loaders()  # read in configure_optimizers: the loaders are requested now (as Lightning)
         per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches) \
             if self.num_training_batches != math.inf else math.inf
         total = per_epoch * self.max_epochs if self.max_epochs != -1 else math.inf
