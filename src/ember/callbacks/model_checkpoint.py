@@ -238,8 +238,13 @@ class ModelCheckpoint(Callback):
     def _on_train_epoch_end(self, trainer: Trainer) -> bool:
         if self.save_on_train_epoch_end is not None:
             return self.save_on_train_epoch_end
-        # Save after validation when validation runs at all; otherwise at the end of the training epoch.
-        return not (trainer._val_loaders and any(trainer.num_val_batches))
+        # As Lightning: at the end of the training epoch (after on_train_epoch_end and the epoch's scheduler
+        # step) when validation runs once per epoch at its end, or not at all; otherwise after validation.
+        if trainer.check_val_every_n_epoch != 1:
+            return False
+        if not (trainer._val_loaders and any(trainer.num_val_batches)):
+            return True
+        return isinstance(trainer.val_check_interval, float) and trainer.val_check_interval == 1.0
 
     # ------------------------------------------------------------------ what
     def _candidates(self, trainer: Trainer) -> dict[str, Any]:

@@ -115,6 +115,8 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
             ckpt["progress"]["val_checks_in_epoch"] += 1
         ckpt["sampler"] = _sampler_state(trainer)
         ckpt["callbacks"] = {cb.state_key: cb.state_dict() for cb in trainer.callbacks}
+        if trainer.datamodule is not None:
+            ckpt["datamodule"] = trainer.datamodule.state_dict()
         ckpt["callback_metrics"] = {k: (v.detach().to("cpu") if isinstance(v, torch.Tensor) else v)
                                     for k, v in trainer.callback_metrics.items()}
         ckpt["epoch_metrics"] = _train_accumulators(trainer)
@@ -344,6 +346,8 @@ def _apply(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
             opt._opt_called = True  # type: ignore[attr-defined]
     for cfg, state in zip(trainer._optim.schedulers, ckpt["lr_schedulers"]):
         cfg.scheduler.load_state_dict(state)
+    if trainer.datamodule is not None and ckpt.get("datamodule"):
+        trainer.datamodule.load_state_dict(ckpt["datamodule"])
     trainer._precision.load_state_dict(ckpt.get("precision") or {})
     trainer.progress.load_state_dict(ckpt["progress"])
     trainer._metrics.callback_metrics.update(ckpt.get("callback_metrics") or {})
@@ -356,6 +360,8 @@ def _snapshot(trainer: Trainer) -> Callable[[], None]:
     """What ``_apply`` may change, and a function that puts it back. At the start of a fit the
     optimizers hold no state yet, so their copies are small."""
     callbacks = [(cb, copy.deepcopy(cb.state_dict())) for cb in trainer.callbacks]
+    if trainer.datamodule is not None:
+        callbacks.append((trainer.datamodule, copy.deepcopy(trainer.datamodule.state_dict())))
     optimizers = [(opt, copy.deepcopy(opt.state_dict())) for opt in trainer._optim.optimizers]
     schedulers = [(cfg.scheduler, copy.deepcopy(cfg.scheduler.state_dict())) for cfg in trainer._optim.schedulers]
     precision = copy.deepcopy(trainer._precision.state_dict())

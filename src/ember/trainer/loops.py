@@ -165,6 +165,7 @@ class FitLoop:
         else:
             t._metrics.resume_stage("train")  # mid-epoch resume: keep the restored accumulations
         t._call("on_train_start")
+        self._loaded_at = p.current_epoch  # the epoch whose loaders are in use (reload_dataloaders_every_n_epochs)
         while not self._done():
             self.run_epoch()
             if t.should_stop and p.current_epoch >= t.min_epochs:
@@ -179,6 +180,10 @@ class FitLoop:
 
     def run_epoch(self) -> None:
         t, p = self.trainer, self.trainer.progress
+        every = t.reload_dataloaders_every_n_epochs
+        if every and p.current_epoch - self._loaded_at >= every and not p.epoch_finished and p.batch_in_epoch == 0:
+            t._reload_loaders()
+            self._loaded_at = p.current_epoch
         metrics = t._metrics
         strategy = t.strategy
         loader = t._train_loader

@@ -106,7 +106,7 @@ class _Runs:
             self._load_fit_loaders()
             if ckpt_path is not None:
                 self._restore(ckpt_path)
-            module.train()
+            # No module.train() here: as in Lightning, submodules a user put in eval mode stay there.
             with preemption(self):  # SIGTERM -> checkpoint at the next step boundary -> Preempted exit
                 self._loop.run()
             self._call("on_fit_end")

@@ -54,6 +54,8 @@ class Trainer(_Runs):
         enable_checkpointing: add a default ModelCheckpoint when none is given.
         logger: True for the default logger, False/None for none, or one or more Logger callbacks.
         enable_model_summary: print a table of the model's layers at fit start.
+        reload_dataloaders_every_n_epochs: request the loaders from the module or datamodule again
+            every n epochs (0: once per fit).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class Trainer(_Runs):
         enable_checkpointing: bool = True,
         logger: bool | Logger | Iterable[Logger] | None = True,
         enable_model_summary: bool = False,
+        reload_dataloaders_every_n_epochs: int = 0,
     ) -> None:
         if max_epochs is None:
             max_epochs = 1000 if max_steps == -1 else -1
@@ -116,6 +119,10 @@ class Trainer(_Runs):
         if not isinstance(num_sanity_val_steps, int) or num_sanity_val_steps < -1:
             raise ValueError(f"num_sanity_val_steps must be an int >= -1, got {num_sanity_val_steps!r}.")
 
+        if not isinstance(reload_dataloaders_every_n_epochs, int) or reload_dataloaders_every_n_epochs < 0:
+            raise ValueError("reload_dataloaders_every_n_epochs must be a non-negative int, got "
+                             f"{reload_dataloaders_every_n_epochs!r}.")
+        self.reload_dataloaders_every_n_epochs = reload_dataloaders_every_n_epochs
         self.max_epochs = max_epochs
         self.max_steps = max_steps
         self.min_epochs = min_epochs
