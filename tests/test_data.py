@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import pytest
-from tests.helpers.models import BoringModel, RecordingCallback, fast_trainer, regression_loader
 
 import ember
+from tests.helpers.models import BoringModel, RecordingCallback, fast_trainer, regression_loader
 
 
 class DM(ember.DataModule):

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.models import BoringModel
 
 import ember
+from tests.helpers.models import BoringModel
 
 
 class HP(ember.TrainModule):

@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tests.helpers.dist import count_collectives, run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ember.parallel.distributed import DistributedDataParallel as EmberDDP
+from tests.helpers.dist import count_collectives, run_ranks
 
 B, STEPS, TOL = 4, 20, 1e-5
 SMALL_BUCKETS = 0.002  # MiB: several buckets even for these tiny models

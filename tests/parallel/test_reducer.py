@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.helpers.dist import count_collectives
 from torch import nn
 
 from ember.parallel.buckets import MiB, compute_bucket_assignment
 from ember.parallel.comm_hooks import GradBucket, resolve_comm_hook
 from ember.parallel.distributed import DistributedDataParallel as DDP
+from tests.helpers.dist import count_collectives
 
 
 @pytest.fixture

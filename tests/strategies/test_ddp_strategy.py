@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tests.helpers.dist import run_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.strategies.ddp import DDPStrategy
+from tests.helpers.dist import run_ranks
 
 B, STEPS, TOL, N = 4, 20, 1e-5, 48
 pytestmark = pytest.mark.timeout(120)

@@ -20,10 +20,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tests.helpers.dist import count_collectives, run_ranks
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ember
+from tests.helpers.dist import count_collectives, run_ranks
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.helpers.models import fast_trainer, regression_data
 from torch.utils.data import DataLoader
 
 import ember
 from ember.strategies.dp import DataParallelStrategy
+from tests.helpers.models import fast_trainer, regression_data
 
 
 class MLP(ember.TrainModule):

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.strategies import ddp_script
 
 from ember.strategies import launcher
+from tests.strategies import ddp_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).with_name("ddp_script.py"))

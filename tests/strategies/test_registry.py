@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 from ember.strategies import (
     SingleDeviceStrategy,
@@ -13,6 +12,7 @@ from ember.strategies import (
     register_strategy,
     registry,
 )
+from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 
 @pytest.fixture

@@ -5,6 +5,9 @@ import os
 
 import pytest
 import torch
+
+import ember
+from ember.callbacks import Callback
 from tests.helpers.models import (
     BoringModel,
     RecordingCallback,
@@ -14,9 +17,6 @@ from tests.helpers.models import (
     fast_trainer,
     regression_loader,
 )
-
-import ember
-from ember.callbacks import Callback
 
 
 class Counter(Callback):

@@ -5,9 +5,9 @@ import collections
 import dataclasses
 
 import torch
-from tests.helpers.models import BoringModel, fast_trainer
 
 from ember.utils import closest, first_tensor, infer_batch_size, move_to_device
+from tests.helpers.models import BoringModel, fast_trainer
 
 CPU = torch.device("cpu")
 Pair = collections.namedtuple("Pair", "x y")

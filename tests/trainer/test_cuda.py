@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -20,12 +20,12 @@ import warnings
 
 import pytest
 import torch
-from tests.helpers.models import BoringModel, regression_loader
 
 import ember
 from ember.callbacks import ModelCheckpoint
 from ember.checkpoint_io import CheckpointError, DirectoryLock, remove_stale_temporaries, temporary_prefix, write_atomic
 from ember.trainer import checkpoint
+from tests.helpers.models import BoringModel, regression_loader
 
 _SCRIPT = textwrap.dedent("""
     import sys, torch, ember

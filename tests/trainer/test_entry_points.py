@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
-from tests.helpers.models import BoringModel, TrainOnlyModel, fast_trainer, regression_loader
 
 import ember
 from ember.callbacks import Callback
 from ember.strategies import SingleDeviceStrategy
+from tests.helpers.models import BoringModel, TrainOnlyModel, fast_trainer, regression_loader
 
 
 class ConstEval(BoringModel):

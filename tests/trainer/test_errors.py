@@ -5,10 +5,10 @@ import warnings
 
 import pytest
 import torch
-from tests.helpers.models import BoringModel, TrainOnlyModel, fast_trainer, regression_loader
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ember
+from tests.helpers.models import BoringModel, TrainOnlyModel, fast_trainer, regression_loader
 
 
 def returning(value_fn, base=TrainOnlyModel):

@@ -47,7 +47,8 @@ def eval_block(hook: str, batches: int, model_train: bool = True) -> list[str]:
     return out + ([f"M.on_{hook}_model_train"] if model_train else [])
 
 
-def train_batch(epoch: int, i: int, *, zero_grad: bool = True, step: bool = True, epoch_sched: bool = False) -> list[str]:
+def train_batch(epoch: int, i: int, *, zero_grad: bool = True, step: bool = True,
+                epoch_sched: bool = False) -> list[str]:
     out = transfer() + both("on_train_batch_start", f"({i})")
     out += ([f"M.optimizer_step({epoch},{i})"] if step else []) + [f"M.training_step({i})"]
     if zero_grad:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.models import RecordingCallback, RecordingModule, fast_trainer, regression_loader
 
 import ember
 from ember.callbacks import Callback
+from tests.helpers.models import RecordingCallback, RecordingModule, fast_trainer, regression_loader
 
 
 def both(*names: str) -> list[str]:

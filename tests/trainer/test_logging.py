@@ -5,10 +5,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.helpers.models import RecordingLogger, fast_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
+from tests.helpers.models import RecordingLogger, fast_trainer
 
 
 def value_loader(values: list[float], batch_size: int) -> DataLoader:

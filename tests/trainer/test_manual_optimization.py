@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 import ember
+from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 
 class Manual(BoringModel):

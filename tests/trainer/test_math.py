@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.helpers.models import UnsizedBatches, fast_trainer, regression_data, regression_loader
 from torch.utils.data import DataLoader
 
 import ember
+from tests.helpers.models import UnsizedBatches, fast_trainer, regression_data, regression_loader
 
 
 class MLP(ember.TrainModule):

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 import torch
-from tests.helpers.models import BoringModel, TrainOnlyModel, fast_trainer, regression_loader
 
 import ember
 from ember.trainer.optim import SchedulerConfig, parse_optimizers
+from tests.helpers.models import BoringModel, TrainOnlyModel, fast_trainer, regression_loader
 
 
 def _opt(lr: float = 0.1) -> torch.optim.Optimizer:

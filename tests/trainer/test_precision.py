@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 from ember.trainer.precision import Precision, normalize_precision
+from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 
 def _cpu_fp16_autocast_works() -> bool:

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
-from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 from ember.callbacks import Callback
+from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 
 def test_train_batch_end_sees_a_dict_with_a_detached_loss():

@@ -71,6 +71,7 @@ from ember.trainer.metrics import _Entry
 from ember.version import __version__
 
 if TYPE_CHECKING:
+    from ember.data import DataModule
     from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
 
@@ -359,7 +360,9 @@ def _apply(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
 def _snapshot(trainer: Trainer) -> Callable[[], None]:
     """What ``_apply`` may change, and a function that puts it back. At the start of a fit the
     optimizers hold no state yet, so their copies are small."""
-    callbacks = [(cb, copy.deepcopy(cb.state_dict())) for cb in trainer.callbacks]
+    # Callbacks, and the datamodule: both restore through state_dict / load_state_dict.
+    callbacks: list[tuple[Callback | DataModule, dict[str, Any]]] = [
+        (cb, copy.deepcopy(cb.state_dict())) for cb in trainer.callbacks]
     if trainer.datamodule is not None:
         callbacks.append((trainer.datamodule, copy.deepcopy(trainer.datamodule.state_dict())))
     optimizers = [(opt, copy.deepcopy(opt.state_dict())) for opt in trainer._optim.optimizers]
