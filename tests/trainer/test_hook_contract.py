@@ -156,10 +156,11 @@ def test_mid_epoch_resume_sequence(tmp_path):
     trainer([], callbacks=[_SaveAtStep(path, 3)], num_sanity_val_steps=0).fit(HookModule([]))  # epoch 1, batch 0 done
     calls = record(lambda c: trainer(c, num_sanity_val_steps=0).fit(RecordingHookModule(c), ckpt_path=path))
     expected = (
-        start("fit") + ["M.configure_optimizers"] + both("on_fit_start") + ["M.train_dataloader", "M.val_dataloader"]
-        # Lightning restores the weights and callbacks before configure_optimizers (on_load_checkpoint,
-        # load_state_dict, then the callbacks); ember restores everything here, validated first.
-        + ["M.on_load_checkpoint", "C.on_load_checkpoint", "M.load_state_dict"]
+        start("fit") + ["M.on_load_checkpoint", "M.load_state_dict", "M.configure_optimizers"] + both("on_fit_start")
+        + ["M.train_dataloader", "M.val_dataloader"]
+        # Lightning also restores the callbacks before configure_optimizers; ember restores them with the
+        # optimizers and progress here, after validating every entry (so a bad checkpoint loads nothing).
+        + ["C.on_load_checkpoint"]
         + both("on_train_start")
         # no on_train_epoch_start: the epoch had started before the checkpoint
         + train_batch(1, 1, epoch_sched=True) + eval_block("validation", 2) + both("on_train_epoch_end")

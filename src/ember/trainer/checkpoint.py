@@ -293,7 +293,28 @@ def resolve(trainer: Trainer, ckpt_path: str | os.PathLike, continue_run: bool =
     return os.fspath(ckpt_path)
 
 
-def restore(trainer: Trainer, path: str, weights_only: bool = False) -> dict[str, Any]:
+def restore_weights(trainer: Trainer, path: str) -> tuple[dict[str, Any], Callable[[], None]]:
+    """A fit resume's first part, before ``configure_optimizers`` (as in Lightning): the module's
+    ``on_load_checkpoint`` and its weights. Returns the checkpoint and a function that puts the
+    previous weights back, which ``restore(..., early=...)`` calls should the rest not fit."""
+    ckpt = load(path)
+    module = trainer.module
+    if ckpt.get("weights_only") or "progress" not in ckpt:
+        raise CheckpointError(f"{path!r} holds weights only (save_weights_only=True), not the optimizer and progress "
+                              "state a fit resumes from. Start a new fit from it with "
+                              f"{type(module).__name__}.load_from_checkpoint(path), or resume from a full checkpoint.")
+    module.on_load_checkpoint(ckpt)
+    check_state_dict(module, ckpt["state_dict"], path, exact_dtype=True)
+    previous = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+    module.load_state_dict(ckpt["state_dict"])
+
+    def undo() -> None:
+        module.load_state_dict(previous)
+    return ckpt, undo
+
+
+def restore(trainer: Trainer, path: str, weights_only: bool = False,
+            early: tuple[dict[str, Any], Callable[[], None]] | None = None) -> dict[str, Any]:
     """Load the checkpoint file ``path`` (see ``resolve``) into ``trainer`` (the module only, with
     ``weights_only``).
 
@@ -302,7 +323,28 @@ def restore(trainer: Trainer, path: str, weights_only: bool = False) -> dict[str
     callback's own ``load_state_dict`` (or anything else) still fail while applying, the optimizers,
     schedulers, callbacks, progress and RNG states are put back and the module's weights, loaded
     last, are untouched.
+
+    ``early``: what ``restore_weights`` returned when the weights were loaded before configure_optimizers;
+    the rest is validated and applied here, and should it not fit, the previous weights are put back.
     """
+    if early is not None:
+        ckpt, undo_weights = early
+        try:
+            checkpoint_check.validate(trainer, ckpt, path)
+            for cb in trainer.callbacks:
+                if type(cb).on_load_checkpoint is not Callback.on_load_checkpoint:
+                    cb.on_load_checkpoint(trainer, trainer.module, ckpt)
+            undo = _snapshot(trainer)
+            try:
+                _apply(trainer, ckpt, path)
+            except BaseException:
+                undo()
+                raise
+        except BaseException:
+            undo_weights()
+            raise
+        trainer.ckpt_path = path
+        return ckpt
     ckpt = load(path)
     module = trainer.module
     assert module is not None  # restored at the start of a run, with the module attached

@@ -85,6 +85,8 @@ class _Runs:
                 raise ValueError("accumulate_grad_batches and gradient_clip_val apply to automatic optimization only; "
                                  "with automatic_optimization=False, accumulate and clip in training_step yourself.")
             self._precision.convert_module(module)
+            # Resuming: the weights first, before configure_optimizers (as Lightning); the rest after on_fit_start.
+            early = checkpoint.restore_weights(self, ckpt_path) if ckpt_path is not None else None
             self.strategy.setup(self, module)
             if type(module).configure_optimizers is TrainModule.configure_optimizers:
                 module.configure_optimizers()  # raises the explanatory NotImplementedError
@@ -104,8 +106,8 @@ class _Runs:
             # The loaders are requested after on_fit_start, as in Lightning (earlier only when
             # configure_optimizers reads trainer.estimated_stepping_batches).
             self._load_fit_loaders()
-            if ckpt_path is not None:
-                self._restore(ckpt_path)
+            if early is not None:
+                checkpoint.restore(self, ckpt_path, early=early)
             # No module.train() here: as in Lightning, submodules a user put in eval mode stay there.
             with preemption(self):  # SIGTERM -> checkpoint at the next step boundary -> Preempted exit
                 self._loop.run()
