@@ -11,7 +11,8 @@ class DataModule:
     """Group data preparation and loaders. Override what you need.
 
     ``prepare_data`` runs once per machine (local rank zero) before ``setup``; ``setup(stage)``
-    runs on every process with stage "fit", "validate", "test" or "predict".
+    runs on every process with stage "fit", "validate", "test" or "predict". ``state_dict`` is
+    saved in checkpoints and given back to ``load_state_dict`` when a fit resumes.
     """
 
     def __init__(self) -> None:
@@ -32,6 +33,18 @@ class DataModule:
 
     def predict_dataloader(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} defines no predict_dataloader(); define it to predict.")
+
+    # Batch-transfer hooks, as the module's: where a DataModule overrides one, it is used instead of the module's.
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+        from ember.utils import move_to_device
+
+        return move_to_device(batch, device)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         return {}

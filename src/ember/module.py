@@ -237,6 +237,10 @@ class TrainModule(nn.Module):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
 
+    def on_validation_model_zero_grad(self) -> None:
+        """Before a validation inside fit (outside an accumulation window): release the gradients."""
+        self.zero_grad(set_to_none=True)
+
     def on_validation_model_eval(self) -> None:
         """Put the module in eval mode before validation (default: ``self.eval()``)."""
         self.eval()

@@ -32,7 +32,7 @@ MODULE_HOOKS = (
     "on_test_batch_end", "on_predict_start", "on_predict_end", "on_predict_epoch_start", "on_predict_epoch_end",
     "on_predict_batch_start", "on_predict_batch_end", "on_before_backward", "on_after_backward",
     "on_before_optimizer_step", "on_before_zero_grad", "on_save_checkpoint", "on_load_checkpoint",
-    "on_validation_model_eval", "on_validation_model_train", "on_test_model_eval", "on_test_model_train",
+    "on_validation_model_zero_grad", "on_validation_model_eval", "on_validation_model_train", "on_test_model_eval", "on_test_model_train",
     "on_predict_model_eval", "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer",
     "optimizer_step", "optimizer_zero_grad", "backward", "configure_gradient_clipping", "clip_gradients",
     "lr_scheduler_step", "train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader",

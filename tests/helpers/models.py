@@ -96,7 +96,7 @@ _MODULE_HOOKS = tuple(
     n for n in vars(ember.TrainModule)
     if (n.startswith("on_") or n in ("setup", "teardown", "prepare_data"))
     and n not in ("on_save_checkpoint", "on_load_checkpoint", "on_before_batch_transfer", "on_after_batch_transfer")
-    and not n.endswith(("_model_eval", "_model_train"))
+    and not n.endswith(("_model_eval", "_model_train", "_model_zero_grad"))
 )
 
 

@@ -66,7 +66,7 @@ def epoch(e: int, batches: int = 2, val: int = 2) -> list[str]:
     for i in range(batches):
         out += train_batch(e, i, epoch_sched=i == batches - 1)
     if val:
-        out += eval_block("validation", val)
+        out += ["M.on_validation_model_zero_grad"] + eval_block("validation", val)
     return out + both("on_train_epoch_end")
 
 
@@ -163,7 +163,8 @@ def test_mid_epoch_resume_sequence(tmp_path):
         + ["C.on_load_checkpoint"]
         + both("on_train_start")
         # no on_train_epoch_start: the epoch had started before the checkpoint
-        + train_batch(1, 1, epoch_sched=True) + eval_block("validation", 2) + both("on_train_epoch_end")
+        + train_batch(1, 1, epoch_sched=True) + ["M.on_validation_model_zero_grad"] + eval_block("validation", 2)
+        + both("on_train_epoch_end")
         + both("on_train_end") + both("on_fit_end") + end("fit")
     )
     assert calls == expected
@@ -466,3 +467,34 @@ def test_manual_optimization_calls_on_before_optimizer_step_per_step(manual):
 
     _fit(Module([], manual=manual), limit_train_batches=3)
     assert len(count) == 6
+
+
+def test_a_datamodule_batch_transfer_hook_is_used_instead_of_the_modules():
+    seen: list[str] = []
+
+    class Data(ember.DataModule):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(TensorDataset(torch.randn(2, 2), torch.randn(2, 1)), batch_size=1)
+
+        def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            seen.append("datamodule")
+            return batch
+
+    class Module(HookModule):
+        def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            seen.append("module")
+            return batch
+
+    trainer([], max_epochs=1, limit_val_batches=0).fit(Module([]), datamodule=Data())
+    assert seen == ["datamodule", "datamodule"]
+
+
+def test_validation_releases_the_gradients_before_it_runs():
+    grads: list[Any] = []
+
+    class Module(HookModule):
+        def on_validation_start(self) -> None:
+            grads.append(self.layer.weight.grad)
+
+    trainer([], max_epochs=1, num_sanity_val_steps=0).fit(Module([]))
+    assert grads == [None]

@@ -1,16 +1,20 @@
 """The fit loop: the one place where the order of a training step lives (evaluation.py has the others).
 
-Per training batch (automatic optimization)::
+Per training batch (automatic optimization), as in Lightning::
 
-    on_train_batch_start -> batch_to_device -> training_step
-    [first batch of an accumulation window] on_before_zero_grad -> zero_grad
+    on_before_batch_transfer -> transfer_batch_to_device -> on_after_batch_transfer -> on_train_batch_start
+    [last batch of the window] optimizer_step(closure), the closure running:
+    training_step
+    [first batch of an accumulation window] on_before_zero_grad -> optimizer_zero_grad
     on_before_backward -> backward -> on_after_backward
-    [last batch of the window] on_before_optimizer_step -> clip -> optimizer.step -> step-interval schedulers
-    on_train_batch_end -> log step metrics -> validation if due
+    [last batch of the window] on_before_optimizer_step -> configure_gradient_clipping -> the step itself
+    step-interval schedulers (lr_scheduler_step); after the epoch's last batch, epoch-interval ones
+    on_train_batch_end -> log step metrics -> [validation due] on_validation_model_zero_grad, validation
 
 After the last batch of an epoch: on_train_epoch_end (non-monitoring callbacks, then the module),
 epoch metrics reduced (across processes too), monitoring callbacks (checkpoint, early stopping),
-epoch-interval schedulers.
+ReduceLROnPlateau schedulers. The module's override points (``optimizer_step``, ``backward``, ...)
+are called only when the module overrides them; otherwise the loop does their work inline.
 """
 from __future__ import annotations
 
@@ -217,6 +221,7 @@ class FitLoop:
         may_validate = bool(t._val_loaders and any(t.num_val_batches))
         max_steps = t.max_steps
         automatic = t.module.automatic_optimization
+        k = t.accumulate_grad_batches
         # Bound once: the strategy's own transfer (unless inputs must also be cast, 64-true, or the
         # module overrides a batch-transfer hook).
         to_device = t._transfer(0)
@@ -276,6 +281,8 @@ class FitLoop:
                 if loggers and p.global_step % log_every == 0:
                     t._log_step_metrics()
             if may_validate and t._val_due(batch_idx, is_last):
+                if not automatic or k == 1 or (batch_idx + 1) % k == 0 or is_last:  # not inside a window
+                    t.module.on_validation_model_zero_grad()  # frees the gradients during validation (Lightning)
                 t._run_evaluation("validate")
                 metrics.resume_stage("train")
             for h in boundary:
@@ -287,6 +294,7 @@ class FitLoop:
                 # Stopping mid-epoch: run the epoch-end validation that would otherwise be skipped,
                 # so monitored metrics (checkpointing, early stopping) reflect the final weights.
                 if not is_last and t._val_due_at_epoch_end() and p.val_checks_in_epoch == 0:
+                    t.module.on_validation_model_zero_grad()
                     t._run_evaluation("validate")
                     metrics.resume_stage("train")
                 break

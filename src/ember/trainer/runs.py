@@ -274,22 +274,29 @@ class _Runs:
         """The batch transfer for loader ``dataloader_idx``: the strategy's (casting under 64-true), wrapped in
         the module's ``on_before_batch_transfer`` / ``transfer_batch_to_device`` / ``on_after_batch_transfer``
         where it overrides them (otherwise nothing extra runs per batch)."""
-        module = self.module
         base = self.strategy.batch_to_device if self._input_dtype is None else self._batch_to_device
-        cls = type(module)
-        before = cls.on_before_batch_transfer is not TrainModule.on_before_batch_transfer
-        custom = cls.transfer_batch_to_device is not TrainModule.transfer_batch_to_device
-        after = cls.on_after_batch_transfer is not TrainModule.on_after_batch_transfer
-        if not (before or custom or after):
+
+        def owner(name: str) -> Any:
+            """Whose hook ``name`` runs: the datamodule's where it overrides it, else the module's, or None."""
+            dm = self.datamodule
+            if dm is not None and getattr(type(dm), name) is not getattr(DataModule, name):
+                return getattr(dm, name)
+            if getattr(type(self.module), name) is not getattr(TrainModule, name):
+                return getattr(self.module, name)
+            return None
+        before = owner("on_before_batch_transfer")
+        custom = owner("transfer_batch_to_device")
+        after = owner("on_after_batch_transfer")
+        if before is None and custom is None and after is None:
             return base
         device = self.strategy.root_device
 
         def transfer(batch: Any) -> Any:
-            if before:
-                batch = module.on_before_batch_transfer(batch, dataloader_idx)
-            batch = module.transfer_batch_to_device(batch, device, dataloader_idx) if custom else base(batch)
-            if after:
-                batch = module.on_after_batch_transfer(batch, dataloader_idx)
+            if before is not None:
+                batch = before(batch, dataloader_idx)
+            batch = custom(batch, device, dataloader_idx) if custom is not None else base(batch)
+            if after is not None:
+                batch = after(batch, dataloader_idx)
             return batch
         return transfer
 
