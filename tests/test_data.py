@@ -44,8 +44,9 @@ def test_fit_with_a_datamodule_calls_its_hooks_in_order():
     dm = DM(calls)
     trainer = fast_trainer(callbacks=[RecordingCallback(calls)], num_sanity_val_steps=0)
     trainer.fit(BoringModel(), datamodule=dm)
-    assert calls[:4] == ["DataModule.prepare_data", "DataModule.setup:fit", "Callback.setup:fit",
-                         "DataModule.train_dataloader"]
+    # As Lightning: the loaders are requested after on_fit_start (train first without a sanity check).
+    assert calls[:6] == ["DataModule.prepare_data", "DataModule.setup:fit", "Callback.setup:fit",
+                         "Callback.on_fit_start", "DataModule.train_dataloader", "DataModule.val_dataloader"]
     assert calls.count("DataModule.val_dataloader") == 1
     assert calls[-2:] == ["Callback.teardown:fit", "DataModule.teardown:fit"]
     assert dm.trainer is trainer and trainer.datamodule is dm

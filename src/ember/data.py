@@ -39,9 +39,8 @@ class DataModule:
         return batch
 
     def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
-        from ember.utils import move_to_device
-
-        return move_to_device(batch, device)
+        """Move every tensor in ``batch`` (nested lists, tuples and dicts) to ``device``."""
+        return _move(batch, device)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         return batch
@@ -50,3 +49,15 @@ class DataModule:
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def _move(batch: Any, device: Any) -> Any:
+    if hasattr(batch, "to") and callable(batch.to):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _move(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_move(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_move(v, device) for v in batch)
+    return batch

@@ -299,6 +299,7 @@ def restore_weights(trainer: Trainer, path: str) -> tuple[dict[str, Any], Callab
     previous weights back, which ``restore(..., early=...)`` calls should the rest not fit."""
     ckpt = load(path)
     module = trainer.module
+    assert module is not None
     if ckpt.get("weights_only") or "progress" not in ckpt:
         raise CheckpointError(f"{path!r} holds weights only (save_weights_only=True), not the optimizer and progress "
                               "state a fit resumes from. Start a new fit from it with "
@@ -306,7 +307,7 @@ def restore_weights(trainer: Trainer, path: str) -> tuple[dict[str, Any], Callab
     module.on_load_checkpoint(ckpt)
     check_state_dict(module, ckpt["state_dict"], path, exact_dtype=True)
     previous = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
-    module.load_state_dict(ckpt["state_dict"])
+    module.load_state_dict(ckpt["state_dict"], strict=True)  # by keyword, as Lightning
 
     def undo() -> None:
         module.load_state_dict(previous)
@@ -333,7 +334,7 @@ def restore(trainer: Trainer, path: str, weights_only: bool = False,
             checkpoint_check.validate(trainer, ckpt, path)
             for cb in trainer.callbacks:
                 if type(cb).on_load_checkpoint is not Callback.on_load_checkpoint:
-                    cb.on_load_checkpoint(trainer, trainer.module, ckpt)
+                    cb.on_load_checkpoint(trainer, trainer.module, ckpt)  # type: ignore[arg-type]
             undo = _snapshot(trainer)
             try:
                 _apply(trainer, ckpt, path)
