@@ -378,7 +378,7 @@ class FitLoop:
         simple = (t.accumulate_grad_batches == 1 and self._autocast is None and plain_step and not t.gradient_clip_val
                   and not (self._h_zero_grad or self._h_before_backward or self._h_after_backward or self._h_before_step)
                   and self._m_zero_grad is None and self._m_optimizer_step is None and self._m_clip is None
-                  and self._backward is torch.Tensor.backward)
+                  and _override(t.module, "backward") is None)
         return self._simple_step if simple else self._automatic_step
 
     def _simple_step(self, batch: Any, batch_idx: int, is_last: bool) -> Any:
