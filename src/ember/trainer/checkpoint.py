@@ -304,6 +304,7 @@ def restore_weights(trainer: Trainer, path: str) -> tuple[dict[str, Any], Callab
         raise CheckpointError(f"{path!r} holds weights only (save_weights_only=True), not the optimizer and progress "
                               "state a fit resumes from. Start a new fit from it with "
                               f"{type(module).__name__}.load_from_checkpoint(path), or resume from a full checkpoint.")
+    checkpoint_check.validate(trainer, ckpt, path, before_optimizers=True)
     module.on_load_checkpoint(ckpt)
     check_state_dict(module, ckpt["state_dict"], path, exact_dtype=True)
     previous = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
@@ -314,64 +315,41 @@ def restore_weights(trainer: Trainer, path: str) -> tuple[dict[str, Any], Callab
     return ckpt, undo
 
 
-def restore(trainer: Trainer, path: str, weights_only: bool = False,
-            early: tuple[dict[str, Any], Callable[[], None]] | None = None) -> dict[str, Any]:
-    """Load the checkpoint file ``path`` (see ``resolve``) into ``trainer`` (the module only, with
-    ``weights_only``).
-
-    Transactional: every entry is validated before anything changes (``checkpoint_check``); the
-    module's ``on_load_checkpoint`` runs first so it can migrate the dict it is given. Should a
-    callback's own ``load_state_dict`` (or anything else) still fail while applying, the optimizers,
-    schedulers, callbacks, progress and RNG states are put back and the module's weights, loaded
-    last, are untouched.
-
-    ``early``: what ``restore_weights`` returned when the weights were loaded before configure_optimizers;
-    the rest is validated and applied here, and should it not fit, the previous weights are put back.
-    """
-    if early is not None:
-        ckpt, undo_weights = early
-        try:
-            checkpoint_check.validate(trainer, ckpt, path)
-            for cb in trainer.callbacks:
-                if type(cb).on_load_checkpoint is not Callback.on_load_checkpoint:
-                    cb.on_load_checkpoint(trainer, trainer.module, ckpt)  # type: ignore[arg-type]
-            undo = _snapshot(trainer)
-            try:
-                _apply(trainer, ckpt, path)
-            except BaseException:
-                undo()
-                raise
-        except BaseException:
-            undo_weights()
-            raise
-        trainer.ckpt_path = path
-        return ckpt
+def restore_weights_only(trainer: Trainer, path: str) -> dict[str, Any]:
+    """validate / test / predict with ``ckpt_path``: the module's weights only."""
     ckpt = load(path)
     module = trainer.module
     assert module is not None  # restored at the start of a run, with the module attached
-    if weights_only:
-        module.on_load_checkpoint(ckpt)
-        check_state_dict(module, ckpt["state_dict"], path)
-        module.load_state_dict(ckpt["state_dict"])
-        trainer.ckpt_path = path
-        return ckpt
-    if ckpt.get("weights_only") or "progress" not in ckpt:
-        raise CheckpointError(f"{path!r} holds weights only (save_weights_only=True), not the optimizer and progress "
-                              "state a fit resumes from. Start a new fit from it with "
-                              f"{type(module).__name__}.load_from_checkpoint(path), or resume from a full checkpoint.")
-    checkpoint_check.validate(trainer, ckpt, path)
     module.on_load_checkpoint(ckpt)
-    check_state_dict(module, ckpt["state_dict"], path, exact_dtype=True)
-    for cb in trainer.callbacks:
-        if type(cb).on_load_checkpoint is not Callback.on_load_checkpoint:
-            cb.on_load_checkpoint(trainer, module, ckpt)
-    undo = _snapshot(trainer)
-    try:
-        _apply(trainer, ckpt, path)
-    except BaseException:
-        undo()
-        raise
+    check_state_dict(module, ckpt["state_dict"], path)
     module.load_state_dict(ckpt["state_dict"])
+    trainer.ckpt_path = path
+    return ckpt
+
+
+def restore(trainer: Trainer, path: str, early: tuple[dict[str, Any], Callable[[], None]]) -> dict[str, Any]:
+    """A fit resume's second part, after ``on_fit_start`` and the loaders: everything but the weights.
+
+    ``early`` is what ``restore_weights`` returned. Transactional: every remaining entry is
+    validated against this run (``checkpoint_check``) before anything changes; should a callback's
+    own ``load_state_dict`` (or anything else) still fail while applying, the optimizers,
+    schedulers, callbacks, progress and RNG states are put back, and so are the previous weights.
+    """
+    ckpt, undo_weights = early
+    try:
+        checkpoint_check.validate(trainer, ckpt, path)
+        for cb in trainer.callbacks:
+            if type(cb).on_load_checkpoint is not Callback.on_load_checkpoint:
+                cb.on_load_checkpoint(trainer, trainer.module, ckpt)  # type: ignore[arg-type]
+        undo = _snapshot(trainer)
+        try:
+            _apply(trainer, ckpt, path)
+        except BaseException:
+            undo()
+            raise
+    except BaseException:
+        undo_weights()
+        raise
     trainer.ckpt_path = path
     return ckpt
 

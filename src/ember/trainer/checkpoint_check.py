@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
 
@@ -46,20 +47,28 @@ def _list(value: Any, what: str) -> list[Any]:
     return list(value)
 
 
-def validate(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
-    """Raise a ``CheckpointError`` unless every entry a fit resume applies fits ``trainer``."""
-    checks = (
-        ("progress", _progress),
-        ("optimizer_states", _optimizers),
-        ("lr_schedulers", _schedulers),
+def validate(trainer: Trainer, ckpt: dict[str, Any], path: str, before_optimizers: bool = False) -> None:
+    """Raise a ``CheckpointError`` unless every entry a fit resume applies fits ``trainer``.
+
+    With ``before_optimizers``, only the entries that can be checked before ``configure_optimizers``
+    and the loaders exist (a resume loads the weights that early, as Lightning does, and checks
+    these first so that a malformed file fails before the weights are touched).
+    """
+    checks: list[tuple[str, Callable[[Trainer, dict[str, Any], Any], None]]] = [
         ("precision", _precision),
         ("callbacks", _callbacks),
         ("callback_metrics", _callback_metrics),
         ("epoch_metrics", _epoch_metrics),
         ("strategy", _strategy),
-        ("sampler", _sampler),
         ("rng", _rng),
-    )
+    ]
+    if not before_optimizers:
+        checks += [
+            ("progress", _progress),
+            ("optimizer_states", _optimizers),
+            ("lr_schedulers", _schedulers),
+            ("sampler", _sampler),
+        ]
     for entry, check in checks:
         try:
             check(trainer, ckpt, ckpt.get(entry))

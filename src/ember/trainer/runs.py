@@ -135,7 +135,7 @@ class _Runs:
             self._precision.convert_module(module)
             self.strategy.setup(self, module)
             if ckpt_path is not None:
-                self._restore(ckpt_path, weights_only=True)
+                self._restore(ckpt_path)
             results = evaluation.run_evaluation_loop(self, stage, loaders, limits)
             if self.loggers and self.is_global_zero:
                 # Through _write_logs, like fit's metrics: adds "epoch" and fills trainer.logged_metrics.
@@ -158,7 +158,7 @@ class _Runs:
             self._precision.convert_module(module)
             self.strategy.setup(self, module)
             if ckpt_path is not None:
-                self._restore(ckpt_path, weights_only=True)
+                self._restore(ckpt_path)
             results = evaluation.run_predict_loop(self, loaders, limits)
             return results[0] if len(results) == 1 else results
         except BaseException as exc:
@@ -319,8 +319,8 @@ class _Runs:
                 obj.set_epoch(epoch)
                 return
 
-    def _restore(self, path: str, weights_only: bool = False) -> None:
-        checkpoint.restore(self, path, weights_only=weights_only)
+    def _restore(self, path: str) -> None:
+        checkpoint.restore_weights_only(self, path)
 
     def save_checkpoint(self, filepath: str, weights_only: bool = False) -> None:
         """Save the full training state (or only the weights) to ``filepath``, atomically, on rank zero."""
