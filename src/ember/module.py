@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -49,7 +50,8 @@ class TrainModule(nn.Module):
     @property
     def trainer(self) -> Trainer:
         if self._trainer is None:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer. Call trainer.fit(module, ...) first.")
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer. "
+                               "Call trainer.fit(module, ...) first.")
         return self._trainer
 
     @trainer.setter
@@ -291,7 +293,8 @@ class TrainModule(nn.Module):
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
         """Clip before each optimizer step; the arguments are the Trainer's. Default: ``clip_gradients``."""
-        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
                        gradient_clip_algorithm: str | None = None) -> None:

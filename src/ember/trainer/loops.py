@@ -22,7 +22,8 @@ import inspect
 import itertools
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -214,7 +215,7 @@ class FitLoop:
         wants_outputs = any(getattr(getattr(getattr(h, "func", h), "__self__", None), "uses_step_outputs", True)
                             for h in batch_end)
         # After a batch's bookkeeping and any validation: where checkpoints resume exactly (see checkpoint.py).
-        boundary = [getattr(cb, "on_train_step_boundary") for cb in t.callbacks if hasattr(cb, "on_train_step_boundary")]
+        boundary = [cb.on_train_step_boundary for cb in t.callbacks if hasattr(cb, "on_train_step_boundary")]
         preemption = getattr(t, "_preemption", None)
         # One process only needs to look when a signal arrived; several agree periodically (preemption.py).
         preemption_polls = preemption is not None and strategy.world_size > 1
@@ -376,7 +377,8 @@ class FitLoop:
             return self._closure_step
         # The common case (one step per batch, no scaling, clipping or step hooks) runs in one frame.
         simple = (t.accumulate_grad_batches == 1 and self._autocast is None and plain_step and not t.gradient_clip_val
-                  and not (self._h_zero_grad or self._h_before_backward or self._h_after_backward or self._h_before_step)
+                  and not (self._h_zero_grad or self._h_before_backward or self._h_after_backward
+                           or self._h_before_step)
                   and self._m_zero_grad is None and self._m_optimizer_step is None and self._m_clip is None
                   and _override(t.module, "backward") is None)
         return self._simple_step if simple else self._automatic_step

@@ -1,8 +1,9 @@
 """The forms ``configure_optimizers`` may return, normalised into optimizers + scheduler configs."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -123,7 +124,8 @@ class OptimizerProxy:
 class OptimizerState:
     """The fit's optimizers, schedulers and manual-optimization proxies."""
 
-    def __init__(self, trainer: Trainer, optimizers: list[torch.optim.Optimizer], schedulers: list[SchedulerConfig]) -> None:
+    def __init__(self, trainer: Trainer, optimizers: list[torch.optim.Optimizer],
+                 schedulers: list[SchedulerConfig]) -> None:
         self.optimizers = optimizers
         self.schedulers = schedulers
         self.wrapped_optimizers = [OptimizerProxy(o, trainer) for o in optimizers]

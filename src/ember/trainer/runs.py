@@ -63,7 +63,8 @@ class _Runs:
         if hooks:
             self._metrics.fx = "setup"
             for h in hooks:
-                h(stage=stage)  # by keyword, as Lightning: ``def setup(self, stage)`` and ``(self, stage=None)`` both work
+                # By keyword, as Lightning: ``def setup(self, stage)`` and ``(self, stage=None)`` both work.
+                h(stage=stage)
         if type(module).configure_model is not TrainModule.configure_model:
             self._metrics.fx = "configure_model"
             module.configure_model()
@@ -76,7 +77,8 @@ class _Runs:
         fn = getattr(source, attr, None)
         return fn() if callable(fn) else None
 
-    def _run_fit(self, module: TrainModule, train: Any, val: Any, datamodule: DataModule | None, ckpt_path: str | None) -> None:
+    def _run_fit(self, module: TrainModule, train: Any, val: Any, datamodule: DataModule | None,
+                 ckpt_path: str | None) -> None:
         try:
             ckpt_path = self._prepare("fit", module, datamodule, ckpt_path)
             self._given_loaders = (train, val)
@@ -126,7 +128,8 @@ class _Runs:
             ckpt_path = self._prepare(stage, module, datamodule, ckpt_path)
             if getattr(type(module), f"{hook}_step") in (None, getattr(TrainModule, f"{hook}_step")):
                 raise ValueError(f"{type(module).__name__} defines no {hook}_step; define it to {stage}.")
-            loaders = self._as_list(self._loader(dataloaders, stage, f"{'val' if stage == 'validate' else 'test'}_dataloader"))
+            attr = "val_dataloader" if stage == "validate" else "test_dataloader"
+            loaders = self._as_list(self._loader(dataloaders, stage, attr))
             if not loaders:
                 raise ValueError(f"{stage} needs data: pass dataloaders or a datamodule.")
             loaders = [self.strategy.process_dataloader(d, stage) for d in loaders]
@@ -147,7 +150,8 @@ class _Runs:
         finally:
             self._teardown(stage)
 
-    def _run_predict(self, module: TrainModule, dataloaders: Any, datamodule: DataModule | None, ckpt_path: str | None) -> list[Any]:
+    def _run_predict(self, module: TrainModule, dataloaders: Any, datamodule: DataModule | None,
+                     ckpt_path: str | None) -> list[Any]:
         try:
             ckpt_path = self._prepare("predict", module, datamodule, ckpt_path)
             loaders = self._as_list(self._loader(dataloaders, "predict", "predict_dataloader"))
@@ -238,7 +242,8 @@ class _Runs:
             val = self._loader(val, "fit", "val_dataloader")
         train = self._loader(train, "fit", "train_dataloader")
         if train is None:
-            raise ValueError("fit needs training data: pass train_dataloaders, or a datamodule with train_dataloader().")
+            raise ValueError("fit needs training data: pass train_dataloaders, or a datamodule with "
+                             "train_dataloader().")
         if not validates:
             val = None
         elif not val_first:
@@ -314,7 +319,8 @@ class _Runs:
 
     def _set_loader_epoch(self, loader: Any, epoch: int, start: int) -> None:
         sampler = getattr(loader, "sampler", None)
-        for obj in (sampler, getattr(loader, "batch_sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        for obj in (sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
             if obj is not None and hasattr(obj, "set_epoch"):
                 obj.set_epoch(epoch)
                 return
