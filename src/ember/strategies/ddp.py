@@ -354,15 +354,8 @@ class DDPStrategy(Strategy):
         beacon.batches += 1
         beacon.batch = batch_idx
         beacon.loop = "training"
-        beacon.waits += 1
-        beacon.waiting = _BUFFERS
-        try:  # ddp.call, in its two halves: only the first may communicate
-            args, kwargs = ddp.pre_forward(batch, batch_idx, *extra)
-        except Exception as exc:
-            self._name_missing_rank(exc, _BUFFERS)
-            raise
-        finally:
-            beacon.waiting = None
+        # ddp.call, in its two halves: only the first may communicate.
+        args, kwargs = self._waiting(_BUFFERS, ddp.pre_forward, batch, batch_idx, *extra)
         beacon.where = TRAINING_STEP
         outputs = cast(TrainModule, ddp.module).training_step(*args, **kwargs)
         beacon.where = AFTER_STEP
@@ -412,15 +405,7 @@ class DDPStrategy(Strategy):
             beacon.where = BACKWARD
             loss.backward()
         else:
-            beacon.waits += 1
-            beacon.waiting = _GRADIENTS
-            try:
-                loss.backward()
-            except Exception as exc:
-                self._name_missing_rank(exc, _GRADIENTS)
-                raise
-            finally:
-                beacon.waiting = None
+            self._waiting(_GRADIENTS, loss.backward)
         beacon.where = AFTER_BACKWARD
 
     @contextlib.contextmanager
