@@ -24,6 +24,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -180,3 +181,27 @@ def count_collectives() -> Iterator[Counter]:
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+
+
+# ---------------------------------------------------------------------- processes a job leaves behind
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie has exited; its parent just has not reaped it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_processes_gone(directory: Any, count: int | None = None, within: float = 2.0) -> None:
+    """Every process that wrote a ``pid*`` file in ``directory`` ends within ``within`` seconds
+    (and there were ``count`` of them, when given)."""
+    pid_files = sorted(Path(directory).glob("pid*"))
+    if count is not None:
+        assert len(pid_files) == count, [f.name for f in pid_files]
+    for pid_file in pid_files:
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + within
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pid_alive(pid), f"process {pid} ({pid_file.name}) outlived the job"

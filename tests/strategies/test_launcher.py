@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ember.strategies import launcher
+from tests.helpers.dist import assert_processes_gone
 from tests.strategies import ddp_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,30 +62,12 @@ def assert_trained_like_single(out: Path, ranks: int) -> None:
         assert epoch == {k: v for k, v in results[0]["metrics"].items() if not k.endswith("_step")}
 
 
-def assert_all_gone(out: Path) -> None:
-    for pid_file in out.glob("pid*"):
-        pid = int(pid_file.read_text())
-        deadline = time.monotonic() + 2
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(pid), f"process {pid} ({pid_file.name}) outlived the job"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; its parent just has not reaped it
-        return f.read().split(")")[-1].split()[0] != "Z"
-
-
 # ------------------------------------------------------------------------------ launch paths
 def test_plain_script_reruns_itself_for_the_other_ranks(tmp_path):
     code, log = finish(start([sys.executable, SCRIPT, "--devices", "2", "--out", str(tmp_path)]))
     assert code == 0, log
     assert_trained_like_single(tmp_path, 2)
-    assert_all_gone(tmp_path)
+    assert_processes_gone(tmp_path)
 
 
 def test_torchrun_nproc_per_node(tmp_path):
@@ -135,7 +118,7 @@ def test_a_failing_rank_stops_the_whole_job_quickly_and_is_reported_once(tmp_pat
     else:
         assert log.count("rank 1 was killed by signal 9 (SIGKILL)") == 1, log
     assert not list(tmp_path.glob("rank*.pt"))
-    assert_all_gone(tmp_path)
+    assert_processes_gone(tmp_path)
 
 
 # ------------------------------------------------------------------------------ environments

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.dist import assert_processes_gone
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).with_name("exit_script.py"))
 pytestmark = pytest.mark.timeout(90)
@@ -76,23 +78,6 @@ def job(tmp_path):
         j.proc.wait()
 
 
-def assert_all_gone(workdir: Path) -> None:
-    for pid_file in workdir.glob("pid*"):
-        pid = int(pid_file.read_text())
-        deadline = time.monotonic() + 3
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(pid), f"process {pid} ({pid_file.name}) outlived the job"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; its parent has not reaped it
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def assert_preempted(workdir: Path, code: int, log: str) -> None:
     assert code == 143, log
     assert log.count("Preempted by SIGTERM: saved ") == 1, log
@@ -100,7 +85,7 @@ def assert_preempted(workdir: Path, code: int, log: str) -> None:
     last = workdir / "ember_logs" / "version_0" / "checkpoints" / "last.ckpt"
     assert last.is_file(), sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*"))
     assert torch.load(last, weights_only=False)["global_step"] >= 5
-    assert_all_gone(workdir)
+    assert_processes_gone(workdir, within=3.0)
 
 
 # ------------------------------------------------------------------------------ no traceback
@@ -113,7 +98,7 @@ def test_a_rank_that_ends_without_a_traceback_is_named_and_the_job_exits_1(job, 
     assert code == 1, log
     assert log.count(said) == 1, log
     assert f"{said}; " in log, log  # then what happens: "stopping the job" / "the job was stopped"
-    assert_all_gone(tmp_path)
+    assert_processes_gone(tmp_path, within=3.0)
 
 
 # ------------------------------------------------------------------------------ SIGTERM
@@ -156,4 +141,4 @@ def test_ctrl_c_ends_the_launching_process_by_sigint(job, tmp_path, strategy, to
     assert code == -signal.SIGINT, log
     assert "KeyboardInterrupt" in log, log
     assert "failed" not in log and "was killed by" not in log, log  # not reported as a failure
-    assert_all_gone(tmp_path)
+    assert_processes_gone(tmp_path, within=3.0)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ember.strategies import DDPStrategy
 from ember.strategies import watchdog as wd
+from tests.helpers.dist import assert_processes_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).with_name("hang_script.py"))
@@ -269,25 +270,6 @@ def hang_began(out: Path, rank: int, proc: subprocess.Popen) -> float:
     return time.monotonic()
 
 
-def assert_all_gone(out: Path) -> None:
-    pids = [int(p.read_text()) for p in out.glob("pid*")]
-    assert len(pids) == 2
-    for pid in pids:
-        deadline = time.monotonic() + 2
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(pid), f"process {pid} outlived the job"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; its parent just has not reaped it
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return False
-
-
 def assert_names_rank_1_with_its_stack(log: str) -> None:
     assert "[ember ddp] rank 0: stopping the job: rank 1 is stuck in training_step at step 3 " \
            "(epoch 0, batch 3)" in log, log
@@ -308,7 +290,7 @@ def test_a_hung_rank_ends_the_job_within_seconds_under_a_short_collective_timeou
     assert "The watchdog deadline was 5 s" in log, log  # half the 10 s collective timeout
     assert ended - began < 30, f"{ended - began:.1f} s"
     print(f"hang to end: {ended - hung:.1f} s; whole job {ended - began:.1f} s")
-    assert_all_gone(tmp_path)
+    assert_processes_gone(tmp_path, count=2)
 
 
 @pytest.mark.timeout(60)
@@ -324,7 +306,7 @@ def test_under_ddp_spawn_the_callers_error_is_the_watchdogs_verdict(tmp_path):
     assert last.startswith("RuntimeError: [ember ddp] rank 0 (watchdog): stopping the job: rank 1 is stuck in "
                            "training_step at step 3 (epoch 0, batch 3)"), log
     assert last.endswith("(backward); the job was stopped."), last
-    assert_all_gone(tmp_path)
+    assert_processes_gone(tmp_path, count=2)
 
 
 @pytest.mark.timeout(150)
@@ -340,7 +322,7 @@ def test_a_hung_rank_ends_the_job_about_a_minute_later_by_default(tmp_path):
     assert ended - hung >= 59, f"stopped {ended - hung:.1f} s after the hang, before the 60 s deadline"
     assert ended - began < 120, f"{ended - began:.1f} s"
     print(f"hang to end: {ended - hung:.1f} s; whole job {ended - began:.1f} s")
-    assert_all_gone(tmp_path)
+    assert_processes_gone(tmp_path, count=2)
 
 
 @pytest.mark.timeout(60)
@@ -353,7 +335,7 @@ def test_a_collective_timeout_names_the_rank_that_did_not_arrive(tmp_path):
                 "timeout (5 s)." in log), log
     assert STACK_LINE.search(log), log  # rank 1 printed its stack when asked
     assert "Timed out waiting" not in log.split("CollectiveTimeout")[-1]  # gloo's words are only the cause
-    assert_all_gone(tmp_path)
+    assert_processes_gone(tmp_path, count=2)
 
 
 @pytest.mark.timeout(60)

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from ember.trainer import preemption
+from tests.helpers.dist import assert_processes_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "strategies" / "hang_script.py")
@@ -114,25 +115,6 @@ def hang_then_sigterm(out: Path, proc: subprocess.Popen, rank: int) -> tuple[int
     return proc.returncode, log, time.monotonic() - sent
 
 
-def assert_all_gone(out: Path, ranks: int) -> None:
-    pids = [int(p.read_text()) for p in out.glob("pid*")]
-    assert len(pids) == ranks
-    for pid in pids:
-        deadline = time.monotonic() + 2
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(pid), f"process {pid} outlived the run"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return False
-
-
 @pytest.mark.timeout(60)
 def test_sigterm_ends_a_run_hung_in_training_step(tmp_path):
     code, log, took = hang_then_sigterm(tmp_path, start(tmp_path, "--devices", "1", "--hang-rank", "0"), 0)
@@ -143,7 +125,7 @@ def test_sigterm_ends_a_run_hung_in_training_step(tmp_path):
     assert "Exiting with status 143 without saving one" in log, log
     assert STACK_LINE.search(log), log
     assert not (tmp_path / "checkpoints" / "last.ckpt").exists()
-    assert_all_gone(tmp_path, 1)
+    assert_processes_gone(tmp_path, count=1)
 
 
 @pytest.mark.timeout(60)
@@ -157,4 +139,4 @@ def test_sigterm_ends_a_ddp_job_whose_other_rank_is_hung(tmp_path):
     assert f"rank 0 received SIGTERM {GRACE:g} s ago and has reached no step boundary since" in log, log
     assert "rank 1 is stuck in training_step at step 3 (epoch 0, batch 3)" in log, log
     assert "[ember ddp] rank 1: Python stack" in log and STACK_LINE.search(log), log
-    assert_all_gone(tmp_path, 2)
+    assert_processes_gone(tmp_path, count=2)
