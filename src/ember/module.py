@@ -61,10 +61,10 @@ class TrainModule(nn.Module):
     @property
     def device(self) -> torch.device:
         """The device of the module's first parameter or buffer (CPU for a module with none)."""
-        for t in self.parameters():
-            return t.device
-        for t in self.buffers():
-            return t.device
+        for param in self.parameters():
+            return param.device
+        for buf in self.buffers():
+            return buf.device
         return torch.device("cpu")
 
     @property
