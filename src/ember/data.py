@@ -52,6 +52,11 @@ class DataModule:
 
 
 def _move(batch: Any, device: Any) -> Any:
+    # Own walker, and not ember.utils.move_to_device (what the Trainer does when no hook is
+    # overridden), because its results differ and a DataModule that calls
+    # super().transfer_batch_to_device gets them: any object with a ``.to`` is moved through it
+    # (move_to_device and apply_to_collection(batch, Tensor, ...) move tensors only), dict
+    # subclasses come back as plain dicts, and dataclasses are leaves.
     if hasattr(batch, "to") and callable(batch.to):
         return batch.to(device)
     if isinstance(batch, dict):

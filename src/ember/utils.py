@@ -13,8 +13,14 @@ def move_to_device(batch: Any, device: torch.device, dtype: torch.dtype | None =
     """Return ``batch`` with every tensor moved to ``device`` (and floats cast to ``dtype``).
 
     Walks tuples, lists, dicts, namedtuples and dataclasses; other leaves are returned as they are.
-    Written by hand rather than with ``apply_to_collection`` because it runs once per step.
     """
+    # Own walker, not lightning-utilities' ``apply_to_collection``, because the results differ
+    # (speed is no reason: on CPU, a (x, y) tuple takes 2.6 us here vs 2.7 us there, a dict of
+    # three tensors 2.7 vs 3.1 us). Dataclasses are rebuilt with ``dataclasses.replace``, so a
+    # frozen one is moved (the library raises, or with ``allow_frozen`` returns it unmoved) and
+    # ``__post_init__`` recomputes ``init=False`` fields from the moved tensors (the library keeps
+    # the old ones). Only dicts, lists and tuples are walked: the library also walks any Mapping or
+    # Sequence and fails to rebuild some (a ``range`` leaf raises TypeError).
     if isinstance(batch, torch.Tensor):
         if dtype is not None and batch.is_floating_point():
             return batch.to(device=device, dtype=dtype, non_blocking=True)
@@ -38,6 +44,9 @@ def move_to_device(batch: Any, device: torch.device, dtype: torch.dtype | None =
 
 def first_tensor(batch: Any) -> torch.Tensor | None:
     """The first tensor found in a nested batch, or ``None``."""
+    # Own walker: a search that stops at the first tensor and builds nothing, whereas
+    # ``apply_to_collection`` visits every leaf and rebuilds the collection (0.3 vs 1.4 us on a
+    # (x, y) tuple, 0.5 vs 3.0 us on a dict of three tensors); self.log runs it once per batch.
     if isinstance(batch, torch.Tensor):
         return batch
     items: Iterable[Any]

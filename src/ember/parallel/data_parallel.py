@@ -46,6 +46,9 @@ def _check_balance(devices: list[torch.device]) -> None:
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
+    # Through scatter's own flatten rather than apply_to_collection: the one-device path must walk
+    # exactly the containers a multi-device scatter walks, and hand back the batch itself when no
+    # tensor has to move.
     leaves, spec = flatten(batch)
     if not any(isinstance(t, Tensor) and t.device != device for t in leaves):
         return batch

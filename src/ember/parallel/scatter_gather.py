@@ -48,6 +48,13 @@ def as_device(device: DeviceLike) -> torch.device:
 # ---------------------------------------------------------------------------------------------
 # Structure walking
 # ---------------------------------------------------------------------------------------------
+# Own walker, not lightning-utilities' ``apply_to_collection`` (a one-to-one map of leaves):
+# scatter maps one structure to N replicas (each tensor to N chunks, every replica rebuilt
+# around its own chunks), gather maps N structures to one and must first check that they match,
+# and the error messages name a leaf by its path. The leaves-plus-spec view gives all three.
+# It also rebuilds what the library does not: frozen dataclasses (``dataclasses.replace``; the
+# library raises) and mappings with state of their own (``copy.copy`` keeps a UserDict
+# subclass's attributes; the library rebuilds from the items alone and drops them).
 class Spec(NamedTuple):
     """How to rebuild one container level: its kind, type, keys, child specs and a template."""
 
