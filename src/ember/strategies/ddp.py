@@ -3,8 +3,8 @@
 How processes start is the launcher's business (``launcher.py``): under ``torchrun`` or SLURM
 this process joins the existing job; a plain ``python train.py`` re-runs the script for the other
 ranks (``start_method="popen"``, the ``"ddp"`` default); ``"ddp_spawn"`` starts workers with
-multiprocessing spawn and copies rank 0's trained weights, metrics and progress back into the
-caller's module and Trainer.
+multiprocessing spawn (``spawn.py``) and copies rank 0's trained weights, metrics and progress
+back into the caller's module and Trainer.
 
 Data: every loader is rebuilt around :class:`~ember.strategies.sampler.ShardedSampler`. Training
 shards are padded to equal length (every rank takes the same number of steps, so the gradient
@@ -44,9 +44,10 @@ from ember.module import TrainModule
 from ember.parallel.distributed import DistributedDataParallel
 from ember.rng import apply_rng, capture_rng
 from ember.strategies import launcher as launcher_module
-from ember.strategies.launcher import Launcher, PopenLauncher, SpawnLauncher, World, detect_world
+from ember.strategies.launcher import Launcher, PopenLauncher, World, detect_world
 from ember.strategies.resumable import make_resumable, rebuild_with_sampler, resumable_sampler_of, why_not_swappable
 from ember.strategies.sampler import ShardedSampler
+from ember.strategies.spawn import SpawnLauncher
 from ember.strategies.strategy import Strategy
 from ember.strategies.watchdog import (
     AFTER_BACKWARD,

@@ -10,7 +10,7 @@ Three ways in:
   becomes rank 0 and starts ``N - 1`` copies of the same command line with the rank in the
   environment.
 - **Spawning** (``start_method="spawn"``, for notebooks): the caller starts ``N`` workers with
-  multiprocessing spawn and gets rank 0's result back.
+  multiprocessing spawn and gets rank 0's result back (``spawn.py``, built on the pieces here).
 
 Single-machine launches rendezvous on 127.0.0.1 only, through a socket bound before anything
 starts (no port race). Failures: the first rank to fail records itself in the job's store;
@@ -21,12 +21,8 @@ exited with status 3", "rank 1 was killed by signal 9 (SIGKILL)"). Children die 
 (``PR_SET_PDEATHSIG``) and are stopped (SIGTERM, then SIGKILL) when the job fails, so nothing
 outlives the job by more than a few seconds.
 
-Exit status of the process that started the job (what a scheduler reads), from
-:func:`job_status`: 1 when a rank failed; ``128 + N`` when the ranks stopped on signal N rather
-than failed (a preempted run exits 143 on every rank after writing ``last.ckpt``, see
-``ember/trainer/preemption.py``); 0 otherwise. A rank the launcher itself stopped does not count.
-Ctrl-C ends the launching process as Python ends any script on an uncaught
-``KeyboardInterrupt``: killed by SIGINT, which a shell reports as 130.
+The exit status of the process that started the job (what a scheduler reads) is the job's, as
+``exits.py`` computes it: 1 when a rank failed, ``128 + N`` when the ranks stopped on signal N.
 """
 from __future__ import annotations
 
@@ -35,10 +31,7 @@ import contextlib
 import ctypes
 import datetime
 import gc
-import multiprocessing
 import os
-import pickle
-import queue
 import re
 import signal
 import socket
@@ -46,23 +39,24 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["World", "detect_world", "Launcher", "PopenLauncher", "SpawnLauncher", "loopback_store",
-           "FailureRecord", "die_with_parent", "stop_processes", "is_peer_failure", "describe_exit",
-           "job_status"]
+from ember.strategies.exits import describe_exit, exit_status, job_status, signal_name, stop_signal
+
+__all__ = ["World", "detect_world", "Launcher", "PopenLauncher", "loopback_store", "local_env",
+           "FailureRecord", "classify_failure", "die_with_parent", "stop_processes", "is_peer_failure",
+           "destroy_group"]
 
 _job_store: dist.Store | None = None  # this process's job store, once it has joined a job
 PARENT_ENV = "EMBER_DDP_PARENT_PID"  # set in processes ember starts: they die with that parent
 HOSTED_ENV = "EMBER_DDP_STORE_HOSTED"  # the store lives in the spawning process, not in rank 0
 _STOP_GRACE_S = 2.0
-_PEERS_EXIT_S = 10.0  # how long a rank that exits on purpose (preemption) waits for the others to
-                      # exit too, before stopping them: they stop at the same step, so normally ms
+PEERS_EXIT_S = 10.0  # how long a rank that exits on purpose (preemption) waits for the others to
+                     # exit too, before stopping them: they stop at the same step, so normally ms
 
 
 @dataclass(frozen=True)
@@ -157,51 +151,6 @@ def stop_processes(procs: list[Any], grace: float = _STOP_GRACE_S) -> None:
         p.wait() if isinstance(p, subprocess.Popen) else p.join()
 
 
-def describe_exit(code: int) -> str:
-    """An exit status in words: "exited with status 3", "was killed by signal 9 (SIGKILL)"."""
-    return f"exited with status {code}" if code >= 0 else f"was killed by {_signal_name(-code)}"
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return f"signal {signum} ({signal.Signals(signum).name})"
-    except ValueError:
-        return f"signal {signum}"
-
-
-def stop_signal(code: int) -> int | None:
-    """The signal a rank stopped on rather than failed, from its exit status, else None.
-
-    ``128 + N``: the rank caught signal N and exited with the shell's status for it (a preempted
-    rank exits 143). Killed by SIGINT: Python's end after an uncaught ``KeyboardInterrupt``, whose
-    traceback it printed. Killed by SIGTERM: a scheduler's stop reached it outside ``fit``.
-    """
-    if code in (-signal.SIGINT, -signal.SIGTERM):
-        return -code
-    return code - 128 if 128 < code < 128 + signal.NSIG else None
-
-
-def job_status(codes: Any) -> int:
-    """The exit status of a job from its ranks' (None: still running, or stopped by the launcher).
-
-    1 if any rank failed; else ``128 + N`` for the first that stopped on signal N; else 0.
-    """
-    stops = []
-    for code in codes:
-        if not code:
-            continue
-        sig = stop_signal(code)
-        if sig is None:
-            return 1
-        stops.append(128 + sig)
-    return stops[0] if stops else 0
-
-
-def _exit_status(code: Any) -> int:
-    # What Python exits with for SystemExit(code).
-    return 0 if code is None else code if isinstance(code, int) else 1
-
-
 _PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                "Socket Timeout", "NCCL communicator was aborted", "failed to recv", "ECONNRESET")
 
@@ -287,7 +236,7 @@ class Launcher:
                                 world_size=self.world.world_size, timeout=self.timeout)
         # Left to interpreter shutdown, the group's threads can abort the process ("terminate
         # called without an active exception") after a perfectly good run.
-        atexit.register(_destroy_group)
+        atexit.register(destroy_group)
         global _job_store
         _job_store = self.store
         self.record = FailureRecord(self.store)
@@ -301,7 +250,7 @@ class Launcher:
             self.on_failure()
             if not original:
                 status = self.job_status(None)
-                why = "failed" if status == 1 else f"stopped on {_signal_name(status - 128)}"
+                why = "failed" if status == 1 else f"stopped on {signal_name(status - 128)}"
                 print(f"[ember ddp] rank {self.world.rank}: stopping because another rank {why}.",
                       file=sys.stderr, flush=True)
                 raise SystemExit(status) from None
@@ -312,8 +261,8 @@ class Launcher:
                 print(note, file=sys.stderr, flush=True)
             raise
         except SystemExit as exc:  # e.g. preemption (143): every rank stops at the same step
-            self.on_failure(grace=_PEERS_EXIT_S)
-            own = _exit_status(exc.code)
+            self.on_failure(grace=PEERS_EXIT_S)
+            own = exit_status(exc.code)
             if self.job_status(own) != own:  # another rank failed meanwhile: that wins
                 raise SystemExit(self.job_status(own)) from None
             raise
@@ -330,7 +279,7 @@ class Launcher:
         return 1 if own is None else own
 
 
-def _destroy_group() -> None:
+def destroy_group() -> None:
     # Cycles (module <-> trainer, ...) can hold the group; freed by the interpreter's last
     # collection, gloo's threads would need the GIL after it is gone and abort the process.
     gc.collect()
@@ -417,7 +366,7 @@ class PopenLauncher(Launcher):
         for child in self.children:
             child.wait()
         self._stopping = True
-        _destroy_group()
+        destroy_group()
         if self._ended is None:
             status = job_status(c.returncode for c in self.children)
             if status:
@@ -447,179 +396,3 @@ def rerun_command() -> list[str]:
     if spec is not None and spec.name != "__main__":
         return [sys.executable, "-m", spec.name, *sys.argv[1:]]
     return [sys.executable, *sys.argv]
-
-
-class RemoteTraceback(Exception):
-    """A worker's traceback, attached as the cause of the error re-raised in the caller."""
-
-    def __str__(self) -> str:
-        return self.args[0]
-
-
-class SpawnLauncher:
-    """The caller starts every rank with multiprocessing spawn and gets rank 0's return value.
-
-    ``fn`` and its arguments are pickled (the standard streams travel as references to the
-    worker's own). A failing rank's exception is re-raised here, with the rank noted and the
-    worker's traceback as its cause; the other workers are stopped first. A rank that exits on
-    purpose (``SystemExit``: a preempted run's 143) is not a failure: once the others have ended
-    too, its ``SystemExit`` is re-raised here, so the caller exits with the same status.
-
-    While the workers run, the stop signals this process receives are passed on to them, so that
-    a SIGTERM sent to the caller alone (or to the whole process group: workers die with their
-    parent) still lets them reach a step boundary and write ``last.ckpt``. If the job then ends
-    with an error instead, the signal is raised again here, with the caller's own handler back.
-
-    Args:
-        num_processes: Number of ranks.
-        timeout: Collective and rendezvous timeout.
-        dumps: Serialises ``(fn, args, kwargs)`` for the workers.
-        loads: Its inverse, run in each worker (a module-level function).
-        forward_signals: Signals passed on to the workers; None: SIGTERM, plus SIGUSR1 under SLURM
-            (the Trainer's default preemption signals).
-    """
-
-    def __init__(self, num_processes: int, timeout: datetime.timedelta,
-                 dumps: Callable[[Any], bytes] = pickle.dumps,
-                 loads: Callable[[bytes], Any] = pickle.loads,
-                 forward_signals: tuple[int, ...] | None = None) -> None:
-        self.num_processes, self.timeout = num_processes, timeout
-        self.dumps, self.loads = dumps, loads
-        if forward_signals is None:
-            slurm = "SLURM_JOB_ID" in os.environ and hasattr(signal, "SIGUSR1")
-            forward_signals = (signal.SIGTERM, signal.SIGUSR1) if slurm else (signal.SIGTERM,)
-        self.forward_signals = tuple(forward_signals)
-
-    def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        payload = self.dumps((fn, args, kwargs))
-        store = loopback_store(self.timeout)
-        env = {**local_env(self.num_processes, store.port), HOSTED_ENV: "1"}
-        ctx = multiprocessing.get_context("spawn")
-        results = ctx.Queue()
-        procs = [ctx.Process(target=_spawn_worker, name=f"ember-ddp-rank{rank}",
-                             args=(rank, env, self.timeout.total_seconds(), payload, self.loads,
-                                   results))
-                 for rank in range(self.num_processes)]
-        received: list[int] = []
-
-        def forward(signum: int, frame: Any) -> None:
-            received.append(signum)
-            for proc in procs:
-                if proc.pid is not None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(proc.pid, signum)
-
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            previous = {sig: signal.signal(sig, forward) for sig in self.forward_signals}
-        try:
-            for proc in procs:
-                proc.start()
-            if received:  # arrived while they were starting
-                forward(received[0], None)
-            return pickle.loads(self._collect(procs, results, FailureRecord(store))[0])
-        finally:
-            stop_processes([p for p in procs if p.pid is not None])
-            for sig, handler in previous.items():
-                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-            results.close()
-            results.join_thread()
-            del store
-            leaving = sys.exc_info()[1]
-            if received and leaving is not None and not isinstance(leaving, SystemExit):
-                signal.raise_signal(received[0])  # the workers could not stop on it: act on it here
-
-    def _collect(self, procs: list, results: Any, record: FailureRecord) -> dict[int, bytes]:
-        done: dict[int, bytes] = {}
-        exits: dict[int, BaseException] = {}  # ranks that raised SystemExit (preemption)
-        seen: set[int] = set()  # ranks known to have failed
-        give_up = None  # once a failure is known, how long to wait for the original report
-        exits_by = None  # once a rank exited, how long the others get to end too
-        while len(done) + len(exits) < len(procs):
-            if exits_by is not None and time.monotonic() > exits_by:
-                break
-            if give_up is not None and time.monotonic() > give_up:
-                # The job's recorded cause (the watchdog's verdict, say) rather than only who ended.
-                cause = (record.wait(0) or f"ranks {sorted(seen)} failed").rstrip(".")
-                raise RuntimeError(f"[ember ddp] {cause}; the job was stopped.")
-            try:
-                kind, rank, *rest = results.get(timeout=0.1)
-            except queue.Empty:
-                kind = None
-            if kind is None:
-                for rank, proc in enumerate(procs):
-                    if rank in done or rank in exits or rank in seen or proc.exitcode in (None, 0):
-                        continue
-                    seen.add(rank)
-                    give_up = give_up or time.monotonic() + 5.0
-                    what = describe_exit(proc.exitcode)
-                    if record.claim(f"rank {rank} {what}"):  # died without a word: it is the cause
-                        raise RuntimeError(f"[ember ddp] rank {rank} {what}; the job was stopped.")
-                continue
-            if kind == "ok":
-                done[rank] = rest[0]
-                continue
-            if kind == "exit":
-                pickled, code = rest
-                exits[rank] = _unpickle_error(pickled) or SystemExit(code)
-                exits_by = exits_by or time.monotonic() + _PEERS_EXIT_S
-                continue
-            pickled, text, remote_tb, original = rest
-            if not original:  # stopped because a peer failed: wait for the peer's report
-                seen.add(rank)
-                give_up = give_up or time.monotonic() + 5.0
-                continue
-            error = _unpickle_error(pickled) or RuntimeError(f"rank {rank} raised {text}")
-            if hasattr(error, "add_note"):
-                error.add_note(f"[ember ddp] raised on rank {rank} of {len(procs)}.")
-            raise error from RemoteTraceback(f"\n--- rank {rank} ---\n{remote_tb}")
-        if exits:
-            raise exits[min(exits)]  # rank 0's when it has one
-        return done
-
-
-def _spawn_worker(rank: int, env: dict[str, str], timeout: float, payload: bytes,
-                  loads: Callable[[bytes], Any], results: Any) -> None:
-    os.environ.update({**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-    die_with_parent(int(env[PARENT_ENV]))
-    record = None
-    try:
-        store = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), None, False,
-                              timeout=datetime.timedelta(seconds=timeout))
-        record = FailureRecord(store)
-        fn, args, kwargs = loads(payload)
-        value = pickle.dumps(fn(*args, **kwargs))
-    except SystemExit as exc:  # on purpose (preemption: every rank stops at the same step)
-        exit_code = _exit_status(exc.code)
-        try:
-            pickled = pickle.dumps(exc)
-        except Exception:
-            pickled = None
-        results.put(("exit", rank, pickled, exit_code))
-    except BaseException as exc:
-        original = classify_failure(record, rank, exc)
-        try:
-            pickled = pickle.dumps(exc)
-        except Exception:
-            pickled = None
-        # Frames only: the caller re-raises the exception itself, so its message shows once.
-        frames = traceback.format_exc()
-        message = "".join(traceback.format_exception_only(type(exc), exc))
-        frames = frames[:-len(message)] if frames.endswith(message) else frames
-        results.put(("error", rank, pickled, repr(exc), frames, original))
-        exit_code = 1
-    else:
-        exit_code = 0
-        results.put(("ok", rank, value))
-    finally:
-        _destroy_group()
-    if exit_code:
-        sys.exit(exit_code)  # a failed rank ends with a non-zero status
-
-
-def _unpickle_error(pickled: bytes | None) -> BaseException | None:
-    try:
-        error = pickle.loads(pickled) if pickled is not None else None
-    except Exception:
-        return None
-    return error if isinstance(error, BaseException) else None
