@@ -1,4 +1,4 @@
-"""The ddp watchdog (ember/strategies/watchdog.py).
+"""The ddp watchdog (ember/strategies/watchdog.py, and verdicts.py for what it reads and says).
 
 Unit tests drive two ranks' watchdogs by hand over one in-process store (no threads, no clock):
 who is named, when, and when not. The job tests run ``hang_script.py`` as a real 2-rank program
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ember.strategies import DDPStrategy
 from ember.strategies import watchdog as wd
+from ember.strategies.verdicts import AFTER_BACKWARD
 from tests.helpers.dist import assert_processes_gone
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,7 +167,7 @@ def test_without_a_blocking_collective_the_rank_behind_is_named():
     ranks = Ranks(floor=5.0)
     for r in (0, 1):
         ranks.step(r, 3)
-    ranks.beacons[0].where = wd.AFTER_BACKWARD
+    ranks.beacons[0].where = AFTER_BACKWARD
     ranks.run(6.0)
     verdict = ranks.verdicts[0][1]
     assert ranks.verdicts[0][0] == 0 and verdict["dump"] == [1]
@@ -180,9 +181,9 @@ def test_a_stalled_rank_names_nobody_who_is_not_behind_it(rank1):
     ranks = Ranks(floor=5.0)
     for r in (0, 1):
         ranks.step(r, 3)
-    ranks.beacons[0].where = wd.AFTER_BACKWARD
+    ranks.beacons[0].where = AFTER_BACKWARD
     if rank1 == "level":  # both stuck at the same place: nobody waits for anybody
-        ranks.beacons[1].where = wd.AFTER_BACKWARD
+        ranks.beacons[1].where = AFTER_BACKWARD
     elif rank1 == "waiting":  # waiting for rank 0: it is the one to judge
         ranks.wait(1)
     else:  # evaluation shards differ in length between ranks: positions there do not compare

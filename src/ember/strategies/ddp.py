@@ -49,17 +49,8 @@ from ember.strategies.resumable import make_resumable, rebuild_with_sampler, res
 from ember.strategies.sampler import ShardedSampler
 from ember.strategies.spawn import SpawnLauncher
 from ember.strategies.strategy import Strategy
-from ember.strategies.watchdog import (
-    AFTER_BACKWARD,
-    AFTER_STEP,
-    BACKWARD,
-    TRAINING_STEP,
-    Beacon,
-    CollectiveTimeout,
-    Watchdog,
-    exit_with_stacks,
-    is_timeout,
-)
+from ember.strategies.verdicts import AFTER_BACKWARD, AFTER_STEP, BACKWARD, TRAINING_STEP
+from ember.strategies.watchdog import Beacon, CollectiveTimeout, Watchdog, exit_with_stacks, is_timeout
 from ember.types import ReduceOp, Stage
 from ember.utils import move_to_device
 

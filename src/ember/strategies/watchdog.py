@@ -43,6 +43,9 @@ the whole job the same way on request (a stop signal whose grace period ran out,
 
 Cost outside the step: per rank, one store write and one store read a second; a rank reads every
 rank's record only once it has waited in a collective, or made no progress, past the deadline.
+
+What the records say (who is missing, who is behind), the words of the verdicts, and the phases
+the strategy sets are in ``verdicts.py``; this module holds the beacon, the thread and the store.
 """
 from __future__ import annotations
 
@@ -61,10 +64,19 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from ember.strategies.launcher import FailureRecord
+from ember.strategies.verdicts import (
+    abort_summary,
+    behind,
+    behind_summary,
+    deadline_detail,
+    mismatch_summary,
+    missing,
+    missing_summary,
+    timeout_summary,
+)
 
 __all__ = ["Beacon", "Watchdog", "CollectiveTimeout", "deadline", "collective_cap", "is_timeout",
-           "print_stacks", "exit_with_stacks", "HUNG_EXIT_CODE", "STEP_FACTOR", "TRAINING_STEP",
-           "AFTER_STEP", "BACKWARD", "AFTER_BACKWARD"]
+           "print_stacks", "exit_with_stacks", "HUNG_EXIT_CODE", "STEP_FACTOR"]
 
 HUNG_EXIT_CODE = 1  # the status every process of a job stopped by the watchdog exits with
 STEP_FACTOR = 20  # the deadline is at least this many times the slowest step seen
@@ -73,13 +85,6 @@ PUBLISH_EVERY = 5  # samples between two store round trips (once a second)
 ANSWER_S = 5.0  # how long to wait for the named ranks to print their stacks
 _generations = itertools.count()  # every rank starts its watchdogs in the same order
 _STORE_GONE = getattr(dist, "DistError", RuntimeError)  # what a store whose host exited raises
-
-# The phases of a training batch, in order: the strategy sets them, the judge compares ranks by them.
-TRAINING_STEP = "training_step"
-AFTER_STEP = "the training loop after training_step"
-BACKWARD = "backward"
-AFTER_BACKWARD = "the training loop after backward (optimizer step, callbacks, checkpointing, next batch)"
-_PHASE_ORDER = {TRAINING_STEP: 1, AFTER_STEP: 2, BACKWARD: 3, AFTER_BACKWARD: 4}
 
 
 class Beacon:
@@ -148,41 +153,6 @@ def exit_with_stacks(header: str, code: int) -> NoReturn:
     """Print ``header`` and every thread's stack, then end this process now with status ``code``."""
     print_stacks(header)
     os._exit(code)
-
-
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
-
-
-def _position(rec: dict[str, Any]) -> str:
-    if not rec.get("batches"):
-        return "before its first batch"
-    step, epoch, batch, loop = rec.get("step"), rec.get("epoch"), rec.get("batch"), rec.get("loop")
-    where = f"{loop} batch {batch}" if loop != "training" else f"batch {batch}"
-    if rec.get("stage") == "fitting" and step is not None:
-        return f"at step {step} (epoch {epoch}, {where})"
-    return f"at {where}"
-
-
-def _training_position(rec: dict[str, Any] | None) -> tuple[int, int, int] | None:
-    """(epoch, batch, phase) of a rank in the training loop, comparable across ranks; else None
-    (evaluation shards differ in length between ranks, so their positions are not comparable)."""
-    if not rec or rec["state"] != "running" or rec.get("stage") != "fitting" or rec.get("loop") != "training" \
-            or not rec.get("batches") or rec.get("epoch") is None:
-        return None
-    return rec["epoch"], rec["batch"], _PHASE_ORDER.get(rec["where"], 0)
-
-
-def _describe(rank: int, rec: dict[str, Any] | None) -> str:
-    if rec is None:
-        return (f"rank {rank} has reported nothing since this run began (it is stuck before its watchdog "
-                "started, or gone)")
-    if rec["state"] != "running":
-        return f"rank {rank} has already left this run"
-    place = f"waiting in {rec['waiting']}" if rec["waiting"] else f"stuck in {rec['where']}"
-    return f"rank {rank} is {place} {_position(rec)} (pid {rec['pid']} on {rec['host']})"
 
 
 class Watchdog:
@@ -352,60 +322,21 @@ class Watchdog:
         assert mine is not None  # this rank published its record before reading them
         if waited < limit or bool(mine["waiting"]) != in_collective:
             return
-        missing, elsewhere = self._missing(records) if in_collective else ([], [])
+        absent, elsewhere = missing(records, self.rank) if in_collective else ([], [])
         if not in_collective:
-            behind = self._behind(records, limit)
-            if not behind:
+            dump = behind(records, self.rank, limit)
+            if not dump:
                 return  # nobody is behind this rank: if it is stuck, the ranks waiting for it say so
-            summary = (f"{'; '.join(_describe(r, records[r]) for r in behind)}. Rank {self.rank} is "
-                       f"ahead, {_position(mine)}, and has made no progress for {waited:.0f} s: it waits "
-                       f"for {'it' if len(behind) == 1 else 'them'} (in a collective whose wait does not "
-                       "block the CPU, as with NCCL, or one ember does not see).")
-            dump = behind
-        elif missing:
-            waiters = [r for r, rec in records.items()
-                       if rec and rec["state"] == "running" and rec["waiting"] == mine["waiting"]]
-            summary = (f"{'; '.join(_describe(r, records[r]) for r in missing)}. "
-                       f"{_ranks(waiters).capitalize()} waited {waited:.0f} s for "
-                       f"{'it' if len(missing) == 1 else 'them'} in {mine['waiting']}.")
-            dump = missing
+            summary = behind_summary(records, dump, self.rank, waited)
+        elif absent:
+            summary, dump = missing_summary(records, absent, self.rank, waited), absent
         elif elsewhere:
-            summary = ("the ranks wait in different collectives, which never match up: "
-                       + "; ".join(_describe(r, rec) for r, rec in records.items())
-                       + ". Every rank must call the same collectives in the same order.")
-            dump = list(range(self.world_size))
+            summary, dump = mismatch_summary(records), list(range(self.world_size))
         else:  # every rank waits in the same collective: the communication itself is slow or broken,
             return  # which the collective timeout decides
-        detail = (f"The watchdog deadline was {limit:.0f} s: the larger of watchdog_timeout="
-                  f"{self.floor:g} s and {STEP_FACTOR} x the slowest step so far ({slowest:.1f} s), kept "
-                  f"under the collective timeout ({self.timeout:g} s). Set DDPStrategy(watchdog_timeout=...) "
-                  "to change it, or None to turn the watchdog off.")
+        detail = deadline_detail(limit, self.floor, slowest, self.timeout, STEP_FACTOR)
         self._act(self._post({"summary": "stopping the job: " + summary, "detail": detail, "dump": dump,
                               "exit": HUNG_EXIT_CODE, "by": self.rank}))
-
-    def _behind(self, records: dict[int, dict[str, Any] | None], limit: float) -> list[int]:
-        """Training ranks at an earlier batch or phase than this one, stalled as long, not in a collective."""
-        mine = _training_position(records[self.rank])
-        if mine is None:
-            return []
-        margin = 2.0  # records are up to a second old
-        return [r for r, rec in records.items()
-                if r != self.rank and rec and not rec["waiting"] and rec.get("stalled", 0) >= limit - margin
-                and (_training_position(rec) or mine) < mine]
-
-    def _missing(self, records: dict[int, dict[str, Any] | None]) -> tuple[list[int], list[int]]:
-        """Ranks not in any collective (they did not arrive), and ranks waiting in another one than this."""
-        mine = records[self.rank]
-        assert mine is not None  # this rank published its record before reading them
-        missing, elsewhere = [], []
-        for r, rec in records.items():
-            if r == self.rank:
-                continue
-            if rec is None or rec["state"] != "running" or not rec["waiting"]:
-                missing.append(r)
-            elif rec["waiting"] != mine["waiting"]:
-                elsewhere.append(r)
-        return missing, elsewhere
 
     # ------------------------------------------------------------------ the store's news
     # Posters write first and then bump "news"; each watchdog reads one counter a second and only
@@ -504,17 +435,10 @@ class Watchdog:
         """After ``what`` timed out here: who did not arrive (they print their stacks); never raises."""
         try:
             records = self._records()
-            missing, _ = self._missing(records)
-            if missing:
-                it = "it" if len(missing) == 1 else "them"
-                summary = (f"{'; '.join(_describe(r, records[r]) for r in missing)}. "
-                           f"{'It' if len(missing) == 1 else 'They'} did not arrive at {what}, where rank "
-                           f"{self.rank} waited for {it} until the collective timeout ({self.timeout:g} s).")
-                self._request_stacks(summary, missing)
-            else:
-                summary = (f"every rank is in a collective, yet {what} timed out on rank {self.rank} after "
-                           f"{self.timeout:g} s: " + "; ".join(_describe(r, rec) for r, rec in records.items())
-                           + ". Mismatched collectives, or a network or device fault.")
+            absent, _ = missing(records, self.rank)
+            summary = timeout_summary(records, absent, self.rank, what, self.timeout)
+            if absent:
+                self._request_stacks(summary, absent)
             return summary
         except Exception as exc:
             return (f"{what} timed out on rank {self.rank} after {self.timeout:g} s, waiting for another "
@@ -525,14 +449,9 @@ class Watchdog:
         ranks are; this rank and the ranks not in a collective print their stacks."""
         try:
             records = self._records()
-            missing, _ = self._missing(records)
-            named = sorted({self.rank, *missing})
-            waiting = [r for r in range(self.world_size) if r not in named]
-            places = [_describe(r, records[r]) for r in named + waiting[:4]]
-            if len(waiting) > 4:
-                places.append(f"{len(waiting) - 4} more ranks are waiting")
-            verdict = self._post({"summary": f"rank {self.rank} {message} Where the ranks are: "
-                                  f"{'; '.join(places)}.", "dump": named, "exit": code, "by": self.rank})
+            named = sorted({self.rank, *missing(records, self.rank)[0]})
+            summary = abort_summary(records, named, self.rank, message, self.world_size)
+            verdict = self._post({"summary": summary, "dump": named, "exit": code, "by": self.rank})
         except Exception:
             exit_with_stacks(f"[ember ddp] rank {self.rank} {message}", code)
         self._act(verdict)
