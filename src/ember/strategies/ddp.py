@@ -4,7 +4,7 @@ How processes start is the launcher's business (``launcher.py``): under ``torchr
 this process joins the existing job; a plain ``python train.py`` re-runs the script for the other
 ranks (``start_method="popen"``, the ``"ddp"`` default); ``"ddp_spawn"`` starts workers with
 multiprocessing spawn (``spawn.py``) and copies rank 0's trained weights, metrics and progress
-back into the caller's module and Trainer.
+back into the caller's module and Trainer (``worker_state.py``).
 
 Data: every loader is rebuilt around :class:`~ember.strategies.sampler.ShardedSampler`. Training
 shards are padded to equal length (every rank takes the same number of steps, so the gradient
@@ -28,10 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import io
 import os
-import pickle
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar, cast
@@ -42,7 +39,7 @@ from torch.utils.data import RandomSampler
 
 from ember.module import TrainModule
 from ember.parallel.distributed import DistributedDataParallel
-from ember.rng import apply_rng, capture_rng
+from ember.rng import capture_rng
 from ember.strategies import launcher as launcher_module
 from ember.strategies.launcher import Launcher, PopenLauncher, World, detect_world
 from ember.strategies.resumable import make_resumable, rebuild_with_sampler, resumable_sampler_of, why_not_swappable
@@ -51,8 +48,8 @@ from ember.strategies.spawn import SpawnLauncher
 from ember.strategies.strategy import Strategy
 from ember.strategies.verdicts import AFTER_BACKWARD, AFTER_STEP, BACKWARD, TRAINING_STEP
 from ember.strategies.watchdog import Beacon, CollectiveTimeout, Watchdog, exit_with_stacks, is_timeout
+from ember.strategies.worker_state import adopt_worker_state, dumps, loads, run_in_worker
 from ember.types import ReduceOp, Stage
-from ember.utils import move_to_device
 
 __all__ = ["DDPStrategy"]
 
@@ -182,9 +179,9 @@ class DDPStrategy(Strategy):
             return self._launcher.launch(fn, *args, **kwargs)
         # Workers start from the caller's random state, as the re-run script starts from its own:
         # a seeded caller gets the same shuffle (and dropout) streams as with "ddp" or "single".
-        launcher = SpawnLauncher(self.world_size, self.timeout, dumps=_dumps, loads=_loads)
-        value, state = launcher.launch(_run_in_worker, fn, args, kwargs, capture_rng())
-        _adopt_worker_state(self.trainer, args, state)
+        launcher = SpawnLauncher(self.world_size, self.timeout, dumps=dumps, loads=loads)
+        value, state = launcher.launch(run_in_worker, fn, args, kwargs, capture_rng())
+        adopt_worker_state(self.trainer, args, state)
         return value
 
     def setup_environment(self) -> None:
@@ -445,84 +442,3 @@ class DDPStrategy(Strategy):
         self._waiting("an all-reduce (strategy.reduce_boolean_decision)", dist.all_reduce, flag,
                       op=dist.ReduceOp.MIN if all else dist.ReduceOp.MAX)
         return bool(flag.item())
-
-
-# ---------------------------------------------------------------------- ddp_spawn
-def _run_in_worker(fn: Callable[..., Any], args: tuple, kwargs: dict, rng: dict) -> Any:
-    """In a spawned worker: run the Trainer entry point; rank 0 also returns what to copy back."""
-    apply_rng(rng)
-    value = fn(*args, **kwargs)
-    trainer = getattr(fn, "__self__", None)
-    if trainer is None or not trainer.is_global_zero:
-        return value, None
-    module = trainer.module
-    state = {
-        "weights": {k: v.detach().cpu() for k, v in module.state_dict().items()},
-        "callback_metrics": _to_cpu(trainer.callback_metrics),
-        "logged_metrics": dict(trainer.logged_metrics),
-        "progress": trainer.progress.state_dict(),
-        "history": list(getattr(trainer, "history", [])),
-        "callbacks": [(type(cb).__name__, cb.state_dict()) for cb in trainer.callbacks
-                      if hasattr(cb, "state_dict")],
-        # Where this run wrote: the caller's loggers and checkpoint callbacks point there too, so a
-        # later validate/test logs into the same version and nothing warns about another directory.
-        "log_dirs": [lg.log_dir for lg in trainer.loggers],
-        "dirpaths": [(type(cb).__name__, getattr(cb, "dirpath", None)) for cb in trainer.callbacks],
-    }
-    return _to_cpu(value), state
-
-
-def _adopt_worker_state(trainer: Any, args: tuple, state: dict | None) -> None:
-    """In the caller: make its module and Trainer look as if it had trained itself."""
-    if trainer is None or state is None:
-        return
-    module = next((a for a in args if isinstance(a, TrainModule)), None)
-    if module is not None:
-        module.load_state_dict(state["weights"])
-        trainer.module = module
-    trainer.callback_metrics = state["callback_metrics"]
-    trainer.logged_metrics = state["logged_metrics"]
-    trainer.progress.load_state_dict(state["progress"])
-    trainer.history = state["history"]
-    for lg, log_dir in zip(trainer.loggers, state["log_dirs"]):
-        if log_dir is not None and hasattr(lg, "continue_run"):
-            lg.continue_run(log_dir, trainer.default_root_dir)
-    for cb, (name, dirpath) in zip(trainer.callbacks, state["dirpaths"]):
-        if type(cb).__name__ == name and dirpath is not None and getattr(cb, "dirpath", dirpath) is None:
-            cb.dirpath = dirpath
-    mine = [cb for cb in trainer.callbacks if hasattr(cb, "load_state_dict")]
-    for cb, (name, cb_state) in zip(mine, state["callbacks"]):
-        if type(cb).__name__ == name:
-            cb.load_state_dict(cb_state)
-
-
-def _to_cpu(obj: Any) -> Any:
-    return move_to_device(obj, torch.device("cpu"))
-
-
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> str | None:  # streams travel as "the worker's own"
-        return "stdout" if obj is sys.stdout else "stderr" if obj is sys.stderr else None
-
-
-class _Unpickler(pickle.Unpickler):
-    def persistent_load(self, pid: str) -> Any:
-        return getattr(sys, pid)
-
-
-def _dumps(obj: Any) -> bytes:
-    """Pickles what a spawned worker needs, explaining how to fix what cannot be pickled."""
-    buffer = io.BytesIO()
-    try:
-        _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    except Exception as exc:
-        raise RuntimeError(
-            "strategy='ddp_spawn' sends the Trainer, the module and the dataloaders to its worker "
-            f"processes by pickling them, and that failed: {exc}. Make them picklable (module-"
-            "level functions and classes instead of lambdas or locally defined ones, no open "
-            "files or locks), or use strategy='ddp', which re-runs your script instead.") from exc
-    return buffer.getvalue()
-
-
-def _loads(data: bytes) -> Any:
-    return _Unpickler(io.BytesIO(data)).load()
