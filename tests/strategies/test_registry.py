@@ -48,9 +48,9 @@ class Recording(SingleDeviceStrategy):
         self.tag = tag
         self.backwards = 0
 
-    def backward(self, loss):
+    def backward(self, loss, backward=None):
         self.backwards += 1
-        super().backward(loss)
+        super().backward(loss, backward)
 
 
 @pytest.mark.usefixtures("clean_registry")

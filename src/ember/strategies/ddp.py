@@ -383,18 +383,21 @@ class DDPStrategy(Strategy):
         self._beacon.where = "the predict loop after predict_step"
         return out
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Run ``backward(loss)`` (default ``loss.backward()``) with the gradient all-reduce armed
+        before it and, outside ``no_backward_sync``, the beacon saying this rank waits in it."""
+        run = backward or torch.Tensor.backward
         ddp = self.ddp
         if ddp is None:
-            loss.backward()
+            run(loss)
             return
         ddp.prepare_for_backward(loss)  # a second backward of one step syncs too
         beacon = self._beacon
         if not ddp.require_backward_grad_sync:  # inside no_backward_sync: nothing is communicated
             beacon.where = BACKWARD
-            loss.backward()
+            run(loss)
         else:
-            self._waiting(_GRADIENTS, loss.backward)
+            self._waiting(_GRADIENTS, run, loss)
         beacon.where = AFTER_BACKWARD
 
     @contextlib.contextmanager

@@ -132,8 +132,15 @@ class Strategy:
         It may therefore communicate (a per-step hook would not be reached on a process without batches).
         """
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Run ``backward(loss)`` (default ``loss.backward()``) with this strategy's framing.
+
+        ``backward`` is how the gradients are computed, e.g. the module's
+        :meth:`~ember.module.TrainModule.backward` override: a subclass does what it must before
+        and after it (arming and waiting for a gradient all-reduce) and calls it exactly once.
+        Runs every training step.
+        """
+        (backward or torch.Tensor.backward)(loss)
 
     @contextlib.contextmanager
     def no_backward_sync(self) -> Iterator[None]:
