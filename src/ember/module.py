@@ -168,7 +168,10 @@ class TrainModule(nn.Module):
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Backward for manual optimization: applies precision scaling and the strategy's gradient sync."""
-        self.trainer._loop.manual_backward(loss, *args, **kwargs)
+        loop = self.trainer.fit_loop
+        if loop is None or self.trainer.state != "fitting":
+            raise RuntimeError("manual_backward is for training_step during fit (with automatic_optimization=False).")
+        loop.manual_backward(loss, *args, **kwargs)
 
     # ------------------------------------------------------------------ what users override
     def training_step(self, batch: Any, batch_idx: int) -> Any:

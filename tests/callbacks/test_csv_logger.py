@@ -28,10 +28,10 @@ class Tiny(ember.TrainModule):
             raise RuntimeError("boom")
         x, y = batch
         loss = F.mse_loss(self.net(x), y)
-        step = self.global_step + 1  # the global step this batch's metrics are logged at
+        step = self.global_step  # as Lightning: this batch's metrics are written at its step's index, 0, 1, ...
         self.losses[step] = loss.item()
         self.log("train/loss", loss)
-        if step > 5:
+        if step >= 5:
             self.late[step] = float(step) / 10
             self.log("late", float(step) / 10)
         return loss
@@ -70,15 +70,16 @@ def test_round_trip_with_a_key_appearing_mid_run(tmp_path, flush_every):
     assert logger.metrics_file == path and trainer.log_dir == logger.log_dir
     header, rows = read_rows(path)
     assert header == ["step", "train/loss", "epoch", "late", "val/loss"]  # in order of appearance
-    # one row per logged step; the epoch-end validation value shares its step's row
-    assert [int(r["step"]) for r in rows] == list(range(1, 17))
+    # one row per logged step, 16 steps written (as Lightning) at their indices 0..15; the epoch-end validation
+    # value shares the row of the step it ran after (the epoch's last step, 7 and 15)
+    assert [int(r["step"]) for r in rows] == list(range(16))
     for r in rows:
         step = int(r["step"])
         assert float(r["train/loss"]) == module.losses[step]  # floats survive exactly
-        assert float(r["epoch"]) == (0.0 if step <= 8 else 1.0)
-        assert r["late"] == (repr(module.late[step]) if step > 5 else "")
-        if step in (8, 16):
-            assert float(r["val/loss"]) == trainer.history[step // 8 - 1]["val/loss"]
+        assert float(r["epoch"]) == (0.0 if step <= 7 else 1.0)
+        assert r["late"] == (repr(module.late[step]) if step >= 5 else "")
+        if step in (7, 15):
+            assert float(r["val/loss"]) == trainer.history[step // 8]["val/loss"]
         else:
             assert r["val/loss"] == ""
     with open(os.path.join(logger.log_dir, "hparams.yaml")) as fh:
@@ -90,7 +91,7 @@ def test_rows_are_written_when_fit_fails(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         fit(tmp_path, logger, Tiny(fail_at=3))
     _, rows = read_rows(logger.metrics_file)
-    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]  # the 3 steps before the failing batch, at their indices
 
 
 def test_a_second_fit_appends_to_the_same_file_and_widens_it(tmp_path):

@@ -68,5 +68,7 @@ def test_history_matches_what_the_loggers_got(tmp_path):
 
     with open(csv_logger.metrics_file, newline="") as fh:
         rows = [r for r in csv.DictReader(fh) if r["val/m"]]
+    # history's "step" is trainer.global_step at the epoch's end (steps taken); the loggers got the epoch's
+    # validation, as Lightning writes it, at the index of the epoch's last step: one lower.
     assert [(int(r["step"]), float(r["val/m"])) for r in rows] == \
-        [(row["step"], row["val/m"]) for row in trainer.history]
+        [(row["step"] - 1, row["val/m"]) for row in trainer.history]

@@ -61,12 +61,13 @@ def test_step_interval_logs_the_rate_each_logged_step_used():
     rec = Recorder()
     cb = LearningRateMonitor(log_momentum=True, log_weight_decay=True)
     fit(Tiny("sgd_step"), cb, rec)
-    # StepLR halves the rate after every step; the rate of step s is 0.5 ** (s - 1)
-    assert rec.values("lr-SGD") == [(s, 0.5 ** (s - 1)) for s in (2, 4, 6, 8)]
-    assert rec.values("lr-SGD-momentum") == [(s, 0.9) for s in (2, 4, 6, 8)]
-    assert rec.values("lr-SGD-weight_decay") == [(s, 0.01) for s in (2, 4, 6, 8)]
+    # As Lightning: step metrics are written at the step's index (0, 1, ...), every 2nd step: 1, 3, 5, 7.
+    # StepLR halves the rate after every step; the rate step index s used is 0.5 ** s
+    assert rec.values("lr-SGD") == [(s, 0.5 ** s) for s in (1, 3, 5, 7)]
+    assert rec.values("lr-SGD-momentum") == [(s, 0.9) for s in (1, 3, 5, 7)]
+    assert rec.values("lr-SGD-weight_decay") == [(s, 0.01) for s in (1, 3, 5, 7)]
     # written beside the step metrics of the same step
-    assert [s for s, _ in rec.values("loss")] == [2, 4, 6, 8]
+    assert [s for s, _ in rec.values("loss")] == [1, 3, 5, 7]
 
 
 def test_epoch_interval_param_groups_and_scheduler_name():
@@ -84,7 +85,8 @@ def test_plain_optimizer_forced_to_step_interval_and_csv(tmp_path):
 
     with open(csv_logger.metrics_file, newline="") as fh:
         rows = list(csv.DictReader(fh))
-    assert [(r["step"], r["lr-SGD"], r["loss"] != "") for r in rows] == [("2", "0.3", True), ("4", "0.3", True)]
+    # 4 steps, every 2nd written (as Lightning) at its index: 1 and 3, the rate beside the loop's step metrics
+    assert [(r["step"], r["lr-SGD"], r["loss"] != "") for r in rows] == [("1", "0.3", True), ("3", "0.3", True)]
     assert trainer.logged_metrics["lr-SGD"] == 0.3
 
 

@@ -83,17 +83,18 @@ def test_event_accumulator_reads_every_scalar_and_the_hparams(tmp_path):
     ea = read(logger.log_dir)
     assert set(ea.Tags()["scalars"]) == {"train/loss", "val/loss", "epoch"}
 
-    # step metrics every 2 optimizer steps, with the global step and the value of that step's loss
+    # step metrics every 2 optimizer steps, written (as Lightning) at the step's index (the 2nd step at 1, ...)
+    # with the value of that step's loss
     train = [(e.step, e.value) for e in ea.Scalars("train/loss")]
-    assert [s for s, _ in train] == list(range(2, 17, 2))
+    assert [s for s, _ in train] == list(range(1, 16, 2))
     for step, value in train:
-        assert value == pytest.approx(module.losses[step - 1], rel=1e-6)
-    # epoch-level validation values at the global step of each epoch's end
+        assert value == pytest.approx(module.losses[step], rel=1e-6)
+    # epoch-level validation values at the index of each epoch's last step (as Lightning)
     val = [(e.step, e.value) for e in ea.Scalars("val/loss")]
-    assert [s for s, _ in val] == [8, 16]
+    assert [s for s, _ in val] == [7, 15]
     for (_, value), row in zip(val, trainer.history):
         assert value == pytest.approx(row["val/loss"], rel=1e-6)
-    assert {(e.step, e.value) for e in ea.Scalars("epoch")} == {(s, float(s > 8)) for s in range(2, 17, 2)}
+    assert {(e.step, e.value) for e in ea.Scalars("epoch")} == {(s, float(s > 7)) for s in range(1, 16, 2)}
 
     data = hparams_data(ea)
     start = data["_hparams_/session_start_info"].session_start_info
@@ -115,7 +116,7 @@ def test_events_are_flushed_and_the_writer_closed_when_fit_fails(tmp_path):
         fit(tmp_path, logger, Tiny(fail_at=5))
     assert logger._writer is None
     ea = read(logger.log_dir)
-    assert [e.step for e in ea.Scalars("train/loss")] == [2, 4]
+    assert [e.step for e in ea.Scalars("train/loss")] == [1, 3]  # the 2nd and 4th steps, at their indices
     assert hparams_data(ea)["_hparams_/session_end_info"].session_end_info.status == api_pb2.STATUS_FAILURE
 
 
@@ -181,7 +182,9 @@ def test_validate_after_fit_logs_and_closes_the_writer(tmp_path):
     trainer, module = fit(tmp_path, logger, max_epochs=1)
     trainer.validate(module, loaders()[1])
     assert logger._writer is None
-    assert [e.step for e in read(logger.log_dir).Scalars("val/loss")] == [8, 8]
+    # as Lightning: the fit's validation at the index of the epoch's last step (7), a validate after the fit at
+    # trainer.global_step (8)
+    assert [e.step for e in read(logger.log_dir).Scalars("val/loss")] == [7, 8]
 
 
 def test_importing_and_building_the_default_logger_does_not_import_tensorboard(tmp_path):
@@ -231,13 +234,14 @@ def test_real_tensorboard_server_serves_the_scalars(tmp_path):
 
         query = urllib.parse.urlencode({"run": "version_0", "tag": "train/loss"})
         points = _get_json(f"{base}/data/plugin/scalars/scalars?{query}")
-        assert [p[1] for p in points] == list(range(2, 17, 2))
+        # as Lightning: written at the step's index, every 2nd step (1, 3, ..., 15)
+        assert [p[1] for p in points] == list(range(1, 16, 2))
         for _, step, value in points:
-            assert value == pytest.approx(module.losses[step - 1], rel=1e-6)
+            assert value == pytest.approx(module.losses[step], rel=1e-6)
         query = urllib.parse.urlencode({"run": "version_0", "tag": "val/loss"})
         points = _get_json(f"{base}/data/plugin/scalars/scalars?{query}")
         assert [(p[1], pytest.approx(p[2], rel=1e-6)) for p in points] == \
-            [(8, trainer.history[0]["val/loss"]), (16, trainer.history[1]["val/loss"])]
+            [(7, trainer.history[0]["val/loss"]), (15, trainer.history[1]["val/loss"])]
         assert not math.isnan(points[-1][2])
 
         # the HParams dashboard: the run's hyper-parameters beside its final metric values
@@ -249,8 +253,8 @@ def test_real_tensorboard_server_serves_the_scalars(tmp_path):
             groups = json.loads(resp.read().decode())["sessionGroups"]
         assert len(groups) == 1 and groups[0]["hparams"] == {"lr": 0.05, "tag": "tiny", "fail_at": -1}
         final = {m["name"]["tag"]: (m["trainingStep"], m["value"]) for m in groups[0]["metricValues"]}
-        assert final == {"train/loss": (16, pytest.approx(module.losses[15], rel=1e-6)),
-                         "val/loss": (16, pytest.approx(trainer.history[1]["val/loss"], rel=1e-6))}
+        assert final == {"train/loss": (15, pytest.approx(module.losses[15], rel=1e-6)),
+                         "val/loss": (15, pytest.approx(trainer.history[1]["val/loss"], rel=1e-6))}
         assert groups[0]["sessions"][0]["status"] == "STATUS_SUCCESS"
     finally:
         proc.terminate()
@@ -296,7 +300,7 @@ def test_keyboard_interrupt_flushes_both_loggers(tmp_path):
         fit(tmp_path, [tb, csv_logger], Interrupted(), log_every_n_steps=1)
     assert tb._writer is None
     ea = read(tb.log_dir)
-    assert [e.step for e in ea.Scalars("train/loss")] == [1, 2, 3]
+    assert [e.step for e in ea.Scalars("train/loss")] == [0, 1, 2]  # the 3 steps taken, at their indices
     assert hparams_data(ea)["_hparams_/session_end_info"].session_end_info.status == api_pb2.STATUS_FAILURE
     with open(csv_logger.metrics_file) as fh:
-        assert [ln.split(",")[0] for ln in fh.read().splitlines()] == ["step", "1", "2", "3"]
+        assert [ln.split(",")[0] for ln in fh.read().splitlines()] == ["step", "0", "1", "2"]

@@ -61,7 +61,8 @@ def test_rates_and_data_wait_are_logged_at_the_logging_cadence():
     cb = ThroughputMonitor()
     rec = fit(cb, data_s=0.02, compute_s=0.005)
     logged = [(s, m) for s, m in rec.calls if "throughput/samples_per_sec" in m]
-    assert [s for s, _ in logged] == [4, 8]
+    # beside the loop's step metrics: every 4th step, written (as Lightning) at the step's index, 3 and 7
+    assert [s for s, _ in logged] == [3, 7]
     for _, m in logged:
         assert m["throughput/samples_per_sec"] == pytest.approx(4 * m["throughput/batches_per_sec"])
         # sleeps only last longer than asked on a busy machine, so the lower bounds of time are firm
@@ -85,7 +86,8 @@ def test_compute_bound_and_custom_batch_size():
 def test_short_epochs_still_report_and_no_logger_is_fine():
     cb = ThroughputMonitor()
     rec = fit(cb, data_s=0.0, compute_s=0.0, n=3)  # fewer batches than log_every_n_steps
-    assert [s for s, m in rec.calls if "throughput/batches_per_sec" in m] == [3]
+    # the epoch's tail, written at the epoch's end: (as Lightning) the index of its last step, 2
+    assert [s for s, m in rec.calls if "throughput/batches_per_sec" in m] == [2]
     cb = ThroughputMonitor()
     fit(cb, data_s=0.0, compute_s=0.0, n=5, logger=False)
     assert cb.last_metrics["throughput/batches_per_sec"] > 0

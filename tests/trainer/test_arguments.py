@@ -268,26 +268,30 @@ def test_log_every_n_steps_with_a_recording_logger():
     logger = RecordingLogger()
     trainer = fast_trainer(logger=logger, log_every_n_steps=2, max_epochs=2)
     trainer.fit(TrainOnlyModel(), regression_loader(n=64, batch_size=8))
-    assert logger.steps_with("train_loss") == [2, 4, 6, 8, 10, 12, 14, 16]
+    # As Lightning: a step's metrics are written at the step's index (0, 1, ...), and only when the step count
+    # after the step is a multiple of log_every_n_steps: 16 steps, every 2nd written at 1, 3, ..., 15.
+    assert logger.steps_with("train_loss") == [1, 3, 5, 7, 9, 11, 13, 15]
     step, metrics = logger.records[0]
-    assert step == 2
+    assert step == 1
     assert metrics["epoch"] == 0.0 and isinstance(metrics["train_loss"], float)
     assert logger.status == "success"
 
 
 def test_log_every_n_steps_is_kept_across_epoch_ends():
-    # 5 steps per epoch, every 2nd step logged: steps 2, 4, 6, 8, 10 (no extra write at an epoch's last step).
+    # 5 steps per epoch, every 2nd step logged: the 2nd, 4th, ... 10th step, written (as Lightning) at their
+    # indices 1, 3, 5, 7, 9 (no extra write at an epoch's last step).
     logger = RecordingLogger()
     trainer = fast_trainer(logger=logger, log_every_n_steps=2, max_epochs=2)
     trainer.fit(TrainOnlyModel(), regression_loader(n=40, batch_size=8))
-    assert logger.steps_with("train_loss") == [2, 4, 6, 8, 10]
+    assert logger.steps_with("train_loss") == [1, 3, 5, 7, 9]
 
 
 def test_log_every_n_steps_counts_optimizer_steps():
     logger = RecordingLogger()
     trainer = fast_trainer(logger=logger, log_every_n_steps=2, accumulate_grad_batches=2)
     trainer.fit(TrainOnlyModel(), regression_loader(n=64, batch_size=8))
-    assert logger.steps_with("train_loss") == [2, 4]
+    # 8 batches, 4 optimizer steps; the 2nd and 4th are written, at their indices 1 and 3 (as Lightning).
+    assert logger.steps_with("train_loss") == [1, 3]
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5])
@@ -462,7 +466,7 @@ def test_logger_instance_and_list():
     a, b = RecordingLogger(), RecordingLogger()
     trainer = fast_trainer(logger=[a, b], log_every_n_steps=1)
     trainer.fit(TrainOnlyModel(), regression_loader())
-    assert a.records == b.records and a.steps_with("train_loss") == [1, 2, 3, 4]
+    assert a.records == b.records and a.steps_with("train_loss") == [0, 1, 2, 3]  # as Lightning: step indices
 
 
 def test_logger_true_uses_the_default_logger(tmp_path):

@@ -86,8 +86,9 @@ def test_second_script_run_with_last_resumes_the_first_and_continues_its_log_dir
     assert step == 20, "the second run trained from scratch instead of resuming"
     assert log_dir.endswith(os.path.join("ember_logs", "version_0"))
     assert _versions(tmp_path) == ["version_0"], "the resumed run opened a new version directory"
-    # TensorBoard's curve continues: steps 1..20 once each, not a second curve starting at 0.
-    assert _event_steps(tmp_path / "ember_logs" / "version_0") == list(range(1, 21))
+    # TensorBoard's curve continues: steps 0..19 once each (as Lightning, a step's metrics are written at the
+    # step's index), not a second curve starting again at 0.
+    assert _event_steps(tmp_path / "ember_logs" / "version_0") == list(range(20))
     names = sorted(os.listdir(tmp_path / "ember_logs" / "version_0" / "checkpoints"))
     assert names == ["epoch=4-step=20.ckpt", "last.ckpt"]
     # A third run without ckpt_path starts a run of its own beside it.
@@ -200,7 +201,7 @@ def _resume_expecting_error(tmp_path, ckpt, match):
     t = ember.Trainer(max_epochs=3, enable_progress_bar=False, logger=False, callbacks=[rec, cb])
     before = copy.deepcopy(module.state_dict())
     optimizers = []
-    real = t._run_fit
+    real = t._fit
 
     def run_fit(*args):
         try:
@@ -208,7 +209,7 @@ def _resume_expecting_error(tmp_path, ckpt, match):
         finally:
             optimizers.extend(t.optimizers)
 
-    t._run_fit = run_fit
+    t._fit = run_fit
     with pytest.raises(CheckpointError, match=match) as info:
         t.fit(module, regression_loader(), ckpt_path=str(path))
     after = module.state_dict()

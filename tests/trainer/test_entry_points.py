@@ -151,8 +151,8 @@ def test_trainer_and_module_state_during_fit():
     trainer = fast_trainer(max_epochs=2, callbacks=[Peek()], num_sanity_val_steps=1)
     module = BoringModel()
     trainer.fit(module, regression_loader(n=16), regression_loader(n=8))
-    # global_step is updated after on_train_batch_end: the hook sees the count before this batch's step.
-    assert seen["steps"] == [(0, 0, 0, 0), (0, 0, 1, 1), (1, 1, 2, 2), (1, 1, 3, 3)]
+    # As Lightning 2.6.6: global_step already counts this batch's step in on_train_batch_end.
+    assert seen["steps"] == [(0, 0, 1, 1), (0, 0, 2, 2), (1, 1, 3, 3), (1, 1, 4, 4)]
     assert seen["training"] is True and seen["sanity_training"] is False and seen["state"] == "fitting"
     assert seen["module_trainer"] and seen["lightning_module"]
     assert seen["device"] == torch.device("cpu") and seen["rank"] == 0

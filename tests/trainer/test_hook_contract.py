@@ -82,10 +82,9 @@ def test_fit_sequence():
     calls = record(lambda c: trainer(c).fit(RecordingHookModule(c)))
     expected = (
         start("fit") + ["M.configure_optimizers"] + both("on_fit_start")
-        # Lightning requests val_dataloader inside the sanity check (after on_sanity_check_start) and
-        # train_dataloader after it; ember requests both, in that order, before the sanity check.
-        + ["M.val_dataloader", "M.train_dataloader"]
-        + ["C.on_sanity_check_start"] + eval_block("validation", 1) + ["C.on_sanity_check_end"]
+        # As Lightning: val_dataloader is requested inside the sanity check, train_dataloader after it.
+        + ["C.on_sanity_check_start", "M.val_dataloader"] + eval_block("validation", 1)
+        + ["C.on_sanity_check_end", "M.train_dataloader"]
         + both("on_train_start") + epoch(0) + epoch(1) + both("on_train_end") + both("on_fit_end") + end("fit")
     )
     assert calls == expected
@@ -147,7 +146,7 @@ class _SaveAtStep(Callback):
         self.path, self.after_step = path, after_step
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step + 1 == self.after_step:  # global_step counts this batch's step after this hook
+        if trainer.global_step == self.after_step:  # global_step already counts this batch's step (as Lightning)
             trainer.save_checkpoint(self.path)
 
 
@@ -156,12 +155,11 @@ def test_mid_epoch_resume_sequence(tmp_path):
     trainer([], callbacks=[_SaveAtStep(path, 3)], num_sanity_val_steps=0).fit(HookModule([]))  # epoch 1, batch 0 done
     calls = record(lambda c: trainer(c, num_sanity_val_steps=0).fit(RecordingHookModule(c), ckpt_path=path))
     expected = (
-        start("fit") + ["M.on_load_checkpoint", "M.load_state_dict(strict=)", "M.configure_optimizers"]
-        + both("on_fit_start")
+        # As Lightning: the weights and the callbacks' state before configure_optimizers; the optimizers
+        # and progress after on_fit_start; the loaders after them.
+        start("fit") + ["M.on_load_checkpoint", "M.load_state_dict(strict=)", "C.on_load_checkpoint"]
+        + ["M.configure_optimizers"] + both("on_fit_start")
         + ["M.train_dataloader", "M.val_dataloader"]
-        # Lightning also restores the callbacks before configure_optimizers; ember restores them with the
-        # optimizers and progress here, after validating every entry (so a bad checkpoint loads nothing).
-        + ["C.on_load_checkpoint"]
         + both("on_train_start")
         # no on_train_epoch_start: the epoch had started before the checkpoint
         + train_batch(1, 1, epoch_sched=True) + ["M.on_validation_model_zero_grad"] + eval_block("validation", 2)

@@ -158,8 +158,8 @@ def test_only_overriding_callbacks_are_dispatched():
 
     trainer = fast_trainer(callbacks=[Nothing(), EpochOnly()], limit_train_batches=1)
     trainer.fit(_Plain(), regression_loader())
-    assert trainer._hooks("on_train_batch_end") == []
-    assert len(trainer._hooks("on_train_epoch_start")) == 1
+    assert trainer._hooks.get("on_train_batch_end") == []
+    assert len(trainer._hooks.get("on_train_epoch_start")) == 1
 
 
 class _Plain(ember.TrainModule):

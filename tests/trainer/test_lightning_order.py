@@ -114,11 +114,6 @@ WITHOUT_SANITY = {
     "module": START + "M.train_dataloader M.val_dataloader" + TRAINING + END,
     "datamodule": START_DATA + "D.train_dataloader D.val_dataloader" + TRAINING + END_DATA,
 }
-LOADERS_BEFORE_SANITY = ("both loaders are requested before on_sanity_check_start (val, then train); Lightning "
-                         "requests val_dataloader after on_sanity_check_start and train_dataloader after "
-                         "on_sanity_check_end")
-DATA_TEARDOWN_LAST = "DataModule.teardown runs after the callbacks' and the module's teardown; Lightning runs it first"
-
 
 def fit_recorded(source: str, sanity: int) -> list[str]:
     calls: list[str] = []
@@ -131,19 +126,18 @@ def fit_recorded(source: str, sanity: int) -> list[str]:
 
 
 @pytest.mark.parametrize("source", [
-    pytest.param("module", marks=xfail(LOADERS_BEFORE_SANITY)),
-    pytest.param("datamodule", marks=xfail(f"{LOADERS_BEFORE_SANITY}; {DATA_TEARDOWN_LAST}")),
+    "module",
+    "datamodule",
 ])
 def test_loaders_are_requested_around_the_sanity_check(source):
     assert fit_recorded(source, sanity=2) == lines(WITH_SANITY[source])
 
 
-@pytest.mark.parametrize("source", ["module", pytest.param("datamodule", marks=xfail(DATA_TEARDOWN_LAST))])
+@pytest.mark.parametrize("source", ["module", "datamodule"])
 def test_loaders_without_a_sanity_check(source):
     assert fit_recorded(source, sanity=0) == lines(WITHOUT_SANITY[source])
 
 
-@xfail(LOADERS_BEFORE_SANITY)
 def test_only_the_loader_order_around_the_sanity_check():
     """Point 1 alone, without the rest of the sequence: where the two loader requests fall."""
     calls = fit_recorded("datamodule", sanity=2)
@@ -257,9 +251,9 @@ RESUME_LOADERS = """
 """
 
 
-def resumed(tmp_path: Any) -> tuple[list[str], list[str]]:
-    """Fit 1 epoch, save, resume with max_epochs=2: the calls up to and including M.on_fit_start, and the calls
-    after it up to on_train_epoch_start."""
+def resumed(tmp_path: Any, sanity: int = 0) -> tuple[list[str], list[str]]:
+    """Fit 1 epoch, save, resume with max_epochs=2 (and ``sanity`` sanity-check steps): the calls up to and
+    including M.on_fit_start, and the calls after it up to on_train_epoch_start."""
     path = str(tmp_path / "one_epoch.ckpt")
     first = trainer([], max_epochs=1, limit_val_batches=1, num_sanity_val_steps=0, callbacks=[StateCallback([])])
     first.fit(ResumeModule([]), datamodule=StateData([]))
@@ -270,7 +264,7 @@ def resumed(tmp_path: Any) -> tuple[list[str], list[str]]:
     _PROBED.update(saved=torch.load(path, weights_only=True)["state_dict"]["layer.weight"], module=module)
     try:
         torch.manual_seed(1)
-        again = trainer(calls, max_epochs=2, limit_val_batches=1, num_sanity_val_steps=0,
+        again = trainer(calls, max_epochs=2, limit_val_batches=1, num_sanity_val_steps=sanity,
                         callbacks=[StateCallback(calls)])
         again.fit(module, datamodule=StateData(calls), ckpt_path=path)
     finally:
@@ -280,21 +274,33 @@ def resumed(tmp_path: Any) -> tuple[list[str], list[str]]:
     return calls[:fit_start + 1], calls[fit_start + 1:calls.index("C.on_train_epoch_start")]
 
 
-@xfail("on resume the callbacks (on_load_checkpoint, load_state_dict) and the datamodule (load_state_dict, after the "
-       "callbacks) are restored after on_fit_start and after the loaders are requested; Lightning restores the "
-       "datamodule, then the callbacks, between M.load_state_dict and configure_optimizers")
 def test_resume_restores_the_datamodule_and_callbacks_before_configure_optimizers(tmp_path):
     restore, _ = resumed(tmp_path)
     assert restore == lines(RESUME_RESTORE)
 
 
-@xfail("on resume the loaders are requested before the optimizer state, global_step and current_epoch are restored "
-       "(they see an empty optimizer state, step 0, epoch 0); Lightning restores those after on_fit_start and before "
-       "it requests the loaders (they see the loaded optimizer state, step 2, epoch 1)")
 def test_resume_restores_the_optimizers_and_progress_before_the_loaders(tmp_path):
     _, rest = resumed(tmp_path)
     assert [c for c in rest if c.startswith(("D.train_dataloader", "D.val_dataloader", "C.on_train_start",
                                              "M.on_train_start"))] == lines(RESUME_LOADERS)
+
+
+# Lightning 2.6.6, the same resume with num_sanity_val_steps=1: the sanity check runs on a resume too, after the
+# training state is restored (the validation loader sees the loaded optimizer state and step 2).
+RESUME_SANITY = """
+    C.on_sanity_check_start
+    D.val_dataloader[opt=loaded,step=2,epoch=1,w=ckpt]
+    C.on_sanity_check_end
+    D.train_dataloader[opt=loaded,step=2,epoch=1,w=ckpt]
+    C.on_train_start[opt=loaded,step=2,epoch=1,w=ckpt]
+    M.on_train_start[opt=loaded,step=2,epoch=1,w=ckpt]
+"""
+
+
+def test_a_resume_runs_the_sanity_check_after_restoring_the_training_state(tmp_path):
+    _, rest = resumed(tmp_path, sanity=1)
+    assert [c for c in rest if c.startswith(("C.on_sanity_check", "D.train_dataloader", "D.val_dataloader",
+                                             "C.on_train_start", "M.on_train_start"))] == lines(RESUME_SANITY)
 
 
 # ------------------------------------------------------------------------------------ 3. global_step, log steps
@@ -415,7 +421,6 @@ STEPS = {
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-@xfail("in on_train_batch_end global_step does not count the batch's optimizer step yet; in Lightning it does")
 def test_global_step_in_the_batch_hooks(accumulate):
     seen, _, t = step_fit(accumulate)
     assert t.global_step == 4 // accumulate
@@ -446,8 +451,6 @@ LOGGED = {
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-@xfail("loggers get step=global_step after the optimizer step (1, 2, ...; epoch-end and validation metrics at the "
-       "epoch's global_step); Lightning writes at global_step - 1 (0, 1, ...; epoch-end at the last step index)")
 def test_logged_steps(accumulate):
     _, logger, _ = step_fit(accumulate, max_epochs=2, n_val=2)
     assert logger.records == LOGGED[accumulate]
@@ -528,8 +531,6 @@ def test_lbfgs_calls_training_step_per_closure_and_counts_one_step_per_batch():
     assert t.global_step == 2
 
 
-@xfail("with a closure optimizer (LBFGS) an overridden optimizer_step is not called; Lightning calls it once per "
-       "batch and the closure runs inside its optimizer.step(closure=...)")
 def test_lbfgs_with_an_overridden_optimizer_step():
     seen, module, t = lbfgs_fit(LBFGSOverride)
     _, plain, _ = lbfgs_fit(LBFGSModule)
@@ -585,7 +586,5 @@ def test_backward_override_without_ddp():
 
 
 @pytest.mark.timeout(60)
-@xfail("under strategy='ddp' an overridden TrainModule.backward is not called (the strategy's backward is used); "
-       "Lightning calls the override on every rank")
 def test_backward_override_under_ddp():
     assert run_ranks(_backward_rank, 2, timeout=50) == [BACKWARD_DDP, BACKWARD_DDP]

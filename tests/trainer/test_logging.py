@@ -74,7 +74,7 @@ def test_training_step_defaults_to_on_step_only():
     assert trainer.callback_metrics["a"] == pytest.approx(6.5)  # the last step's value
     assert "a_step" not in trainer.callback_metrics and "a_epoch" not in trainer.callback_metrics
     assert [m["a"] for _, m in logger.records if "a" in m] == pytest.approx([2.5, 6.5])
-    assert logger.steps_with("a") == [1, 2]
+    assert logger.steps_with("a") == [0, 1]  # as Lightning: a step's metrics are written at the step's index
 
 
 @pytest.mark.parametrize("where", ["on_train_batch_end", "on_after_backward"])
@@ -87,7 +87,8 @@ def test_on_train_epoch_end_defaults_to_on_epoch():
     logger = RecordingLogger()
     trainer = run(only("on_train_epoch_end", lambda m, b, i: m.log("e", 3.0)), logger=logger, max_epochs=2)
     assert trainer.callback_metrics["e"] == pytest.approx(3.0)
-    assert [s for s, m in logger.records if "e" in m] == [2, 4]  # written once per epoch, at its last step
+    # Written once per epoch, at (as Lightning) the index of the epoch's last step: 2 steps an epoch, so 1 and 3.
+    assert [s for s, m in logger.records if "e" in m] == [1, 3]
 
 
 def test_on_step_and_on_epoch_give_step_and_epoch_keys():
@@ -103,7 +104,7 @@ def test_on_step_and_on_epoch_give_step_and_epoch_keys():
     assert trainer.logged_metrics["a_step"] == pytest.approx(6.5)
     assert trainer.logged_metrics["a_epoch"] == pytest.approx(4.5)
     assert all(isinstance(v, float) for v in trainer.logged_metrics.values())
-    assert [s for s, m in logger.records if "a_epoch" in m] == [2]
+    assert [s for s, m in logger.records if "a_epoch" in m] == [1]  # as Lightning: the epoch's last step index
 
 
 def test_on_epoch_only_in_training():
@@ -333,5 +334,6 @@ def test_values_logged_in_on_train_start_belong_to_the_first_epoch(sanity):
     trainer.fit(module, value_loader([1.0, 2.0, 3.0, 4.0], 2), value_loader([1.0, 2.0], 2) if sanity else None)
     assert trainer.history[0]["at_start"] == 3.0
     assert trainer.history[0]["a_epoch"] == trainer.history[1]["a_epoch"] == 2.5
-    assert logger.steps_with("at_start") == [2]  # written with the first epoch's values, at its last step
+    # Written with the first epoch's values, at (as Lightning) the index of its last step: 2 steps, so 1.
+    assert logger.steps_with("at_start") == [1]
     assert trainer.callback_metrics["at_start"] == 3.0

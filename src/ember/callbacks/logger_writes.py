@@ -11,11 +11,20 @@ if TYPE_CHECKING:
 def logs_after_this_batch(trainer: Trainer) -> bool:
     """Called in ``on_train_batch_end``: will the loop write step metrics once this batch is done?
 
-    The loop increments ``global_step`` after ``on_train_batch_end`` when the batch stepped an
-    optimizer, and writes step metrics when the new step is a multiple of ``log_every_n_steps``.
+    The fit loop decides (a batch that stepped the optimizer, ``global_step`` a multiple of
+    ``log_every_n_steps``, loggers present) before ``on_train_batch_end``; these callbacks then
+    write at ``trainer.global_step``, the step the loop's own write uses.
     """
-    stepped = getattr(trainer._loop, "stepped_this_batch", False)
-    return stepped and (trainer.global_step + 1) % trainer.log_every_n_steps == 0
+    loop = trainer.fit_loop
+    return loop is not None and loop.writes_step_metrics
+
+
+def logger_step(trainer: Trainer) -> int:
+    """The step loggers get now, numbered as Lightning numbers it: during a fit, the optimizer steps
+    taken before the current batch's step (so a batch's metrics, its validation and an epoch's end
+    are written at the index of the step: 0, 1, ...); outside a fit, ``global_step``."""
+    loop = trainer.fit_loop
+    return loop.log_step if loop is not None and trainer.state == "fitting" else trainer.global_step
 
 
 def write_to_loggers(trainer: Trainer, metrics: dict[str, float], step: int) -> None:

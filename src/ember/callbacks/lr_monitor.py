@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
-from ember.callbacks.logger_writes import logs_after_this_batch, write_to_loggers
+from ember.callbacks.logger_writes import logger_step, logs_after_this_batch, write_to_loggers
 
 if TYPE_CHECKING:
     import torch
@@ -92,7 +92,7 @@ class LearningRateMonitor(Callback):
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._interval == "step" and logs_after_this_batch(trainer):
-            step = trainer.global_step + 1
+            step = logger_step(trainer)
             if step != self._last_step:
                 self._last_step = step
                 self.last_stats = getattr(self, "_rates_of_this_step", None) or self._stats()
@@ -100,4 +100,4 @@ class LearningRateMonitor(Callback):
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
         if self._interval == "epoch":
-            self._log(trainer, trainer.global_step)
+            self._log(trainer, logger_step(trainer))

@@ -242,7 +242,7 @@ class ModelCheckpoint(Callback):
         # step) when validation runs once per epoch at its end, or not at all; otherwise after validation.
         if trainer.check_val_every_n_epoch != 1:
             return False
-        if not (trainer._val_loaders and any(trainer.num_val_batches)):
+        if not any(trainer.num_val_batches):
             return True
         return isinstance(trainer.val_check_interval, float) and trainer.val_check_interval == 1.0
 

@@ -240,7 +240,10 @@ class ProgressBar(Callback):
         bar.close()
 
     def on_validation_start(self, trainer: Any, module: Any) -> None:
-        self._eval_start(trainer, "Sanity check" if trainer.sanity_checking else "Validation", trainer._eval_total)
+        if trainer.sanity_checking:
+            self._eval_start(trainer, "Sanity check", sum(trainer.num_sanity_val_batches))
+        else:
+            self._eval_start(trainer, "Validation", sum(trainer.num_val_batches))
 
     def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
@@ -250,7 +253,7 @@ class ProgressBar(Callback):
         self._eval_end(trainer, show_metrics=True)
 
     def on_test_start(self, trainer: Any, module: Any) -> None:
-        self._eval_start(trainer, "Testing", trainer._eval_total)
+        self._eval_start(trainer, "Testing", sum(trainer.num_test_batches))
 
     def on_test_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
                           dataloader_idx: int = 0) -> None:
@@ -260,7 +263,7 @@ class ProgressBar(Callback):
         self._eval_end(trainer, show_metrics=True)
 
     def on_predict_start(self, trainer: Any, module: Any) -> None:
-        self._eval_start(trainer, "Predicting", trainer._eval_total)
+        self._eval_start(trainer, "Predicting", sum(trainer.num_predict_batches))
 
     def on_predict_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
                              dataloader_idx: int = 0) -> None:

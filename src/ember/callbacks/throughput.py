@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
-from ember.callbacks.logger_writes import logs_after_this_batch, write_to_loggers
+from ember.callbacks.logger_writes import logger_step, logs_after_this_batch, write_to_loggers
 from ember.utils import infer_batch_size
 
 if TYPE_CHECKING:
@@ -69,12 +69,12 @@ class ThroughputMonitor(Callback):
         self._compute += now - self._batch_start
         self._batches += 1
         if logs_after_this_batch(trainer):
-            self._emit(trainer, trainer.global_step + 1)
+            self._emit(trainer, logger_step(trainer))
         self._last_end = time.perf_counter()
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
         if self._batches:  # the epoch's tail since the last write (all of it in short epochs)
-            self._emit(trainer, trainer.global_step)
+            self._emit(trainer, logger_step(trainer))
 
     def _emit(self, trainer: Trainer, step: int) -> None:
         total = self._wait + self._compute

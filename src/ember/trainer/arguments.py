@@ -1,4 +1,4 @@
-"""Turning Trainer arguments into things: devices, the strategy, callbacks and loggers."""
+"""The Trainer's arguments: checked, and turned into things (devices, the strategy, callbacks, loggers)."""
 from __future__ import annotations
 
 import os
@@ -16,6 +16,49 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 _ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
+
+
+def check_schedule(*, max_epochs: int | None, max_steps: int, min_epochs: int, accumulate_grad_batches: int,
+                   gradient_clip_val: float | None, gradient_clip_algorithm: str, val_check_interval: int | float,
+                   check_val_every_n_epoch: int | None, log_every_n_steps: int, num_sanity_val_steps: int,
+                   reload_dataloaders_every_n_epochs: int, fast_dev_run: bool | int) -> int:
+    """Check the Trainer's schedule arguments (each error names the argument and what it accepts);
+    return ``max_epochs`` resolved (1000 when neither it nor ``max_steps`` is given)."""
+    if max_epochs is None:
+        max_epochs = 1000 if max_steps == -1 else -1
+    if not isinstance(max_epochs, int) or (max_epochs < 0 and max_epochs != -1):
+        raise ValueError(f"max_epochs must be a non-negative int (or -1 for no limit), got {max_epochs!r}.")
+    if not isinstance(max_steps, int) or (max_steps < 0 and max_steps != -1):
+        raise ValueError(f"max_steps must be a non-negative int (or -1 for no limit), got {max_steps!r}.")
+    if not isinstance(min_epochs, int) or min_epochs < 0:
+        raise ValueError(f"min_epochs must be a non-negative int, got {min_epochs!r}.")
+    if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
+        raise ValueError(f"accumulate_grad_batches must be a positive int, got {accumulate_grad_batches!r}.")
+    if gradient_clip_algorithm not in ("norm", "value"):
+        raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}.")
+    if gradient_clip_val is not None and gradient_clip_val < 0:
+        raise ValueError(f"gradient_clip_val must be >= 0, got {gradient_clip_val!r}.")
+    if (isinstance(val_check_interval, bool) or not isinstance(val_check_interval, (int, float))
+            or val_check_interval <= 0):
+        raise ValueError("val_check_interval must be a fraction in (0, 1] or a positive int, "
+                         f"got {val_check_interval!r}.")
+    if isinstance(val_check_interval, float) and val_check_interval > 1.0:
+        raise ValueError(f"val_check_interval={val_check_interval} is a fraction above 1.0; "
+                         "pass an int for a batch count.")
+    if check_val_every_n_epoch is not None and (not isinstance(check_val_every_n_epoch, int)
+                                                or check_val_every_n_epoch < 1):
+        raise ValueError("check_val_every_n_epoch must be a positive int or None, "
+                         f"got {check_val_every_n_epoch!r}.")
+    if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
+        raise ValueError(f"log_every_n_steps must be a positive int, got {log_every_n_steps!r}.")
+    if not isinstance(num_sanity_val_steps, int) or num_sanity_val_steps < -1:
+        raise ValueError(f"num_sanity_val_steps must be an int >= -1, got {num_sanity_val_steps!r}.")
+    if not isinstance(reload_dataloaders_every_n_epochs, int) or reload_dataloaders_every_n_epochs < 0:
+        raise ValueError("reload_dataloaders_every_n_epochs must be a non-negative int, got "
+                         f"{reload_dataloaders_every_n_epochs!r}.")
+    if not isinstance(fast_dev_run, int) or fast_dev_run < 0:  # bool is an int: True means 1
+        raise ValueError(f"fast_dev_run must be a bool or a non-negative int, got {fast_dev_run!r}.")
+    return max_epochs
 
 
 def check_limit(name: str, value: int | float | None) -> int | float:

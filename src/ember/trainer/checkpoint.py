@@ -41,9 +41,7 @@ exist in the saved run keep the stream ``seed_everything`` gave them.
 """
 from __future__ import annotations
 
-import copy
 import glob
-import math
 import os
 import warnings
 from collections.abc import Callable
@@ -65,13 +63,10 @@ from ember.checkpoint_io import (  # noqa: F401  (file-level API, re-exported he
     write_atomic,
 )
 from ember.rng import apply_rng, capture_rng, rng_from_tensor, rng_to_tensor  # noqa: F401 (re-exported)
-from ember.strategies.resumable import SkipFirstBatches, resumable_sampler_of
-from ember.trainer import checkpoint_check
-from ember.trainer.metrics import _Entry
+from ember.strategies.resumable import resumable_sampler_of
 from ember.version import __version__
 
 if TYPE_CHECKING:
-    from ember.data import DataModule
     from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
 
@@ -148,7 +143,7 @@ def save(trainer: Trainer, filepath: str, weights_only: bool = False,
 
 
 def _sampler_state(trainer: Trainer) -> dict[str, Any] | None:
-    loader = trainer._train_loader
+    loader = trainer._data.train_loader
     sampler = resumable_sampler_of(loader)
     if sampler is None:
         return None
@@ -166,35 +161,13 @@ def _sampler_state(trainer: Trainer) -> dict[str, Any] | None:
     return state
 
 
-_ENTRY_FIELDS = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist")
-
-
 def _train_accumulators(trainer: Trainer) -> list[dict[str, Any]]:
-    """The running sums behind this epoch's ``on_epoch`` training metrics, so that a mid-epoch resume
-    logs the same epoch values. Single-process only: other ranks' sums are not gathered."""
+    """The running sums of this epoch's ``on_epoch`` training metrics, mid-epoch only. Single-process
+    only: other ranks' sums are not gathered."""
     p = trainer.progress
     if trainer.strategy.world_size != 1 or not p.batch_in_epoch or p.epoch_finished:
         return []
-    out = []
-    for e in trainer._metrics._stages.get("train", {}).values():
-        d = {f: getattr(e, f) for f in _ENTRY_FIELDS}
-        d["total"] = e.total.detach().to("cpu") if isinstance(e.total, torch.Tensor) else e.total
-        d["weight"] = e.weight.detach().to("cpu") if isinstance(e.weight, torch.Tensor) else e.weight
-        out.append(d)
-    return out
-
-
-def _restore_train_accumulators(trainer: Trainer, saved: list[dict[str, Any]]) -> None:
-    if not saved or trainer.strategy.world_size != 1:
-        return
-    device = trainer.strategy.root_device
-    stage = {}
-    for d in saved:
-        e = _Entry(*(d[f] for f in _ENTRY_FIELDS))
-        e.total = d["total"].to(device) if isinstance(d["total"], torch.Tensor) else d["total"]
-        e.weight = d["weight"].to(device) if isinstance(d["weight"], torch.Tensor) else d["weight"]
-        stage[e.name] = e
-    trainer._metrics._stages["train"] = stage
+    return trainer._metrics.state_dict()
 
 
 def _dataset_len(loader: Any) -> int | None:
@@ -291,187 +264,3 @@ def resolve(trainer: Trainer, ckpt_path: str | os.PathLike, continue_run: bool =
                                   "checkpoint yet. Pass a path, or 'last'.")
         return best[0]
     return os.fspath(ckpt_path)
-
-
-def restore_weights(trainer: Trainer, path: str) -> tuple[dict[str, Any], Callable[[], None]]:
-    """A fit resume's first part, before ``configure_optimizers`` (as in Lightning): the module's
-    ``on_load_checkpoint`` and its weights. Returns the checkpoint and a function that puts the
-    previous weights back, which ``restore(..., early=...)`` calls should the rest not fit."""
-    ckpt = load(path)
-    module = trainer.module
-    assert module is not None
-    if ckpt.get("weights_only") or "progress" not in ckpt:
-        raise CheckpointError(f"{path!r} holds weights only (save_weights_only=True), not the optimizer and progress "
-                              "state a fit resumes from. Start a new fit from it with "
-                              f"{type(module).__name__}.load_from_checkpoint(path), or resume from a full checkpoint.")
-    checkpoint_check.validate(trainer, ckpt, path, before_optimizers=True)
-    module.on_load_checkpoint(ckpt)
-    check_state_dict(module, ckpt["state_dict"], path, exact_dtype=True)
-    previous = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
-    module.load_state_dict(ckpt["state_dict"], strict=True)  # by keyword, as Lightning
-
-    def undo() -> None:
-        module.load_state_dict(previous)
-    return ckpt, undo
-
-
-def restore_weights_only(trainer: Trainer, path: str) -> dict[str, Any]:
-    """validate / test / predict with ``ckpt_path``: the module's weights only."""
-    ckpt = load(path)
-    module = trainer.module
-    assert module is not None  # restored at the start of a run, with the module attached
-    module.on_load_checkpoint(ckpt)
-    check_state_dict(module, ckpt["state_dict"], path)
-    module.load_state_dict(ckpt["state_dict"])
-    trainer.ckpt_path = path
-    return ckpt
-
-
-def restore(trainer: Trainer, path: str, early: tuple[dict[str, Any], Callable[[], None]]) -> dict[str, Any]:
-    """A fit resume's second part, after ``on_fit_start`` and the loaders: everything but the weights.
-
-    ``early`` is what ``restore_weights`` returned. Transactional: every remaining entry is
-    validated against this run (``checkpoint_check``) before anything changes; should a callback's
-    own ``load_state_dict`` (or anything else) still fail while applying, the optimizers,
-    schedulers, callbacks, progress and RNG states are put back, and so are the previous weights.
-    """
-    ckpt, undo_weights = early
-    try:
-        checkpoint_check.validate(trainer, ckpt, path)
-        for cb in trainer.callbacks:
-            if type(cb).on_load_checkpoint is not Callback.on_load_checkpoint:
-                cb.on_load_checkpoint(trainer, trainer.module, ckpt)  # type: ignore[arg-type]
-        undo = _snapshot(trainer)
-        try:
-            _apply(trainer, ckpt, path)
-        except BaseException:
-            undo()
-            raise
-    except BaseException:
-        undo_weights()
-        raise
-    trainer.ckpt_path = path
-    return ckpt
-
-
-def _apply(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
-    """Everything but the weights, user callbacks (the likeliest to fail) first."""
-    for cb in trainer.callbacks:
-        state = (ckpt.get("callbacks") or {}).get(cb.state_key)
-        if state:
-            cb.load_state_dict(state)
-    for opt, state in zip(trainer._optim.optimizers, ckpt["optimizer_states"]):
-        opt.load_state_dict(state)
-        if ckpt["progress"].get("global_step", 0) > 0:
-            # The optimizer has stepped in the saved run: keep torch's "scheduler stepped before the optimizer"
-            # warning quiet when a resumed epoch end steps a scheduler first.
-            opt._opt_called = True  # type: ignore[attr-defined]
-    for cfg, state in zip(trainer._optim.schedulers, ckpt["lr_schedulers"]):
-        cfg.scheduler.load_state_dict(state)
-    if trainer.datamodule is not None and ckpt.get("datamodule"):
-        trainer.datamodule.load_state_dict(ckpt["datamodule"])
-    trainer._precision.load_state_dict(ckpt.get("precision") or {})
-    trainer.progress.load_state_dict(ckpt["progress"])
-    trainer._metrics.callback_metrics.update(ckpt.get("callback_metrics") or {})
-    _restore_train_accumulators(trainer, ckpt.get("epoch_metrics") or [])
-    _restore_data_position(trainer, ckpt, path)
-    _restore_rng(trainer, ckpt)
-
-
-def _snapshot(trainer: Trainer) -> Callable[[], None]:
-    """What ``_apply`` may change, and a function that puts it back. At the start of a fit the
-    optimizers hold no state yet, so their copies are small."""
-    # Callbacks, and the datamodule: both restore through state_dict / load_state_dict.
-    callbacks: list[tuple[Callback | DataModule, dict[str, Any]]] = [
-        (cb, copy.deepcopy(cb.state_dict())) for cb in trainer.callbacks]
-    if trainer.datamodule is not None:
-        callbacks.append((trainer.datamodule, copy.deepcopy(trainer.datamodule.state_dict())))
-    optimizers = [(opt, copy.deepcopy(opt.state_dict())) for opt in trainer._optim.optimizers]
-    schedulers = [(cfg.scheduler, copy.deepcopy(cfg.scheduler.state_dict())) for cfg in trainer._optim.schedulers]
-    precision = copy.deepcopy(trainer._precision.state_dict())
-    progress = trainer.progress.state_dict()
-    metrics = dict(trainer._metrics.callback_metrics)
-    stages = dict(trainer._metrics._stages)
-    loader, offset = trainer._train_loader, trainer._position_offset
-    sampler = resumable_sampler_of(loader)
-    sampler_state = sampler.state_dict() if sampler is not None else None
-    rng = capture_rng()
-
-    def undo() -> None:
-        for cb, state in callbacks:
-            try:
-                cb.load_state_dict(state)
-            except Exception:  # the callback that failed to load fails again: the first error is the one to see
-                pass
-        for opt, state in optimizers:
-            opt.load_state_dict(state)
-        for sched, state in schedulers:
-            sched.load_state_dict(state)
-        trainer._precision.load_state_dict(precision)
-        trainer.progress.load_state_dict(progress)
-        trainer._metrics.callback_metrics = metrics
-        trainer._metrics._stages = stages
-        trainer._train_loader, trainer._position_offset = loader, offset
-        if sampler is not None:
-            sampler.load_state_dict(sampler_state)
-        apply_rng(rng)
-    return undo
-
-
-def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
-    progress = trainer.progress
-    saved = ckpt.get("sampler")
-    saved_world = int(ckpt.get("strategy", {}).get("world_size", 1))
-    world = trainer.strategy.world_size
-    loader = trainer._train_loader
-    sampler = resumable_sampler_of(loader)
-    new_world = saved is not None and saved_world != world and progress.batch_in_epoch and not progress.epoch_finished
-    if new_world and saved is not None:
-        # Continue from the next unseen sample of the global order, counted in this run's batches.
-        batch_size = getattr(loader, "batch_size", None) or saved.get("batch_size", 1)
-        progress.batch_in_epoch = math.ceil(saved["position"] / (batch_size * world))
-    if sampler is not None:
-        if saved is not None:
-            full = _len_or_none(loader)
-            # An epoch whose end already ran continues with the next epoch, from its first sample.
-            position = 0 if progress.epoch_finished else saved["position"]
-            sampler.load_state_dict({"seed": saved["seed"], "epoch": saved["epoch"], "position": position})
-            left = _len_or_none(loader)
-            if new_world:
-                if full is not None and left is not None:
-                    # What is left of the epoch is padded to a multiple of this run's ranks (see
-                    # ShardedSampler._end): count as done what this run's epoch length leaves over,
-                    # so the loop runs exactly the batches the sampler still yields on every rank.
-                    progress.batch_in_epoch = max(0, full - left)
-                # How far that count is from the global position, so checkpoints written later in
-                # this epoch record where it really is.
-                trainer._position_offset = (progress.current_epoch,
-                                            saved["position"] - progress.batch_in_epoch * batch_size * world)
-        return
-    if progress.batch_in_epoch and not progress.epoch_finished:
-        warnings.warn(f"Resuming mid-epoch from {path!r} with a train loader ember cannot resume at the sampler level: "
-                      f"the first {progress.batch_in_epoch} batches of the epoch are loaded again and skipped, and the "
-                      "order matches the interrupted run only if the loader's order is deterministic. Use a plain "
-                      "DataLoader (map-style dataset, default sampler) for an exact resume.", UserWarning)
-        trainer._train_loader = SkipFirstBatches(loader, progress.batch_in_epoch)
-
-
-def _len_or_none(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
-
-
-def _restore_rng(trainer: Trainer, ckpt: dict[str, Any]) -> None:
-    rng = ckpt.get("rng")
-    if not rng:
-        return
-    rank, world = trainer.strategy.global_rank, trainer.strategy.world_size
-    per_rank = rng["per_rank"]
-    if world != rng.get("world_size", len(per_rank)) and trainer.strategy.is_global_zero:
-        warnings.warn(f"The checkpoint was written by {len(per_rank)} process(es) and this run has {world}: per-rank "
-                      "random streams cannot carry over exactly; ranks that did not exist keep their current streams.",
-                      UserWarning)
-    if rank < len(per_rank):
-        apply_rng(per_rank[rank])

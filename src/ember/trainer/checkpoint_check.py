@@ -1,6 +1,6 @@
 """Validating a checkpoint's entries against the run that resumes from it, before anything changes.
 
-``checkpoint.restore`` is transactional: it first checks every entry it will apply (progress,
+A fit resume (``resume.py``) is transactional: it first checks every entry it will apply (progress,
 optimizers, schedulers, precision, callbacks, metrics, sampler position, RNG states, weights),
 and only then changes the module, the optimizers and the callbacks. A malformed or mismatched
 entry raises a ``CheckpointError`` that names the entry and says what is wrong, with nothing
@@ -47,28 +47,33 @@ def _list(value: Any, what: str) -> list[Any]:
     return list(value)
 
 
-def validate(trainer: Trainer, ckpt: dict[str, Any], path: str, before_optimizers: bool = False) -> None:
-    """Raise a ``CheckpointError`` unless every entry a fit resume applies fits ``trainer``.
+def validate(trainer: Trainer, ckpt: dict[str, Any], path: str, part: str) -> None:
+    """Raise a ``CheckpointError`` unless every entry that ``part`` of a fit resume applies fits ``trainer``.
 
-    With ``before_optimizers``, only the entries that can be checked before ``configure_optimizers``
-    and the loaders exist (a resume loads the weights that early, as Lightning does, and checks
-    these first so that a malformed file fails before the weights are touched).
+    ``part`` is "modules" (before ``configure_optimizers``: also every entry that needs neither the
+    optimizers nor the loaders, so that a malformed file fails before the weights are touched),
+    "training" (the optimizers exist) or "data" (the train loader exists).
     """
-    checks: list[tuple[str, Callable[[Trainer, dict[str, Any], Any], None]]] = [
-        ("precision", _precision),
-        ("callbacks", _callbacks),
-        ("callback_metrics", _callback_metrics),
-        ("epoch_metrics", _epoch_metrics),
-        ("strategy", _strategy),
-        ("rng", _rng),
-    ]
-    if not before_optimizers:
-        checks += [
+    parts: dict[str, list[tuple[str, Callable[[Trainer, dict[str, Any], Any], None]]]] = {
+        "modules": [
+            ("precision", _precision),
+            ("callbacks", _callbacks),
+            ("callback_metrics", _callback_metrics),
+            ("epoch_metrics", _epoch_metrics),
+            ("strategy", _strategy),
+            ("rng", _rng),
             ("progress", _progress),
+        ],
+        "training": [
             ("optimizer_states", _optimizers),
             ("lr_schedulers", _schedulers),
+        ],
+        "data": [
+            ("progress", _position),
             ("sampler", _sampler),
-        ]
+        ],
+    }
+    checks = parts[part]
     for entry, check in checks:
         try:
             check(trainer, ckpt, ckpt.get(entry))
@@ -89,6 +94,10 @@ def _progress(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
             _int(p.get(key), key)
     if not isinstance(p.get("epoch_finished", False), bool):
         raise _Bad(f"epoch_finished is {p['epoch_finished']!r}, not a bool")
+
+
+def _position(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
+    p = value
     n = trainer.num_training_batches
     saved_world = ckpt.get("strategy", {}).get("world_size", 1) if isinstance(ckpt.get("strategy"), dict) else 1
     if saved_world == trainer.strategy.world_size and n != math.inf and p["batch_in_epoch"] > n:
@@ -176,7 +185,7 @@ def _sampler(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
     _int(s.get("epoch"), "epoch")
     position = _int(s.get("position"), "position")
     try:
-        total = len(trainer._train_loader.dataset)
+        total = len(trainer.train_dataloader.dataset)
     except (AttributeError, TypeError):
         return
     if position > total:

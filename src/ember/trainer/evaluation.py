@@ -20,10 +20,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.module import TrainModule, _restore_modes
+from ember.trainer.loaders import batch_transfer
 from ember.utils import to_floats
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
+    from ember.trainer.hooks import Hooks
+    from ember.trainer.metrics import MetricCollector
+    from ember.trainer.precision import Precision
     from ember.trainer.trainer import Trainer
 
 
@@ -31,135 +35,145 @@ def _overrides(module: Any, name: str) -> bool:
     return getattr(type(module), name) is not getattr(TrainModule, name)
 
 
-def _to_eval(trainer: Trainer, hook: str) -> None:
-    """``on_{hook}_model_eval``: remember each submodule's ``training`` flag, then the hook (default ``eval()``)."""
-    module = trainer.module
-    module._ember_saved_modes = [(m, m.training) for m in module.modules()]
-    if _overrides(module, f"on_{hook}_model_eval"):
-        getattr(module, f"on_{hook}_model_eval")()
-    else:
-        module.eval()
+class EvaluationLoop:
+    """Runs evaluation (validate, test, the sanity check) and predict over a run's loaders.
 
-
-def _back_to_train(trainer: Trainer, hook: str) -> None:
-    """``on_{hook}_model_train`` (default: every submodule gets back its own previous flag)."""
-    module = trainer.module
-    try:
-        name = f"on_{hook}_model_train"
-        if hook != "predict" and _overrides(module, name):
-            getattr(module, name)()
-        else:
-            _restore_modes(module)
-    finally:
-        module.__dict__.pop("_ember_saved_modes", None)
-
-
-def run_evaluation_loop(trainer: Trainer, stage: str, loaders: list[Any], limits: list[float]) -> list[dict[str, Any]]:
-    """Run ``validation_step`` / ``test_step`` over ``loaders``; return one metric dict per loader.
-
-    ``stage`` is "validate", "test" or "sanity" (a validation whose metrics are thrown away).
-    With no batch to run at all, no hook runs (as in Lightning) and the result is empty.
+    Args:
+        trainer: the run's Trainer (datamodule and strategy, for the batch transfer).
+        module: the run's TrainModule.
+        hooks: the run's hooks.
+        metrics: the run's ``self.log`` collector.
+        precision: autocast around the steps.
+        input_dtype: floating inputs are cast to it (64-true), or None.
     """
-    t = trainer
-    many = len(loaders) > 1
-    if not any(limits):
-        return [{} for _ in loaders]
-    hook = "validation" if stage in ("validate", "sanity") else "test"
-    step_fn = getattr(t.strategy, f"{hook}_step")
-    metrics = t._metrics
-    metrics.start_stage(stage)
-    batch_start = t._hooks(f"on_{hook}_batch_start")
-    batch_end = t._hooks(f"on_{hook}_batch_end")
-    t._eval_total = sum(limits)
-    _to_eval(t, hook)
-    try:
-        t._call(f"on_{hook}_start")
-        metrics.fx = f"on_{hook}_epoch_start"
-        t._call(f"on_{hook}_epoch_start")
-        suffixes = [f"/dataloader_idx_{i}" if many else "" for i in range(len(loaders))]
-        ran: list[int] = []  # batches run per loader
-        t.strategy.prepare_for_evaluation()
+
+    def __init__(self, trainer: Trainer, module: TrainModule, hooks: Hooks, metrics: MetricCollector,
+                 precision: Precision, input_dtype: torch.dtype | None) -> None:
+        self.trainer, self.module, self.hooks, self.metrics, self.precision = trainer, module, hooks, metrics, precision
+        self.input_dtype = input_dtype
+        self.strategy = trainer.strategy
+
+    # ------------------------------------------------------------------ model mode
+    def _to_eval(self, hook: str) -> None:
+        """``on_{hook}_model_eval``: remember each submodule's ``training`` flag, then the hook (default ``eval()``)."""
+        module = self.module
+        module.__dict__["_ember_saved_modes"] = [(m, m.training) for m in module.modules()]  # read by _restore_modes
+        if _overrides(module, f"on_{hook}_model_eval"):
+            getattr(module, f"on_{hook}_model_eval")()
+        else:
+            module.eval()
+
+    def _back_to_train(self, hook: str) -> None:
+        """``on_{hook}_model_train`` (default: every submodule gets back its own previous flag)."""
+        module = self.module
         try:
+            name = f"on_{hook}_model_train"
+            if hook != "predict" and _overrides(module, name):
+                getattr(module, name)()
+            else:
+                _restore_modes(module)
+        finally:
+            module.__dict__.pop("_ember_saved_modes", None)
+
+    # ------------------------------------------------------------------ one loader
+    def _run_loader(self, hook: str, loader: Any, limit: float, dl_idx: int, many: bool,
+                    keep: list[Any] | None) -> int:
+        """Run ``{hook}_step`` with its batch hooks over the first ``limit`` batches of ``loader``, under
+        no_grad and autocast; append each output to ``keep`` (predict). Returns the batches run."""
+        metrics = self.metrics
+        step_fn = getattr(self.strategy, f"{hook}_step")
+        batch_start = self.hooks.get(f"on_{hook}_batch_start")
+        batch_end = self.hooks.get(f"on_{hook}_batch_end")
+        fx_start, fx_step, fx_end = f"on_{hook}_batch_start", f"{hook}_step", f"on_{hook}_batch_end"
+        extra = (dl_idx,) if many else ()  # dataloader_idx only with several loaders, as in Lightning
+        transfer = batch_transfer(self.trainer, dl_idx, self.input_dtype)
+        autocast = self.precision.autocast
+        ran = 0
+        for batch_idx, batch in enumerate(loader):
+            if batch_idx >= limit:
+                break
+            ran += 1
+            batch = transfer(batch)
+            metrics.batch = batch
+            metrics.batch_size = None
+            metrics.fx = fx_start
+            for h in batch_start:
+                h(batch, batch_idx, *extra)
+            metrics.fx = fx_step
+            with autocast():
+                out = step_fn(batch, batch_idx, *extra)
+            metrics.fx = fx_end
+            for h in batch_end:
+                h(out, batch, batch_idx, *extra)
+            if keep is not None:
+                keep.append(out)
+        return ran
+
+    # ------------------------------------------------------------------ evaluation
+    def run(self, stage: str, loaders: list[Any], limits: list[float]) -> list[dict[str, Any]]:
+        """Run ``validation_step`` / ``test_step`` over ``loaders``; return one metric dict per loader.
+
+        ``stage`` is "validate", "test" or "sanity" (a validation whose metrics are thrown away).
+        With no batch to run at all, no hook runs (as in Lightning) and the result is empty.
+        """
+        many = len(loaders) > 1
+        if not any(limits):
+            return [{} for _ in loaders]
+        hook = "validation" if stage in ("validate", "sanity") else "test"
+        metrics, hooks = self.metrics, self.hooks
+        metrics.start_stage(stage)
+        self._to_eval(hook)
+        try:
+            hooks.call(f"on_{hook}_start")
+            hooks.call(f"on_{hook}_epoch_start")
+            suffixes = [f"/dataloader_idx_{i}" if many else "" for i in range(len(loaders))]
+            ran: list[int] = []  # batches run per loader
+            self.strategy.prepare_for_evaluation()
+            try:
+                with torch.no_grad():
+                    for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
+                        metrics.key_suffix = suffixes[dl_idx]
+                        ran.append(self._run_loader(hook, loader, limit, dl_idx, many, None))
+                if self.strategy.world_size > 1 and _has_unsized(loaders):
+                    # Each rank ran its own number of batches (evaluation steps do not communicate), but the
+                    # epoch-end reduction below needs every rank to have logged something for each loader.
+                    _check_counts(self.strategy, ran, stage)
+                metrics.key_suffix = ""
+                hooks.call(f"on_{hook}_epoch_end")
+                epoch_metrics = metrics.end_stage()
+            finally:
+                metrics.key_suffix = ""
+            hooks.call(f"on_{hook}_end")
+        finally:
+            self._back_to_train(hook)
+        floats = to_floats(epoch_metrics)
+        if not many:
+            return [floats]
+        # Each loader's dict: its own keys, and keys logged outside any loader (in the epoch hooks), as Lightning.
+        return [{k: v for k, v in floats.items() if k.endswith(s) or "/dataloader_idx_" not in k} for s in suffixes]
+
+    # ------------------------------------------------------------------ predict
+    def predict(self, loaders: list[Any], limits: list[float]) -> list[list[Any]]:
+        """Run ``predict_step`` over ``loaders``; return one list of outputs per loader."""
+        if not any(limits):
+            return [[] for _ in loaders]
+        many = len(loaders) > 1
+        hooks = self.hooks
+        self._to_eval("predict")
+        results: list[list[Any]] = []
+        try:
+            self.strategy.prepare_for_evaluation()
+            hooks.call("on_predict_start")
+            hooks.call("on_predict_epoch_start")
             with torch.no_grad():
                 for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
-                    metrics.key_suffix = suffixes[dl_idx]
-                    # dataloader_idx is passed only when there are several loaders, as in Lightning.
-                    extra = (dl_idx,) if many else ()
-                    transfer = t._transfer(dl_idx)
-                    ran.append(0)
-                    for batch_idx, batch in enumerate(loader):
-                        if batch_idx >= limit:
-                            break
-                        ran[-1] += 1
-                        batch = transfer(batch)
-                        metrics.batch = batch
-                        metrics.batch_size = None
-                        metrics.fx = f"on_{hook}_batch_start"
-                        for h in batch_start:
-                            h(batch, batch_idx, *extra)
-                        metrics.fx = f"{hook}_step"
-                        with t._precision.autocast():
-                            out = step_fn(batch, batch_idx, *extra)
-                        metrics.fx = f"on_{hook}_batch_end"
-                        for h in batch_end:
-                            h(out, batch, batch_idx, *extra)
-            if t.strategy.world_size > 1 and _has_unsized(loaders):
-                # Each rank ran its own number of batches (evaluation steps do not communicate), but the
-                # epoch-end reduction below needs every rank to have logged something for each loader.
-                _check_counts(t.strategy, ran, stage)
-            metrics.key_suffix = ""
-            metrics.fx = f"on_{hook}_epoch_end"
-            t._call(f"on_{hook}_epoch_end")
-            epoch_metrics = metrics.end_stage()
+                    results.append([])
+                    self._run_loader("predict", loader, limit, dl_idx, many, results[-1])
+            hooks.call("on_predict_epoch_end")
+            hooks.call("on_predict_end")
         finally:
-            metrics.key_suffix = ""
-        t._call(f"on_{hook}_end")
-    finally:
-        _back_to_train(t, hook)
-    floats = to_floats(epoch_metrics)
-    if not many:
-        return [floats]
-    # Each loader's dict: its own keys, and keys logged outside any loader (in the epoch hooks), as Lightning.
-    return [{k: v for k, v in floats.items() if k.endswith(s) or "/dataloader_idx_" not in k} for s in suffixes]
-
-
-def run_predict_loop(trainer: Trainer, loaders: list[Any], limits: list[float]) -> list[list[Any]]:
-    """Run ``predict_step`` over ``loaders``; return one list of outputs per loader."""
-    t = trainer
-    if not any(limits):
-        return [[] for _ in loaders]
-    many = len(loaders) > 1
-    t._eval_total = sum(limits)
-    _to_eval(t, "predict")
-    results: list[list[Any]] = []
-    try:
-        t.strategy.prepare_for_evaluation()
-        t._call("on_predict_start")
-        t._call("on_predict_epoch_start")
-        batch_start = t._hooks("on_predict_batch_start")
-        batch_end = t._hooks("on_predict_batch_end")
-        with torch.no_grad():
-            for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
-                extra = (dl_idx,) if many else ()
-                transfer = t._transfer(dl_idx)
-                outs: list[Any] = []
-                for batch_idx, batch in enumerate(loader):
-                    if batch_idx >= limit:
-                        break
-                    batch = transfer(batch)
-                    for h in batch_start:
-                        h(batch, batch_idx, *extra)
-                    with t._precision.autocast():
-                        out = t.strategy.predict_step(batch, batch_idx, *extra)
-                    for h in batch_end:
-                        h(out, batch, batch_idx, *extra)
-                    outs.append(out)
-                results.append(outs)
-        t._call("on_predict_epoch_end")
-        t._call("on_predict_end")
-    finally:
-        _back_to_train(t, "predict")
-    return results
+            self._back_to_train("predict")
+        return results
 
 
 def _check_counts(strategy: Strategy, counts: list[int], stage: str) -> None:

@@ -26,6 +26,9 @@ _STEP_HOOKS = frozenset({
 })
 
 
+_ENTRY_FIELDS = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist")
+
+
 class _Entry:
     __slots__ = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist", "total", "weight",
                  "step_key")
@@ -91,6 +94,27 @@ class MetricCollector:
         """Switch back to ``stage`` keeping its accumulations (training after a mid-epoch validation)."""
         self.stage = stage
         self._entries = self._stages.setdefault(stage, {})
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """The running sums behind the training epoch's ``on_epoch`` metrics (what a mid-epoch checkpoint
+        saves, so that a resume logs the same epoch values), as plain data on the CPU."""
+        out = []
+        for e in self._stages.get("train", {}).values():
+            d: dict[str, Any] = {f: getattr(e, f) for f in _ENTRY_FIELDS}
+            d["total"] = e.total.detach().to("cpu") if isinstance(e.total, torch.Tensor) else e.total
+            d["weight"] = e.weight.detach().to("cpu") if isinstance(e.weight, torch.Tensor) else e.weight
+            out.append(d)
+        return out
+
+    def load_state_dict(self, saved: list[dict[str, Any]], device: torch.device) -> None:
+        """Put back the training epoch's running sums from ``state_dict()``, on ``device``."""
+        stage = {}
+        for d in saved:
+            e = _Entry(*(d[f] for f in _ENTRY_FIELDS))
+            e.total = d["total"].to(device) if isinstance(d["total"], torch.Tensor) else d["total"]
+            e.weight = d["weight"].to(device) if isinstance(d["weight"], torch.Tensor) else d["weight"]
+            stage[e.name] = e
+        self._stages["train"] = stage
 
     # ------------------------------------------------------------------ what self.log calls
     def log(self, name: str, value: Any, *, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,

@@ -10,7 +10,9 @@ import torch
 from ember.module import TrainModule
 
 if TYPE_CHECKING:
-    from ember.trainer.trainer import Trainer
+    from ember.strategies.strategy import Strategy
+    from ember.trainer.hooks import Hooks
+    from ember.trainer.precision import Precision
 
 _FORMS = (
     "an optimizer, a list/tuple of optimizers, ([optimizers], [schedulers]), "
@@ -99,20 +101,21 @@ def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[Sch
 class OptimizerProxy:
     """What ``self.optimizers()`` hands out in manual optimization.
 
-    ``step`` goes through the precision plugin (GradScaler) and the strategy, and marks the batch
-    as one that stepped, so ``global_step`` counts batches that stepped, not optimizer calls.
+    ``step`` runs ``on_before_optimizer_step`` (once per call, as Lightning) and steps through the
+    precision plugin (GradScaler) and the strategy; the fit loop counts the calls into ``global_step``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, trainer: Trainer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, state: OptimizerState) -> None:
         self.optimizer = optimizer
-        self._trainer = trainer
+        self._state = state
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loop = self._trainer._loop
-        loop.stepped_this_batch = True
-        if not self._trainer.module.automatic_optimization:  # as Lightning: once per step() call
-            self._trainer._call("on_before_optimizer_step", self.optimizer)
-        return self._trainer._precision.optimizer_step(self.optimizer, self._trainer.strategy, closure)
+        state = self._state
+        state.steps_taken += 1
+        if state.hooks is not None:
+            state.hooks.call("on_before_optimizer_step", self.optimizer)
+        assert state.precision is not None and state.strategy is not None  # set for every fit
+        return state.precision.optimizer_step(self.optimizer, state.strategy, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -122,14 +125,23 @@ class OptimizerProxy:
 
 
 class OptimizerState:
-    """The fit's optimizers, schedulers and manual-optimization proxies."""
+    """The fit's optimizers, schedulers and manual-optimization proxies.
 
-    def __init__(self, trainer: Trainer, optimizers: list[torch.optim.Optimizer],
-                 schedulers: list[SchedulerConfig]) -> None:
+    Args:
+        optimizers, schedulers: what ``configure_optimizers`` returned, normalised.
+        module: steps the schedulers itself when it overrides ``lr_scheduler_step``.
+        precision, strategy, hooks: what a manual ``opt.step()`` goes through.
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], schedulers: list[SchedulerConfig], *,
+                 module: TrainModule | None = None, precision: Precision | None = None,
+                 strategy: Strategy | None = None, hooks: Hooks | None = None) -> None:
         self.optimizers = optimizers
         self.schedulers = schedulers
-        self.wrapped_optimizers = [OptimizerProxy(o, trainer) for o in optimizers]
-        self._trainer = trainer
+        self.module, self.precision, self.strategy, self.hooks = module, precision, strategy, hooks
+        #: ``opt.step()`` calls made through the manual-optimization proxies.
+        self.steps_taken = 0
+        self.wrapped_optimizers = [OptimizerProxy(o, self) for o in optimizers]
 
     def step_schedulers(self, interval: str, count: int, metrics: dict[str, Any], plateau: bool | None = None) -> None:
         """Step schedulers of ``interval`` whose frequency divides ``count`` (steps or epochs done).
@@ -137,7 +149,7 @@ class OptimizerState:
         ``plateau``: only ReduceLROnPlateau-like schedulers (True), only the others (False), or all.
         A module overriding ``lr_scheduler_step`` steps them itself.
         """
-        module = getattr(self._trainer, "module", None)
+        module = self.module
         custom = module is not None and type(module).lr_scheduler_step is not TrainModule.lr_scheduler_step
         for cfg in self.schedulers:
             if cfg.interval != interval or count % cfg.frequency:
@@ -149,7 +161,7 @@ class OptimizerState:
                 if cfg.monitor is not None and value is None and cfg.strict:
                     raise KeyError(f"The LR scheduler monitors {cfg.monitor!r}, which was not logged. Logged keys: "
                                    f"{sorted(metrics)}.")
-                if cfg.monitor is None or value is not None:
+                if module is not None and (cfg.monitor is None or value is not None):
                     module.lr_scheduler_step(cfg.scheduler, value)
                 continue
             if cfg.monitor is not None:

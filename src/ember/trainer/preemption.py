@@ -159,18 +159,16 @@ class PreemptionHandler:
 
 @contextlib.contextmanager
 def preemption(trainer: Trainer) -> Iterator[PreemptionHandler | None]:
-    """Install the handler for the duration of a fit loop and expose it as ``trainer._preemption``."""
+    """Install the handler for the duration of a fit loop; yields it (None when it cannot be installed)."""
     sigs = getattr(trainer, "preemption_signals", None)
     handler = PreemptionHandler(trainer, default_signals() if sigs is None else tuple(sigs),
                                 getattr(trainer, "preemption_grace", DEFAULT_GRACE_S))
     if not handler.install():
         yield None
         return
-    trainer._preemption = handler
     try:
         yield handler
     finally:
-        trainer._preemption = None
         handler.uninstall()
 
 

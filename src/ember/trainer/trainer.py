@@ -1,10 +1,11 @@
-"""The Trainer: arguments, the fit / validate / test / predict entry points, and public state."""
+"""The Trainer: arguments, the fit / validate / test / predict entry points, the one run helper they
+share (prepare -> setup -> restore -> run -> teardown), and public state."""
 from __future__ import annotations
 
-import functools
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+import warnings
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -14,17 +15,23 @@ from ember.callbacks.logger import Logger
 from ember.data import DataModule
 from ember.module import TrainModule
 from ember.strategies.strategy import Strategy
-from ember.trainer import arguments, loops
+from ember.trainer import arguments, checkpoint
+from ember.trainer.evaluation import EvaluationLoop
+from ember.trainer.hooks import Hooks
+from ember.trainer.loaders import FitData, eval_loaders
+from ember.trainer.log_writer import LogWriter
+from ember.trainer.loops import FitLoop
 from ember.trainer.metrics import MetricCollector
-from ember.trainer.optim import OptimizerState
+from ember.trainer.optim import OptimizerState, parse_optimizers
 from ember.trainer.precision import Precision, normalize_precision
-from ember.trainer.preemption import PreemptionHandler
+from ember.trainer.preemption import preemption
 from ember.trainer.progress import FitProgress
-from ember.trainer.runs import _Runs
+from ember.trainer.resume import Resume, restore_weights_only
+from ember.trainer.step import TrainingStep
 from ember.types import PrecisionInput, Stage, TrainerState
 
 
-class Trainer(_Runs):
+class Trainer:
     """Runs a ``TrainModule``'s training, evaluation and prediction on a chosen strategy.
 
     Args:
@@ -89,39 +96,13 @@ class Trainer(_Runs):
         enable_model_summary: bool = False,
         reload_dataloaders_every_n_epochs: int = 0,
     ) -> None:
-        if max_epochs is None:
-            max_epochs = 1000 if max_steps == -1 else -1
-        if not isinstance(max_epochs, int) or (max_epochs < 0 and max_epochs != -1):
-            raise ValueError(f"max_epochs must be a non-negative int (or -1 for no limit), got {max_epochs!r}.")
-        if not isinstance(max_steps, int) or (max_steps < 0 and max_steps != -1):
-            raise ValueError(f"max_steps must be a non-negative int (or -1 for no limit), got {max_steps!r}.")
-        if not isinstance(min_epochs, int) or min_epochs < 0:
-            raise ValueError(f"min_epochs must be a non-negative int, got {min_epochs!r}.")
-        if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches must be a positive int, got {accumulate_grad_batches!r}.")
-        if gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}.")
-        if gradient_clip_val is not None and gradient_clip_val < 0:
-            raise ValueError(f"gradient_clip_val must be >= 0, got {gradient_clip_val!r}.")
-        if (isinstance(val_check_interval, bool) or not isinstance(val_check_interval, (int, float))
-                or val_check_interval <= 0):
-            raise ValueError("val_check_interval must be a fraction in (0, 1] or a positive int, "
-                             f"got {val_check_interval!r}.")
-        if isinstance(val_check_interval, float) and val_check_interval > 1.0:
-            raise ValueError(f"val_check_interval={val_check_interval} is a fraction above 1.0; "
-                             "pass an int for a batch count.")
-        if check_val_every_n_epoch is not None and (not isinstance(check_val_every_n_epoch, int)
-                                                    or check_val_every_n_epoch < 1):
-            raise ValueError("check_val_every_n_epoch must be a positive int or None, "
-                             f"got {check_val_every_n_epoch!r}.")
-        if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps must be a positive int, got {log_every_n_steps!r}.")
-        if not isinstance(num_sanity_val_steps, int) or num_sanity_val_steps < -1:
-            raise ValueError(f"num_sanity_val_steps must be an int >= -1, got {num_sanity_val_steps!r}.")
-
-        if not isinstance(reload_dataloaders_every_n_epochs, int) or reload_dataloaders_every_n_epochs < 0:
-            raise ValueError("reload_dataloaders_every_n_epochs must be a non-negative int, got "
-                             f"{reload_dataloaders_every_n_epochs!r}.")
+        max_epochs = arguments.check_schedule(
+            max_epochs=max_epochs, max_steps=max_steps, min_epochs=min_epochs,
+            accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
+            gradient_clip_algorithm=gradient_clip_algorithm, val_check_interval=val_check_interval,
+            check_val_every_n_epoch=check_val_every_n_epoch, log_every_n_steps=log_every_n_steps,
+            num_sanity_val_steps=num_sanity_val_steps,
+            reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs, fast_dev_run=fast_dev_run)
         self.reload_dataloaders_every_n_epochs = reload_dataloaders_every_n_epochs
         self.max_epochs = max_epochs
         self.max_steps = max_steps
@@ -139,8 +120,6 @@ class Trainer(_Runs):
         self.log_every_n_steps = log_every_n_steps
         self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
 
-        if not isinstance(fast_dev_run, int) or fast_dev_run < 0:  # bool is an int: True means 1
-            raise ValueError(f"fast_dev_run must be a bool or a non-negative int, got {fast_dev_run!r}.")
         self.fast_dev_run = int(fast_dev_run)
         if self.fast_dev_run:
             n = self.fast_dev_run
@@ -169,62 +148,174 @@ class Trainer(_Runs):
                 self.callbacks.append(lg)
 
         self.progress = FitProgress()
-        self._preemption: PreemptionHandler | None = None  # installed for the length of a fit loop
         self.should_stop = False
         self.sanity_checking = False
         self.state: TrainerState = "initializing"
-        # None until a run attaches one; _Runs (runs.py) types it without None: see pyproject.toml.
-        self.module: TrainModule | None = None  # type: ignore[assignment]
+        self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
         self._metrics = MetricCollector(self.strategy)
+        self._hooks = Hooks(self, self.callbacks, None, self._metrics)
+        self._logs = LogWriter(self, self._metrics)
         self.logged_metrics: dict[str, float] = {}
         #: Epoch-level metrics of the last fit, one dict per epoch.
         self.history: list[dict[str, float]] = []
-        self._optim = OptimizerState(self, [], [])
-        self._loop = loops.FitLoop(self)
-        self._hook_table: dict[tuple[str, Any], list[Callable[..., Any]]] = {}
-        self._train_loader: Any = None
+        self._optim = OptimizerState([], [])
+        self._data = FitData(self, None, None)
+        self._loop: FitLoop | None = None
         #: ``(epoch, samples)``: where a resume on another number of ranks left the global position
         #: of that epoch relative to ``batch_in_epoch * batch_size * world_size`` (see checkpoint.py).
         self._position_offset: tuple[int, int] | None = None
-        self._val_loaders: list[Any] = []
-        self.num_training_batches: float = 0
-        self.num_val_batches: list[float] = []
-        self._eval_total: float = 0
+        #: Batches per loader of the current validate / test / predict run, and of the sanity check.
+        self._eval_batches: dict[str, list[float]] = {}
+        self.num_sanity_val_batches: list[float] = []
         self.ckpt_path: str | None = None
 
-    # ------------------------------------------------------------------ hook dispatch
-    def _hooks(self, name: str, monitoring: bool | None = None) -> list[Callable[..., Any]]:
-        """Bound callables for hook ``name``: overriding callbacks first, then the module.
+    # ------------------------------------------------------------------ one run, in every process
+    def _run(self, stage: Stage, module: TrainModule, loaders: tuple[Any, ...], datamodule: DataModule | None,
+             ckpt_path: str | None) -> Any:
+        """prepare -> setup -> restore -> run -> teardown, for fit, validate, test and predict."""
+        try:
+            path = self._prepare(stage, module, datamodule, ckpt_path)
+            if stage == "fit":
+                self._fit(module, loaders, path)
+                return None
+            return self._evaluate_or_predict(stage, module, loaders[0], path)
+        except BaseException as exc:
+            self._on_exception(exc)
+            raise
+        finally:
+            self._teardown(stage)
 
-        ``monitoring`` selects callbacks that watch metrics (``monitors_metrics = True``, e.g.
-        checkpointing and early stopping) or the others; they run after the module's epoch-end hook.
-        """
-        key = (name, monitoring)
-        table = self._hook_table.get(key)
-        if table is not None:
-            return table
-        table = []
-        base = getattr(Callback, name, None)
-        for cb in self.callbacks:
-            if monitoring is not None and bool(cb.monitors_metrics) != monitoring:
-                continue
-            if base is not None and getattr(type(cb), name, base) is not base:
-                table.append(functools.partial(getattr(cb, name), self, self.module))
-        module = self.module
-        mod_base = getattr(TrainModule, name, None)
-        if (module is not None and monitoring is not True and mod_base is not None
-                and getattr(type(module), name) is not mod_base):
-            table.append(getattr(module, name))
-        self._hook_table[key] = table
-        return table
+    def _prepare(self, stage: Stage, module: TrainModule, datamodule: DataModule | None,
+                 ckpt_path: str | os.PathLike | None) -> str | None:
+        """Attach, join the processes, prepare_data, setup hooks, configure_model; returns the checkpoint
+        file to restore, if any."""
+        self.module, self.datamodule = module, datamodule
+        module.trainer = self
+        if datamodule is not None:
+            datamodule.trainer = self
+        # Each fit / validate / test / predict starts from empty metrics, as in Lightning.
+        self._metrics = MetricCollector(self.strategy)
+        self.logged_metrics = {}
+        module._log_sink = self._metrics
+        extra = list(module.configure_callbacks() or [])
+        if extra:
+            types = {type(c) for c in extra}
+            self.callbacks = [c for c in self.callbacks if type(c) not in types] + extra
+        self._hooks = Hooks(self, self.callbacks, module, self._metrics)
+        self._logs = LogWriter(self, self._metrics)
+        self.strategy.setup_environment()
+        if self.strategy.local_rank == 0:
+            if datamodule is not None:
+                datamodule.prepare_data()
+            if type(module).prepare_data is not TrainModule.prepare_data:
+                module.prepare_data()
+        self.strategy.barrier("prepare_data")
+        # "last" is resolved before the loggers' and callbacks' setup: a fit continuing a run's
+        # last.ckpt continues writing into that run's directory.
+        path = checkpoint.resolve(self, ckpt_path, continue_run=stage == "fit") if ckpt_path is not None else None
+        if datamodule is not None:
+            datamodule.setup(stage=stage)
+        # By keyword, as Lightning: ``def setup(self, stage)`` and ``(self, stage=None)`` both work.
+        self._hooks.call("setup", stage=stage)
+        if type(module).configure_model is not TrainModule.configure_model:
+            self._metrics.fx = "configure_model"
+            module.configure_model()
+        return path
 
-    def _call(self, name: str, *args: Any, monitoring: bool | None = None) -> None:
-        hooks = self._hooks(name, monitoring)
-        if hooks:
-            self._metrics.fx = name  # decides self.log's on_step/on_epoch defaults inside the hook
-            for h in hooks:
-                h(*args)
+    def _fit(self, module: TrainModule, loaders: tuple[Any, ...], path: str | None) -> None:
+        if not module.automatic_optimization and (self.accumulate_grad_batches > 1 or self.gradient_clip_val):
+            raise ValueError("accumulate_grad_batches and gradient_clip_val apply to automatic optimization only; "
+                             "with automatic_optimization=False, accumulate and clip in training_step yourself.")
+        self._data = FitData(self, *loaders)
+        self._precision.convert_module(module)
+        # Resuming, in Lightning's order (resume.py): the weights, the datamodule's and the callbacks' state
+        # now, before configure_optimizers; the training state and the data position in FitLoop.run.
+        resume = Resume(self, path) if path is not None else None
+        if resume is not None:
+            resume.modules_and_callbacks()
+        self.strategy.setup(self, module)
+        if type(module).configure_optimizers is TrainModule.configure_optimizers:
+            module.configure_optimizers()  # raises the explanatory NotImplementedError
+        optimizers, schedulers = parse_optimizers(module.configure_optimizers())
+        if module.automatic_optimization and len(optimizers) != 1:
+            raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization "
+                             "needs exactly one. For several, set self.automatic_optimization = False and step "
+                             "them in training_step.")
+        self._optim = OptimizerState(optimizers, schedulers, module=module, precision=self._precision,
+                                     strategy=self.strategy, hooks=self._hooks)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.should_stop = False
+        self.history = []
+        self.progress = FitProgress()
+        step = TrainingStep(strategy=self.strategy, module=module, precision=self._precision, optim=self._optim,
+                            metrics=self._metrics, hooks=self._hooks, progress=self.progress,
+                            accumulate_grad_batches=self.accumulate_grad_batches,
+                            gradient_clip_val=self.gradient_clip_val,
+                            gradient_clip_algorithm=self.gradient_clip_algorithm)
+        evaluation = EvaluationLoop(self, module, self._hooks, self._metrics, self._precision, self._input_dtype)
+        self._loop = FitLoop(self, hooks=self._hooks, metrics=self._metrics, optim=self._optim, data=self._data,
+                             logs=self._logs, evaluation=evaluation, step=step, input_dtype=self._input_dtype)
+        self._hooks.call("on_fit_start")
+        self._logs.hyperparams()
+        # No module.train() here: as in Lightning, submodules a user put in eval mode stay there.
+        with preemption(self) as handler:  # SIGTERM -> checkpoint at the next step boundary -> Preempted exit
+            self._loop.run(resume, handler)
+        self._hooks.call("on_fit_end")
+        self._logs.finalize("success")
+
+    def _evaluate_or_predict(self, stage: Stage, module: TrainModule, given: Any, path: str | None) -> Any:
+        if stage == "predict":
+            loaders, limits = eval_loaders(self, given, stage, "predict_dataloader", self.limit_predict_batches)
+        else:
+            hook = "validation" if stage == "validate" else "test"
+            if getattr(type(module), f"{hook}_step") in (None, getattr(TrainModule, f"{hook}_step")):
+                raise ValueError(f"{type(module).__name__} defines no {hook}_step; define it to {stage}.")
+            attr, limit = (("val_dataloader", self.limit_val_batches) if stage == "validate"
+                           else ("test_dataloader", self.limit_test_batches))
+            loaders, limits = eval_loaders(self, given, stage, attr, limit)
+        self._eval_batches[stage] = limits
+        self._precision.convert_module(module)
+        self.strategy.setup(self, module)
+        if path is not None:
+            restore_weights_only(self, path)
+        evaluation = EvaluationLoop(self, module, self._hooks, self._metrics, self._precision, self._input_dtype)
+        if stage == "predict":
+            outputs = evaluation.predict(loaders, limits)
+            return outputs[0] if len(outputs) == 1 else outputs
+        results = evaluation.run(stage, loaders, limits)
+        if self._logs.enabled:
+            # Like fit's metrics: adds "epoch" and fills trainer.logged_metrics.
+            self._logs.write({k: v for r in results for k, v in r.items()})
+        return results
+
+    def _on_exception(self, exc: BaseException) -> None:
+        for h in self._hooks.get("on_exception"):
+            try:
+                h(exc)
+            except Exception as hook_exc:  # never hide the original error behind a hook's
+                # Named by its owner's class: the repr of a bound hook would print the whole module.
+                fn = getattr(h, "func", h)
+                owner = type(getattr(fn, "__self__", None)).__name__
+                warnings.warn(f"{owner}.on_exception raised {type(hook_exc).__name__}: {hook_exc} (while handling "
+                              f"{type(exc).__name__}, which follows)", RuntimeWarning)
+        self._logs.finalize("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+
+    def _teardown(self, stage: Stage) -> None:
+        try:
+            # The datamodule first, then callbacks and the module: the reverse of setup, as in Lightning.
+            if self.datamodule is not None:
+                self.datamodule.teardown(stage=stage)
+            if self.module is not None:
+                self._hooks.call("teardown", stage=stage)
+        finally:
+            self.strategy.teardown()
+            self.state = "finished"
+
+    def save_checkpoint(self, filepath: str, weights_only: bool = False) -> None:
+        """Save the full training state (or only the weights) to ``filepath``, atomically, on rank zero."""
+        checkpoint.save(self, filepath, weights_only=weights_only)
 
     # ------------------------------------------------------------------ entry points
     def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
@@ -244,7 +335,7 @@ class Trainer(_Runs):
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
             raise ValueError("Pass either dataloaders or a datamodule to fit, not both.")
         self.state = "fitting"
-        self.strategy.launch(self._run_fit, module, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
+        self.strategy.launch(self._run, "fit", module, (train_dataloaders, val_dataloaders), datamodule, ckpt_path)
 
     def validate(self, module: TrainModule | None = None, dataloaders: Any = None, datamodule: DataModule | None = None,
                  ckpt_path: str | None = None) -> list[dict[str, float]]:
@@ -263,7 +354,7 @@ class Trainer(_Runs):
         if isinstance(dataloaders, DataModule) and datamodule is None:  # Lightning's predict(model, dm)
             dataloaders, datamodule = None, dataloaders
         self.state = "predicting"
-        return self.strategy.launch(self._run_predict, module, dataloaders, datamodule, ckpt_path)
+        return self.strategy.launch(self._run, "predict", module, (dataloaders,), datamodule, ckpt_path)
 
     def _evaluate(self, stage: Stage, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
                   ckpt_path: str | None) -> list[dict[str, float]]:
@@ -271,7 +362,7 @@ class Trainer(_Runs):
         if isinstance(dataloaders, DataModule) and datamodule is None:  # Lightning's validate/test(model, dm)
             dataloaders, datamodule = None, dataloaders
         self.state = "validating" if stage == "validate" else "testing"
-        return self.strategy.launch(self._run_eval, stage, module, dataloaders, datamodule, ckpt_path)
+        return self.strategy.launch(self._run, stage, module, (dataloaders,), datamodule, ckpt_path)
 
     def _module_for_eval(self, module: TrainModule | None) -> TrainModule:
         if module is None:
@@ -358,11 +449,43 @@ class Trainer(_Runs):
         return self.module
 
     @property
+    def fit_loop(self) -> FitLoop | None:
+        """The running (or last) fit's loop."""
+        return self._loop
+
+    @property
+    def train_dataloader(self) -> Any:
+        return self._data.train_loader
+
+    @property
+    def val_dataloaders(self) -> Any:
+        loaders = self._data.val_loaders
+        return loaders[0] if len(loaders) == 1 else loaders or None
+
+    @property
+    def num_training_batches(self) -> float:
+        return self._data.num_training_batches
+
+    @property
+    def num_val_batches(self) -> list[float]:
+        if self.state == "validating":
+            return self._eval_batches.get("validate", [])
+        return self._data.num_val_batches
+
+    @property
+    def num_test_batches(self) -> list[float]:
+        return self._eval_batches.get("test", [])
+
+    @property
+    def num_predict_batches(self) -> list[float]:
+        return self._eval_batches.get("predict", [])
+
+    @property
     def estimated_stepping_batches(self) -> float:
         """Optimizer steps the fit will take (inf when the loader has no length and no max_steps)."""
-        if self.state == "fitting" and self._train_loader is None and self.module is not None:
-            self._load_fit_loaders()  # read in configure_optimizers: the loaders are requested now (as Lightning)
-        per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches) \
-            if self.num_training_batches != math.inf else math.inf
+        if self.state == "fitting" and self._data.train_loader is None and self.module is not None:
+            self._data.request_train()  # read in configure_optimizers: the loader is requested now (as Lightning)
+        n = self.num_training_batches
+        per_epoch = math.ceil(n / self.accumulate_grad_batches) if n != math.inf else math.inf
         total = per_epoch * self.max_epochs if self.max_epochs != -1 else math.inf
         return min(total, self.max_steps) if self.max_steps != -1 else total

@@ -1,0 +1,190 @@
+"""Where a run's batches come from: the loaders requested from the module or datamodule, how many
+batches of each run, and the per-batch transfer to the device (with the module's transfer hooks)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ember.data import DataModule
+from ember.module import TrainModule
+from ember.utils import move_to_device
+
+if TYPE_CHECKING:
+    from ember.trainer.trainer import Trainer
+    from ember.types import Stage
+
+
+def num_batches(loader: Any, limit: int | float) -> float:
+    """How many batches of ``loader`` to run under ``limit`` (int count or float fraction)."""
+    try:
+        n: float = len(loader)
+    except TypeError:
+        n = math.inf
+    if isinstance(limit, float):
+        if n == math.inf:
+            if limit != 1.0:
+                raise ValueError("A fractional limit_*_batches needs a dataloader with a length; pass an int instead.")
+            return n
+        return max(1, int(n * limit)) if limit > 0 and n > 0 else 0
+    return min(n, limit)
+
+
+def as_list(loaders: Any) -> list[Any]:
+    """One loader or a list/tuple of them, as a list (None: empty)."""
+    if loaders is None:
+        return []
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+def request(trainer: Trainer, given: Any, attr: str) -> Any:
+    """``given`` if not None, else what the datamodule's (or, without one, the module's) ``attr()`` returns."""
+    if given is not None:
+        return given
+    source = trainer.datamodule if trainer.datamodule is not None else trainer.module
+    fn = getattr(source, attr, None)
+    return fn() if callable(fn) else None
+
+
+def eval_loaders(trainer: Trainer, given: Any, stage: Stage, attr: str, limit: int | float) -> tuple[list[Any],
+                                                                                                     list[float]]:
+    """validate / test / predict: the loaders (processed by the strategy) and the batches to run of each."""
+    loaders = as_list(request(trainer, given, attr))
+    if not loaders:
+        raise ValueError(f"{stage} needs data: pass dataloaders or a datamodule.")
+    loaders = [trainer.strategy.process_dataloader(d, stage) for d in loaders]
+    return loaders, [num_batches(d, limit) for d in loaders]
+
+
+def set_loader_epoch(loader: Any, epoch: int) -> None:
+    """Tell the loader's sampler (or batch sampler) which epoch starts, for per-epoch shuffling."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for obj in (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+        if obj is not None and hasattr(obj, "set_epoch"):
+            obj.set_epoch(epoch)
+            return
+
+
+def batch_transfer(trainer: Trainer, dataloader_idx: int, input_dtype: Any) -> Callable[[Any], Any]:
+    """The batch transfer for loader ``dataloader_idx``: the strategy's (casting under 64-true), wrapped in
+    the module's ``on_before_batch_transfer`` / ``transfer_batch_to_device`` / ``on_after_batch_transfer``
+    where it (or the datamodule) overrides them; otherwise nothing extra runs per batch."""
+    strategy = trainer.strategy
+    device = strategy.root_device
+    base: Callable[[Any], Any] = strategy.batch_to_device
+    if input_dtype is not None:
+        def base(batch: Any) -> Any:
+            return move_to_device(batch, device, input_dtype)
+
+    def owner(name: str) -> Any:
+        """Whose hook ``name`` runs: the datamodule's where it overrides it, else the module's, or None."""
+        dm = trainer.datamodule
+        if dm is not None and getattr(type(dm), name) is not getattr(DataModule, name):
+            return getattr(dm, name)
+        if getattr(type(trainer.module), name) is not getattr(TrainModule, name):
+            return getattr(trainer.module, name)
+        return None
+    before = owner("on_before_batch_transfer")
+    custom = owner("transfer_batch_to_device")
+    after = owner("on_after_batch_transfer")
+    if before is None and custom is None and after is None:
+        return base
+
+    def transfer(batch: Any) -> Any:
+        if before is not None:
+            batch = before(batch, dataloader_idx)
+        batch = custom(batch, device, dataloader_idx) if custom is not None else base(batch)
+        if after is not None:
+            batch = after(batch, dataloader_idx)
+        return batch
+    return transfer
+
+
+class FitData:
+    """fit's loaders: requested from the module or datamodule in Lightning's order, counted, reloaded.
+
+    The validation loader is requested when the sanity check starts (or, without one, just after the
+    train loader), the train loader after the sanity check, both only once per fit unless
+    ``reload_dataloaders_every_n_epochs`` asks again.
+
+    Args:
+        trainer: the run's Trainer (its strategy, limits, module and datamodule).
+        train, val: loaders passed to ``fit`` directly (None: request them).
+    """
+
+    def __init__(self, trainer: Trainer, train: Any, val: Any) -> None:
+        self._trainer = trainer
+        self._given = (train, val)
+        self.train_loader: Any = None
+        self.val_loaders: list[Any] = []
+        self.num_training_batches: float = 0
+        self.num_val_batches: list[float] = []
+        self._val_requested = False
+
+    @property
+    def validates(self) -> bool:
+        """Whether this fit validates at all, decided as Lightning does before any loader is requested:
+        a validation loader is given or defined (``val_dataloader`` of the datamodule, or else of the
+        module), the module has a ``validation_step`` (``= None`` switches it off) and
+        ``limit_val_batches`` is not 0."""
+        t = self._trainer
+        if getattr(type(t.module), "validation_step", None) is None or t.limit_val_batches == 0:
+            return False
+        if self._given[1] is not None:
+            return True
+        dm = t.datamodule
+        if dm is not None:
+            return type(dm).val_dataloader is not DataModule.val_dataloader
+        return callable(getattr(t.module, "val_dataloader", None))
+
+    def request_val(self) -> None:
+        """Request the validation loaders (once per fit) and count their batches."""
+        if self._val_requested:
+            return
+        self._val_requested = True
+        t = self._trainer
+        if not self.validates:
+            return
+        loaders = as_list(request(t, self._given[1], "val_dataloader"))
+        if loaders and getattr(type(t.module), "validation_step", None) is TrainModule.validation_step:
+            raise ValueError(f"Validation data was given but {type(t.module).__name__} defines no validation_step. "
+                             "Define validation_step or do not pass val_dataloaders.")
+        self._set_val(loaders)
+
+    def request_train(self) -> None:
+        """Request the train loader (once per fit) and count its batches."""
+        if self.train_loader is not None:
+            return
+        train = request(self._trainer, self._given[0], "train_dataloader")
+        if train is None:
+            raise ValueError("fit needs training data: pass train_dataloaders, or a datamodule with "
+                             "train_dataloader().")
+        self._set_train(train)
+        if self.num_training_batches == 0:
+            raise ValueError("The train dataloader is empty (0 batches after limit_train_batches). Check the "
+                             "dataset, batch_size with drop_last, and limit_train_batches.")
+
+    def reload(self) -> None:
+        """``reload_dataloaders_every_n_epochs``: request fresh loaders (those passed to ``fit`` are kept)."""
+        t = self._trainer
+        if self._given[0] is None:
+            loader = request(t, None, "train_dataloader")
+            if loader is not None:
+                self._set_train(loader)
+        if self._given[1] is None and self.val_loaders:
+            self._set_val(as_list(request(t, None, "val_dataloader")))
+
+    def _set_train(self, loader: Any) -> None:
+        t = self._trainer
+        self.train_loader = t.strategy.process_dataloader(loader, "fit")
+        self.num_training_batches = num_batches(self.train_loader, t.limit_train_batches)
+
+    def _set_val(self, loaders: list[Any]) -> None:
+        t = self._trainer
+        self.val_loaders = [t.strategy.process_dataloader(v, "validate") for v in loaders]
+        self.num_val_batches = [num_batches(v, t.limit_val_batches) for v in self.val_loaders]
+
+    @property
+    def will_validate(self) -> bool:
+        """Whether there is validation to run (loaders requested and at least one batch)."""
+        return bool(self.val_loaders and any(self.num_val_batches))

@@ -1,0 +1,81 @@
+"""What reaches the loggers, and when: step metrics, epoch metrics, hyper-parameters, the final status.
+
+Only global rank zero writes. ``trainer.logged_metrics`` mirrors what was written last per key.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ember.callbacks.logger_writes import logger_step
+from ember.utils import to_floats
+
+if TYPE_CHECKING:
+    from ember.trainer.metrics import MetricCollector
+    from ember.trainer.trainer import Trainer
+
+
+class LogWriter:
+    """Writes one run's metrics to the Trainer's loggers.
+
+    Args:
+        trainer: its loggers, rank, progress (the step and epoch written), ``logged_metrics`` and ``history``.
+        metrics: the run's ``self.log`` collector.
+    """
+
+    def __init__(self, trainer: Trainer, metrics: MetricCollector) -> None:
+        self._trainer = trainer
+        self._metrics = metrics
+        self.enabled = bool(trainer.loggers) and trainer.is_global_zero
+
+    def write(self, metrics: dict[str, Any]) -> None:
+        """Hand ``metrics`` (as floats, with the epoch) to every logger at the current global step."""
+        t = self._trainer
+        floats = to_floats(metrics)
+        floats["epoch"] = float(t.progress.current_epoch)
+        t.logged_metrics.update(floats)
+        step = logger_step(t)
+        for lg in t.loggers:
+            lg.log_metrics(floats, step)
+
+    def step_metrics(self) -> None:
+        """Write the step values logged since the last write (called every ``log_every_n_steps``)."""
+        pending = self._metrics.pending_step_logs
+        if pending and self.enabled:
+            self.write(pending)
+        pending.clear()
+
+    def epoch_metrics(self, epoch_metrics: dict[str, Any]) -> None:
+        """Write the logger-bound part of an epoch's reduced metrics."""
+        if self.enabled and epoch_metrics:
+            keys = self._metrics.logger_keys()
+            logged = {k: v for k, v in epoch_metrics.items() if k in keys}
+            if logged:
+                self.write(logged)
+
+    def record_epoch(self, epoch_metrics: dict[str, Any]) -> None:
+        """A training epoch ended: one row of ``trainer.history``, and its metrics to the loggers."""
+        t = self._trainer
+        row: dict[str, Any] = {"epoch": t.progress.current_epoch, "step": t.progress.global_step}
+        row.update(to_floats({k: v for k, v in self._metrics.callback_metrics.items() if not k.endswith("_step")}))
+        t.history.append(row)
+        self.epoch_metrics(epoch_metrics)
+
+    def hyperparams(self) -> None:
+        """Hand the module's (and datamodule's) ``hparams`` to every logger once per fit."""
+        if not self.enabled:
+            return
+        t = self._trainer
+        params: dict[str, Any] = {}
+        for source in (t.module, t.datamodule):
+            hp = getattr(source, "hparams", None)
+            if hp:
+                params.update(hp)
+        for lg in t.loggers:
+            lg.log_hyperparams(params)
+
+    def finalize(self, status: str) -> None:
+        """Tell every logger the run ended ("success", "failed" or "interrupted")."""
+        t = self._trainer
+        if t.is_global_zero:
+            for lg in t.loggers:
+                lg.finalize(status)

@@ -1,0 +1,319 @@
+"""One training batch: the optimization step, automatic or manual, as in Lightning.
+
+Automatic optimization, per batch::
+
+    [not the window's last batch]  under no_backward_sync: the closure's work, no step
+    [the window's last batch]      module.optimizer_step(epoch, batch_idx, optimizer, closure), whose
+                                   default is optimizer.step(closure=closure); the closure runs
+        training_step
+        [first batch of an accumulation window] on_before_zero_grad -> optimizer_zero_grad
+        on_before_backward -> strategy.backward(module.backward) -> on_after_backward
+        on_before_optimizer_step -> configure_gradient_clipping
+    and the optimizer steps after it (an optimizer such as LBFGS calls the closure itself, maybe
+    several times).
+
+There is one path: overriding a module hook (``optimizer_step``, ``optimizer_zero_grad``,
+``backward``, ``configure_gradient_clipping``) changes what that point does, nothing else. Each step
+returns the batch's outputs and how many optimizer steps it took (0 when ``training_step`` returned
+None), which the fit loop counts into ``global_step``.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ember.module import TrainModule
+
+if TYPE_CHECKING:
+    from ember.strategies.strategy import Strategy
+    from ember.trainer.hooks import Hooks
+    from ember.trainer.metrics import MetricCollector
+    from ember.trainer.optim import OptimizerState
+    from ember.trainer.precision import Precision
+    from ember.trainer.progress import FitProgress
+
+
+def check_loss(output: Any) -> torch.Tensor | None:
+    """The loss inside what ``training_step`` returned, or None to skip the batch."""
+    if output is None:
+        return None
+    loss = output
+    if isinstance(output, dict):
+        if "loss" not in output:
+            raise ValueError(f"training_step returned a dict without a 'loss' key (keys: {sorted(output)}). "
+                             "In automatic optimization, return the loss tensor or {'loss': loss, ...}.")
+        loss = output["loss"]
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"training_step must return a scalar loss tensor, a dict with 'loss', or None to skip the "
+                        f"batch; it returned {type(loss).__name__}.")
+    if loss.numel() != 1:
+        raise ValueError(f"training_step returned a loss of shape {tuple(loss.shape)}; the loss must be a scalar. "
+                         "Reduce it (e.g. loss.mean()) before returning it.")
+    if not loss.requires_grad:
+        raise ValueError("training_step returned a loss that does not require grad, so nothing can be trained. "
+                         "Was it computed under torch.no_grad(), or detached (.item(), .detach())?")
+    return loss
+
+
+def as_output_dict(output: Any) -> Any:
+    """What ``on_train_batch_end`` receives in automatic optimization: a dict with a detached ``loss``."""
+    if isinstance(output, torch.Tensor):
+        return {"loss": output.detach()}
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return {**output, "loss": output["loss"].detach()}
+    return output
+
+
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure (LBFGS and similar line-search optimizers)."""
+    try:
+        param = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a builtin or otherwise opaque step
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def _override(module: TrainModule, name: str) -> Callable[..., Any] | None:
+    """``module``'s bound ``name`` when its class overrides TrainModule's, else None."""
+    return getattr(module, name) if getattr(type(module), name) is not getattr(TrainModule, name) else None
+
+
+class _Closure:
+    """What ``optimizer_step`` receives as ``optimizer_closure``: one call runs the batch's forward,
+    backward and pre-step work and returns the loss (None when ``training_step`` returned None)."""
+
+    __slots__ = ("_step", "_batch", "_batch_idx", "_pos", "outputs", "called", "skipped")
+
+    def __init__(self, step: TrainingStep, batch: Any, batch_idx: int, pos: int) -> None:
+        self._step, self._batch, self._batch_idx, self._pos = step, batch, batch_idx, pos
+        self.outputs: Any = None
+        self.called = False
+        self.skipped = False
+
+    def __call__(self) -> torch.Tensor | None:
+        step = self._step
+        # An optimizer that evaluates the loss itself cannot skip a batch (loss_closure raises instead).
+        warn = not self.called and not step.optimizer.evaluates_loss
+        outputs, loss = step.forward_backward(self._batch, self._batch_idx, self._pos, warn=warn)
+        if not self.called:
+            self.called, self.outputs = True, outputs
+        # A window whose last batch returned None still steps on its earlier batches' gradients.
+        self.skipped = not step.window_has_grad
+        if not self.skipped:
+            step.before_optimizer_step(self._pos)
+        return loss
+
+
+class _SteppingOptimizer:
+    """The optimizer ``optimizer_step`` receives: ``step(closure)`` runs the closure, then the real step
+    through the precision plugin and the strategy; an optimizer that evaluates the loss itself (LBFGS)
+    gets the closure instead. Everything else reads through to the optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, step: TrainingStep) -> None:
+        self.optimizer = optimizer
+        self._step = step
+        self.evaluates_loss = needs_closure(optimizer)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        step, optimizer = self._step, self.optimizer
+        if closure is not None:
+            if self.evaluates_loss:
+                return step.precision.optimizer_step(optimizer, step.strategy, step.loss_closure(closure))
+            closure()
+            if not step.window_has_grad:  # training_step returned None on every batch of the window: no step
+                return None
+        return step.precision.optimizer_step(optimizer, step.strategy, None)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+class TrainingStep:
+    """Runs one training batch on the fit's collaborators.
+
+    Args:
+        strategy: runs ``training_step``, ``backward`` (with the module's override inside its framing)
+            and the optimizer step; ``no_backward_sync`` inside an accumulation window.
+        module: the TrainModule; its override points are looked up once, here.
+        precision: autocast, loss scaling, unscaling, the scaler's step.
+        optim: the optimizers (automatic optimization steps the first).
+        metrics: told which hook runs, for ``self.log``'s defaults.
+        hooks: callback and module hooks of this run.
+        progress: the epoch passed to ``optimizer_step`` / ``optimizer_zero_grad``.
+        accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm: the Trainer's arguments.
+    """
+
+    def __init__(self, *, strategy: Strategy, module: TrainModule, precision: Precision, optim: OptimizerState,
+                 metrics: MetricCollector, hooks: Hooks, progress: FitProgress, accumulate_grad_batches: int,
+                 gradient_clip_val: float | None, gradient_clip_algorithm: str) -> None:
+        self.strategy, self.module, self.precision, self.optim = strategy, module, precision, optim
+        self.metrics, self.hooks, self.progress = metrics, hooks, progress
+        self.k = accumulate_grad_batches
+        self.clip_val, self.clip_algorithm = gradient_clip_val, gradient_clip_algorithm
+        self.automatic = module.automatic_optimization
+        self.batch_idx = 0  # the batch being run (for messages)
+        #: Batches this epoch (to size a short final accumulation window) and whether the loader has a length.
+        self.num_batches: float = 0
+        self.sized = True
+        self.window_has_grad = False
+        self._autocast = precision.autocast if precision.autocast_dtype is not None else None
+        self._backward_override = _override(module, "backward")
+        self._zero_grad_override = _override(module, "optimizer_zero_grad")
+        self._clip_override = _override(module, "configure_gradient_clipping") or (
+            module.configure_gradient_clipping if _override(module, "clip_gradients") else None)
+        self._hooks_bound = False
+        if self.automatic and optim.optimizers:
+            self.optimizer = _SteppingOptimizer(optim.optimizers[0], self)
+            self._check_closure_optimizer()
+
+    def bind_hooks(self) -> None:
+        """Look up the per-step hooks (once per run: the hook table does not change during it)."""
+        hooks = self.hooks
+        self._h_zero_grad = hooks.get("on_before_zero_grad")
+        self._h_before_backward = hooks.get("on_before_backward")
+        self._h_after_backward = hooks.get("on_after_backward")
+        self._h_before_step = hooks.get("on_before_optimizer_step")
+        self._hooks_bound = True
+
+    def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[Any, int]:
+        """Run one batch; return its outputs and the optimizer steps it took."""
+        if not self._hooks_bound:
+            self.bind_hooks()
+        if not self.automatic:
+            return self._manual(batch, batch_idx)
+        k = self.k
+        pos = batch_idx % k if k > 1 else 0
+        if pos != k - 1 and not is_last:
+            with self.strategy.no_backward_sync():  # not the window's last batch: no gradient communication
+                outputs, _ = self.forward_backward(batch, batch_idx, pos)
+            return outputs, 0
+        self.batch_idx = batch_idx
+        closure = _Closure(self, batch, batch_idx, pos)
+        self.module.optimizer_step(self.progress.current_epoch, batch_idx, self.optimizer, closure)
+        if not closure.called:
+            raise RuntimeError(f"{type(self.module).__name__}.optimizer_step did not call optimizer_closure (batch "
+                               f"{batch_idx}): pass it to optimizer.step(closure=optimizer_closure), or call it "
+                               "yourself to skip the step. It runs training_step and backward.")
+        return closure.outputs, 0 if closure.skipped else 1
+
+    # ------------------------------------------------------------------ the closure's parts
+    def forward_backward(self, batch: Any, batch_idx: int, pos: int, warn: bool = True) -> tuple[Any, Any]:
+        """training_step, then (first batch of a window) zero_grad, then backward; returns (outputs, loss)."""
+        if self._autocast is None:
+            outputs = self.strategy.training_step(batch, batch_idx)
+        else:
+            with self._autocast():
+                outputs = self.strategy.training_step(batch, batch_idx)
+        # The usual return (a scalar tensor that requires grad) needs no further checking.
+        loss = outputs if type(outputs) is torch.Tensor and outputs.requires_grad and not outputs.ndim \
+            else check_loss(outputs)
+        if pos == 0:
+            optimizer = self.optim.optimizers[0]
+            for h in self._h_zero_grad:
+                h(optimizer)
+            if self._zero_grad_override is None:
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                self._zero_grad_override(self.progress.current_epoch, batch_idx, optimizer)
+            self.window_has_grad = False
+        if loss is None:
+            if warn:
+                warnings.warn(f"training_step returned None for batch {batch_idx}: skipping its backward and "
+                              "optimizer step.", UserWarning, stacklevel=4)
+            return outputs, None
+        scaled = loss
+        if self.k > 1:
+            # Scale by the window's real size so a short final window still averages its batches.
+            window = min(self.k, self.num_batches - (batch_idx - pos)) if self.sized else self.k
+            scaled = loss / window
+        if self._h_before_backward:
+            self.metrics.fx = "on_before_backward"
+            for h in self._h_before_backward:
+                h(loss)
+        if self.precision.scaler is not None:
+            scaled = self.precision.scale_loss(scaled)
+        self.strategy.backward(scaled, self._backward_override)
+        if self._h_after_backward:
+            self.metrics.fx = "on_after_backward"
+            for h in self._h_after_backward:
+                h()
+        self.window_has_grad = True
+        return outputs, loss
+
+    def before_optimizer_step(self, pos: int) -> None:
+        """Between the window's last backward and the step: unscale, ``on_before_optimizer_step``, clip."""
+        optimizer = self.optim.optimizers[0]
+        if not self.sized and pos + 1 < self.k:
+            # A short final window of a loader without a length: rescale the 1/k-scaled gradients.
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(self.k / (pos + 1))
+        if self.precision.scaler is not None:
+            self.precision.unscale(optimizer)
+        if self._h_before_step:
+            self.metrics.fx = "on_before_optimizer_step"
+            for h in self._h_before_step:
+                h(optimizer)
+        if self._clip_override is not None:
+            # The Trainer's values; like Lightning, no algorithm is named when no clipping value is set.
+            self._clip_override(optimizer, gradient_clip_val=self.clip_val,
+                                gradient_clip_algorithm=self.clip_algorithm if self.clip_val is not None else None)
+        elif self.clip_val:
+            self.module.clip_gradients(optimizer, self.clip_val, self.clip_algorithm)
+
+    def loss_closure(self, closure: Callable[[], Any]) -> Callable[[], torch.Tensor]:
+        """For an optimizer that calls the closure itself: every call must yield a loss, the same on every rank."""
+        strategy = self.strategy
+
+        def evaluate() -> torch.Tensor:
+            loss = closure()
+            if loss is None:
+                raise ValueError(f"training_step returned None for batch {self.batch_idx}, but "
+                                 f"{type(self.optim.optimizers[0]).__name__} needs the loss from every closure call, "
+                                 "so the batch cannot be skipped. Return a loss, or use an optimizer whose step takes "
+                                 "no closure.")
+            if strategy.world_size > 1:
+                # The optimizer decides from the loss (convergence, line search): every rank must see the
+                # same value, or ranks would call the closure a different number of times and leave each
+                # other waiting in the gradient all-reduce.
+                return strategy.reduce(loss.detach(), "mean")
+            return loss
+        return evaluate
+
+    def _check_closure_optimizer(self) -> None:
+        if not self.optimizer.evaluates_loss:
+            return
+        name = type(self.optimizer.optimizer).__name__
+        if self.k > 1:
+            raise ValueError(f"{name}.step needs a closure that computes the loss, which cannot be combined with "
+                             f"gradient accumulation (accumulate_grad_batches={self.k}). Use "
+                             "accumulate_grad_batches=1, or an optimizer whose step takes no closure.")
+        if self.precision.scaler is not None:
+            raise ValueError(f"{name}.step needs a closure, which a gradient scaler (precision='16-mixed') cannot "
+                             "drive. Use precision='bf16-mixed' or '32-true' with this optimizer.")
+
+    # ------------------------------------------------------------------ manual optimization
+    def _manual(self, batch: Any, batch_idx: int) -> tuple[Any, int]:
+        before = self.optim.steps_taken
+        with self.precision.autocast():
+            outputs = self.strategy.training_step(batch, batch_idx)
+        return outputs, self.optim.steps_taken - before
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``self.manual_backward(loss)``: the backward hooks, precision scaling and the strategy's gradient sync."""
+        self.hooks.call("on_before_backward", loss)
+        scaled = self.precision.scale_loss(loss)
+        if args or kwargs:
+            custom = self._backward_override or torch.Tensor.backward
+            self.strategy.backward(scaled, lambda t: custom(t, *args, **kwargs))
+        else:
+            self.strategy.backward(scaled, self._backward_override)
+        self.hooks.call("on_after_backward")
