@@ -170,7 +170,8 @@ class TrainingStep:
             module.configure_gradient_clipping if _override(module, "clip_gradients") else None)
         self._hooks_bound = False
         if self.automatic and optim.optimizers:
-            self.optimizer = _SteppingOptimizer(optim.optimizers[0], self)
+            self._optimizer = optim.optimizers[0]
+            self.optimizer = _SteppingOptimizer(self._optimizer, self)
             self._check_closure_optimizer()
 
     def bind_hooks(self) -> None:
@@ -180,6 +181,9 @@ class TrainingStep:
         self._h_before_backward = hooks.get("on_before_backward")
         self._h_after_backward = hooks.get("on_after_backward")
         self._h_before_step = hooks.get("on_before_optimizer_step")
+        # Whether anything runs between the last backward and the step (besides a short window's rescale).
+        self._pre_step_work = bool(self.precision.scaler is not None or self._h_before_step
+                                   or self._clip_override is not None or self.clip_val)
         self._hooks_bound = True
 
     def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[Any, int]:
@@ -215,7 +219,7 @@ class TrainingStep:
         loss = outputs if type(outputs) is torch.Tensor and outputs.requires_grad and not outputs.ndim \
             else check_loss(outputs)
         if pos == 0:
-            optimizer = self.optim.optimizers[0]
+            optimizer = self._optimizer
             for h in self._h_zero_grad:
                 h(optimizer)
             if self._zero_grad_override is None:
@@ -249,13 +253,15 @@ class TrainingStep:
 
     def before_optimizer_step(self, pos: int) -> None:
         """Between the window's last backward and the step: unscale, ``on_before_optimizer_step``, clip."""
-        optimizer = self.optim.optimizers[0]
+        optimizer = self._optimizer
         if not self.sized and pos + 1 < self.k:
             # A short final window of a loader without a length: rescale the 1/k-scaled gradients.
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
                         p.grad.mul_(self.k / (pos + 1))
+        if not self._pre_step_work:
+            return
         if self.precision.scaler is not None:
             self.precision.unscale(optimizer)
         if self._h_before_step:
