@@ -160,12 +160,6 @@ def test_monitored_metric_missing_is_an_error_unless_not_strict():
     assert lr_of(trainer) == 1.0
 
 
-def test_none_in_automatic_optimization_is_an_error():
-    with pytest.raises(ValueError, match=r"configure_optimizers returned 0 optimizers; automatic optimization needs "
-                                         r"exactly one"):
-        fast_trainer().fit(module_returning(lambda m: None), regression_loader())
-
-
 def test_several_optimizers_need_manual_optimization():
     def make(m):
         return [torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.Adam(m.parameters())]

@@ -1,7 +1,10 @@
 """The Trainer's arguments: checked, and turned into things (devices, the strategy, callbacks, loggers)."""
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,13 +65,43 @@ def check_schedule(*, max_epochs: int | None, max_steps: int, min_epochs: int, a
 
 
 def check_limit(name: str, value: int | float | None) -> int | float:
+    """A ``limit_*_batches`` / ``overfit_batches`` value: a fraction in [0, 1] or an int count. A float
+    above 1.0 with no fractional part is a count (``2.0`` -> 2), as in Lightning; others raise."""
     if value is None:
         return 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise ValueError(f"{name} must be a fraction in [0, 1] or a non-negative int number of batches, got {value!r}.")
     if isinstance(value, float) and value > 1.0:
-        raise ValueError(f"{name}={value} is a fraction above 1.0; pass an int to give a number of batches.")
+        if not value.is_integer():
+            raise ValueError(f"{name}={value} is neither a fraction in [0, 1] nor a whole number of batches; pass "
+                             f"a fraction, or an int such as {int(value)}.")
+        return int(value)
     return value
+
+
+#: Lightning ``Trainer`` arguments ember does not take, and why (named in the error instead of a guess).
+NOT_TAKEN = {
+    "num_nodes": "ember's ddp reads the world (nodes included) from torchrun or SLURM; start it with torchrun",
+    "profiler": "ember has no profiler integration; wrap trainer.fit in torch.profiler.profile(...) yourself",
+    "plugins": "ember has no plugin system; pass precision= and strategy= instead",
+    "barebones": "ember has no barebones mode; turn off enable_progress_bar, logger and enable_checkpointing",
+    "inference_mode": "ember always evaluates under torch.no_grad() (see the README's differences from Lightning)",
+    "use_distributed_sampler": "ember's ddp always gives a map-style loader its own sharded sampler (it "
+                               "resumes mid-epoch); for another split, use an IterableDataset that splits itself",
+    "sync_batchnorm": "convert the module yourself with torch.nn.SyncBatchNorm.convert_sync_batchnorm before fit",
+    "model_registry": "ember has no model registry",
+}
+
+
+def reject_unknown(unknown: dict[str, Any], init: Callable[..., Any]) -> None:
+    """Raise a TypeError for keywords ``Trainer(...)`` does not take, suggesting the closest argument."""
+    names = [n for n in inspect.signature(init).parameters if n not in ("self", "unknown")]
+    name = sorted(unknown)[0]
+    if name in NOT_TAKEN:
+        raise TypeError(f"Trainer() got the Lightning argument {name!r}, which ember does not take: {NOT_TAKEN[name]}.")
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else " See help(ember.Trainer) for the arguments it takes."
+    raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}.{hint}")
 
 
 def resolve_devices(accelerator: str, devices: Any) -> tuple[str, list[torch.device]]:

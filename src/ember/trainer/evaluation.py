@@ -153,8 +153,9 @@ class EvaluationLoop:
         return [{k: v for k, v in floats.items() if k.endswith(s) or "/dataloader_idx_" not in k} for s in suffixes]
 
     # ------------------------------------------------------------------ predict
-    def predict(self, loaders: list[Any], limits: list[float]) -> list[list[Any]]:
-        """Run ``predict_step`` over ``loaders``; return one list of outputs per loader."""
+    def predict(self, loaders: list[Any], limits: list[float], keep: bool = True) -> list[list[Any]]:
+        """Run ``predict_step`` over ``loaders``; return one list of outputs per loader (empty lists when
+        ``keep`` is False: ``return_predictions=False`` holds no output in memory)."""
         if not any(limits):
             return [[] for _ in loaders]
         many = len(loaders) > 1
@@ -168,7 +169,7 @@ class EvaluationLoop:
             with torch.no_grad():
                 for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
                     results.append([])
-                    self._run_loader("predict", loader, limit, dl_idx, many, results[-1])
+                    self._run_loader("predict", loader, limit, dl_idx, many, results[-1] if keep else None)
             hooks.call("on_predict_epoch_end")
             hooks.call("on_predict_end")
         finally:

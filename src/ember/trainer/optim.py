@@ -21,6 +21,26 @@ _FORMS = (
 )
 
 
+class NoOptimizer(torch.optim.Optimizer):
+    """Stands in when ``configure_optimizers`` returns None, as Lightning's mock optimizer: ``step`` runs
+    the closure (training_step and backward still run, ``global_step`` counts), nothing is updated."""
+
+    def __init__(self) -> None:
+        super().__init__([torch.zeros(1)], {})
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "No Optimizer"
+
+
+NO_OPTIMIZER_WARNING = "configure_optimizers returned None, this fit will run with no optimizer"
+
+
 @dataclass
 class SchedulerConfig:
     """One LR scheduler and when to step it."""

@@ -22,16 +22,17 @@ from ember.trainer.loaders import FitData, eval_loaders
 from ember.trainer.log_writer import LogWriter
 from ember.trainer.loops import FitLoop
 from ember.trainer.metrics import MetricCollector
-from ember.trainer.optim import OptimizerState, parse_optimizers
+from ember.trainer.optim import NO_OPTIMIZER_WARNING, NoOptimizer, OptimizerState, parse_optimizers
 from ember.trainer.precision import Precision, normalize_precision
 from ember.trainer.preemption import preemption
 from ember.trainer.progress import FitProgress
+from ember.trainer.properties import TrainerProperties
 from ember.trainer.resume import Resume, restore_weights_only
 from ember.trainer.step import TrainingStep
 from ember.types import PrecisionInput, Stage, TrainerState
 
 
-class Trainer:
+class Trainer(TrainerProperties):
     """Runs a ``TrainModule``'s training, evaluation and prediction on a chosen strategy.
 
     Args:
@@ -95,7 +96,10 @@ class Trainer:
         logger: bool | Logger | Iterable[Logger] | None = True,
         enable_model_summary: bool = False,
         reload_dataloaders_every_n_epochs: int = 0,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            arguments.reject_unknown(unknown, Trainer.__init__)
         max_epochs = arguments.check_schedule(
             max_epochs=max_epochs, max_steps=max_steps, min_epochs=min_epochs,
             accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
@@ -142,10 +146,7 @@ class Trainer:
 
         self.callbacks: list[Callback] = arguments.build_callbacks(self, callbacks, enable_progress_bar,
                                                                    enable_checkpointing, enable_model_summary)
-        self.loggers: list[Logger] = arguments.build_loggers(self, logger)
-        for lg in self.loggers:
-            if lg not in self.callbacks:
-                self.callbacks.append(lg)
+        self.loggers = arguments.build_loggers(self, logger)  # also adds them to the callbacks
 
         self.progress = FitProgress()
         self.should_stop = False
@@ -169,6 +170,7 @@ class Trainer:
         self._eval_batches: dict[str, list[float]] = {}
         self.num_sanity_val_batches: list[float] = []
         self.ckpt_path: str | None = None
+        self._return_predictions = True
 
     # ------------------------------------------------------------------ one run, in every process
     def _run(self, stage: Stage, module: TrainModule, loaders: tuple[Any, ...], datamodule: DataModule | None,
@@ -237,7 +239,11 @@ class Trainer:
         self.strategy.setup(self, module)
         if type(module).configure_optimizers is TrainModule.configure_optimizers:
             module.configure_optimizers()  # raises the explanatory NotImplementedError
-        optimizers, schedulers = parse_optimizers(module.configure_optimizers())
+        configured = module.configure_optimizers()
+        if configured is None:  # as Lightning: warn, and train with a stand-in that updates nothing
+            warnings.warn(f"{type(module).__name__}.{NO_OPTIMIZER_WARNING}.", UserWarning, stacklevel=2)
+            configured = NoOptimizer()
+        optimizers, schedulers = parse_optimizers(configured)
         if module.automatic_optimization and len(optimizers) != 1:
             raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization "
                              "needs exactly one. For several, set self.automatic_optimization = False and step "
@@ -282,7 +288,9 @@ class Trainer:
             restore_weights_only(self, path)
         evaluation = EvaluationLoop(self, module, self._hooks, self._metrics, self._precision, self._input_dtype)
         if stage == "predict":
-            outputs = evaluation.predict(loaders, limits)
+            outputs = evaluation.predict(loaders, limits, keep=self._return_predictions)
+            if not self._return_predictions:
+                return None
             return outputs[0] if len(outputs) == 1 else outputs
         results = evaluation.run(stage, loaders, limits)
         if self._logs.enabled:
@@ -348,11 +356,15 @@ class Trainer:
         return self._evaluate("test", module, dataloaders, datamodule, ckpt_path)
 
     def predict(self, module: TrainModule | None = None, dataloaders: Any = None, datamodule: DataModule | None = None,
-                ckpt_path: str | None = None) -> list[Any]:
-        """Run ``predict_step``; returns the outputs (a list per loader when there are several)."""
+                return_predictions: bool | None = None, ckpt_path: str | None = None) -> list[Any] | None:
+        """Run ``predict_step``; returns the outputs (a list per loader when there are several), or None
+        with ``return_predictions=False``, which keeps no output (for predictions a callback writes out)."""
         module = self._module_for_eval(module)
         if isinstance(dataloaders, DataModule) and datamodule is None:  # Lightning's predict(model, dm)
             dataloaders, datamodule = None, dataloaders
+        if return_predictions not in (None, True, False):
+            raise TypeError(f"return_predictions must be True, False or None, got {return_predictions!r}.")
+        self._return_predictions = return_predictions is not False
         self.state = "predicting"
         return self.strategy.launch(self._run, "predict", module, (dataloaders,), datamodule, ckpt_path)
 
@@ -378,114 +390,3 @@ class Trainer:
             raise TypeError(f"Expected an ember.TrainModule, got {type(module).__name__}. Subclass ember.TrainModule.")
         if "_log_sink" not in module.__dict__:
             raise RuntimeError(f"{type(module).__name__}.__init__ did not call super().__init__(); call it first.")
-
-    # ------------------------------------------------------------------ public state
-    @property
-    def current_epoch(self) -> int:
-        return self.progress.current_epoch
-
-    @property
-    def global_step(self) -> int:
-        return self.progress.global_step
-
-    @property
-    def global_rank(self) -> int:
-        return self.strategy.global_rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.strategy.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.strategy.world_size
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.strategy.is_global_zero
-
-    @property
-    def callback_metrics(self) -> dict[str, Any]:
-        return self._metrics.callback_metrics
-
-    @callback_metrics.setter
-    def callback_metrics(self, value: dict[str, Any]) -> None:
-        self._metrics.callback_metrics = value
-
-    @property
-    def progress_bar_metrics(self) -> dict[str, Any]:
-        return self._metrics.progress_bar_metrics
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return self._optim.optimizers
-
-    @property
-    def lr_scheduler_configs(self) -> list[Any]:
-        return self._optim.schedulers
-
-    @property
-    def logger(self) -> Logger | None:
-        return self.loggers[0] if self.loggers else None
-
-    @property
-    def log_dir(self) -> str:
-        """The first logger's directory, or ``default_root_dir`` without a logger."""
-        for lg in self.loggers:
-            if lg.log_dir is not None:
-                return lg.log_dir
-        return self.default_root_dir
-
-    @property
-    def precision(self) -> str:
-        return self._precision_name
-
-    @property
-    def training(self) -> bool:
-        return self.state == "fitting" and not self.sanity_checking
-
-    @property
-    def lightning_module(self) -> TrainModule | None:
-        return self.module
-
-    @property
-    def fit_loop(self) -> FitLoop | None:
-        """The running (or last) fit's loop."""
-        return self._loop
-
-    @property
-    def train_dataloader(self) -> Any:
-        return self._data.train_loader
-
-    @property
-    def val_dataloaders(self) -> Any:
-        loaders = self._data.val_loaders
-        return loaders[0] if len(loaders) == 1 else loaders or None
-
-    @property
-    def num_training_batches(self) -> float:
-        return self._data.num_training_batches
-
-    @property
-    def num_val_batches(self) -> list[float]:
-        if self.state == "validating":
-            return self._eval_batches.get("validate", [])
-        return self._data.num_val_batches
-
-    @property
-    def num_test_batches(self) -> list[float]:
-        return self._eval_batches.get("test", [])
-
-    @property
-    def num_predict_batches(self) -> list[float]:
-        return self._eval_batches.get("predict", [])
-
-    @property
-    def estimated_stepping_batches(self) -> float:
-        """Optimizer steps the fit will take (inf when the loader has no length and no max_steps)."""
-        if self.state == "fitting" and self._data.train_loader is None and self.module is not None:
-            self._data.request_train()  # read in configure_optimizers: the loader is requested now (as Lightning)
-        n = self.num_training_batches
-        per_epoch = math.ceil(n / self.accumulate_grad_batches) if n != math.inf else math.inf
-        total = per_epoch * self.max_epochs if self.max_epochs != -1 else math.inf
-        return min(total, self.max_steps) if self.max_steps != -1 else total

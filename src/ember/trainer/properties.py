@@ -1,0 +1,214 @@
+"""The Trainer's public state, read (and, for the loggers, assigned) by users and callbacks: progress,
+ranks, metrics, optimizers, loggers, the checkpoint and early-stopping callbacks, loaders and batch counts."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ember.callbacks.logger import Logger
+
+if TYPE_CHECKING:
+    from ember.callbacks.callback import Callback
+    from ember.module import TrainModule
+    from ember.strategies.strategy import Strategy
+    from ember.trainer.loaders import FitData
+    from ember.trainer.loops import FitLoop
+    from ember.trainer.metrics import MetricCollector
+    from ember.trainer.optim import OptimizerState
+    from ember.trainer.progress import FitProgress
+    from ember.types import TrainerState
+
+
+def as_logger_list(value: Any) -> list[Logger]:
+    """What ``trainer.logger = ...`` / ``trainer.loggers = ...`` accept: None, one Logger, or an iterable of them."""
+    if value is None:
+        return []
+    loggers = [value] if isinstance(value, Logger) else list(value) if isinstance(value, (list, tuple)) else None
+    if loggers is None or not all(isinstance(lg, Logger) for lg in loggers):
+        raise TypeError(f"trainer.logger / trainer.loggers take None, an ember Logger or a list of them, got "
+                        f"{value!r}. Build one with ember.callbacks.CSVLogger(...) or TensorBoardLogger(...).")
+    return loggers
+
+
+class TrainerProperties:
+    """Public state of the Trainer (a base class of ``Trainer``; it holds no state of its own)."""
+
+    if TYPE_CHECKING:
+        progress: FitProgress
+        strategy: Strategy
+        state: TrainerState
+        sanity_checking: bool
+        module: TrainModule | None
+        callbacks: list[Callback]
+        default_root_dir: str
+        accumulate_grad_batches: int
+        max_epochs: int
+        max_steps: int
+        _loggers: list[Logger]
+        _metrics: MetricCollector
+        _optim: OptimizerState
+        _data: FitData
+        _loop: FitLoop | None
+        _eval_batches: dict[str, list[float]]
+        _precision_name: str
+
+    @property
+    def current_epoch(self) -> int:
+        return self.progress.current_epoch
+
+    @property
+    def global_step(self) -> int:
+        return self.progress.global_step
+
+    @property
+    def global_rank(self) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def callback_metrics(self) -> dict[str, Any]:
+        return self._metrics.callback_metrics
+
+    @callback_metrics.setter
+    def callback_metrics(self, value: dict[str, Any]) -> None:
+        self._metrics.callback_metrics = value
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, Any]:
+        return self._metrics.progress_bar_metrics
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self._optim.optimizers
+
+    @property
+    def lr_scheduler_configs(self) -> list[Any]:
+        return self._optim.schedulers
+
+    # ------------------------------------------------------------------ loggers (assignable, as Lightning's)
+    @property
+    def loggers(self) -> list[Logger]:
+        return self._loggers
+
+    @loggers.setter
+    def loggers(self, value: Any) -> None:
+        new = as_logger_list(value)
+        old = getattr(self, "_loggers", [])
+        # ember's loggers are callbacks too: the old ones stop getting hooks, the new ones start.
+        self.callbacks = [c for c in self.callbacks if not any(c is lg for lg in old)]
+        self.callbacks.extend(lg for lg in new if not any(c is lg for c in self.callbacks))
+        self._loggers = new
+
+    @property
+    def logger(self) -> Logger | None:
+        return self._loggers[0] if self._loggers else None
+
+    @logger.setter
+    def logger(self, value: Logger | None) -> None:
+        self.loggers = value
+
+    @property
+    def log_dir(self) -> str:
+        """The first logger's directory, or ``default_root_dir`` without a logger."""
+        for lg in self._loggers:
+            if lg.log_dir is not None:
+                return lg.log_dir
+        return self.default_root_dir
+
+    # ------------------------------------------------------------------ callbacks found by kind
+    @property
+    def checkpoint_callbacks(self) -> list[Any]:
+        """Every ``ModelCheckpoint`` among the callbacks."""
+        from ember.callbacks.model_checkpoint import ModelCheckpoint
+        return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
+
+    @property
+    def checkpoint_callback(self) -> Any:
+        """The first ``ModelCheckpoint``, or None."""
+        found = self.checkpoint_callbacks
+        return found[0] if found else None
+
+    @property
+    def early_stopping_callbacks(self) -> list[Any]:
+        """Every ``EarlyStopping`` among the callbacks."""
+        from ember.callbacks.early_stopping import EarlyStopping
+        return [c for c in self.callbacks if isinstance(c, EarlyStopping)]
+
+    @property
+    def early_stopping_callback(self) -> Any:
+        """The first ``EarlyStopping``, or None."""
+        found = self.early_stopping_callbacks
+        return found[0] if found else None
+
+    # ------------------------------------------------------------------ the run
+    @property
+    def precision(self) -> str:
+        return self._precision_name
+
+    @property
+    def training(self) -> bool:
+        return self.state == "fitting" and not self.sanity_checking
+
+    @property
+    def lightning_module(self) -> TrainModule | None:
+        return self.module
+
+    @property
+    def model(self) -> TrainModule | None:
+        """The module being run (ember's strategies keep their wrappers, such as DDP's, to themselves)."""
+        return self.module
+
+    @property
+    def fit_loop(self) -> FitLoop | None:
+        """The running (or last) fit's loop."""
+        return self._loop
+
+    @property
+    def train_dataloader(self) -> Any:
+        return self._data.train_loader
+
+    @property
+    def val_dataloaders(self) -> Any:
+        loaders = self._data.val_loaders
+        return loaders[0] if len(loaders) == 1 else loaders or None
+
+    @property
+    def num_training_batches(self) -> float:
+        return self._data.num_training_batches
+
+    @property
+    def num_val_batches(self) -> list[float]:
+        if self.state == "validating":
+            return self._eval_batches.get("validate", [])
+        return self._data.num_val_batches
+
+    @property
+    def num_test_batches(self) -> list[float]:
+        return self._eval_batches.get("test", [])
+
+    @property
+    def num_predict_batches(self) -> list[float]:
+        return self._eval_batches.get("predict", [])
+
+    @property
+    def estimated_stepping_batches(self) -> float:
+        """Optimizer steps the fit will take (inf when the loader has no length and no max_steps)."""
+        if self.state == "fitting" and self._data.train_loader is None and self.module is not None:
+            self._data.request_train()  # read in configure_optimizers: the loader is requested now (as Lightning)
+        n = self.num_training_batches
+        per_epoch = math.ceil(n / self.accumulate_grad_batches) if n != math.inf else math.inf
+        total = per_epoch * self.max_epochs if self.max_epochs != -1 else math.inf
+        return min(total, self.max_steps) if self.max_steps != -1 else total
