@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import logging
 import os
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,17 +20,25 @@ from ember.strategies.strategy import Strategy
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
+log = logging.getLogger(__name__)
+
 _ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 
 
-def check_schedule(*, max_epochs: int | None, max_steps: int, min_epochs: int, accumulate_grad_batches: int,
+def check_schedule(*, max_epochs: int | None, max_steps: int, min_epochs: int | None, min_steps: int | None,
+                   accumulate_grad_batches: int,
                    gradient_clip_val: float | None, gradient_clip_algorithm: str, val_check_interval: int | float,
                    check_val_every_n_epoch: int | None, log_every_n_steps: int, num_sanity_val_steps: int,
-                   reload_dataloaders_every_n_epochs: int, fast_dev_run: bool | int) -> int:
+                   reload_dataloaders_every_n_epochs: int, fast_dev_run: bool | int) -> tuple[int, int]:
     """Check the Trainer's schedule arguments (each error names the argument and what it accepts);
-    return ``max_epochs`` resolved (1000 when neither it nor ``max_steps`` is given)."""
+    return ``max_epochs`` resolved (1000 when neither it nor ``max_steps`` is given) and ``min_epochs``
+    resolved as Lightning's (1 when only ``min_steps`` is given, else 0)."""
     if max_epochs is None:
         max_epochs = 1000 if max_steps == -1 else -1
+    if min_steps is not None and (isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 0):
+        raise ValueError(f"min_steps must be a non-negative int or None, got {min_steps!r}.")
+    if min_epochs is None:
+        min_epochs = 1 if min_steps is not None else 0
     if not isinstance(max_epochs, int) or (max_epochs < 0 and max_epochs != -1):
         raise ValueError(f"max_epochs must be a non-negative int (or -1 for no limit), got {max_epochs!r}.")
     if not isinstance(max_steps, int) or (max_steps < 0 and max_steps != -1):
@@ -61,7 +71,30 @@ def check_schedule(*, max_epochs: int | None, max_steps: int, min_epochs: int, a
                          f"{reload_dataloaders_every_n_epochs!r}.")
     if not isinstance(fast_dev_run, int) or fast_dev_run < 0:  # bool is an int: True means 1
         raise ValueError(f"fast_dev_run must be a bool or a non-negative int, got {fast_dev_run!r}.")
-    return max_epochs
+    return max_epochs, min_epochs
+
+
+def set_backend_flags(deterministic: bool | str | None, benchmark: bool | None) -> None:
+    """``deterministic`` and ``benchmark`` as Lightning sets them (``benchmark`` defaults to False when
+    ``deterministic`` is True; None leaves ``torch.backends.cudnn.benchmark`` as it is)."""
+    if deterministic is not None:
+        if deterministic not in (True, False, "warn"):
+            raise ValueError(f"deterministic must be True, False or 'warn', got {deterministic!r}.")
+        torch.use_deterministic_algorithms(bool(deterministic), warn_only=deterministic == "warn")
+    if benchmark not in (None, True, False):
+        raise ValueError(f"benchmark must be True, False or None, got {benchmark!r}.")
+    if deterministic is True:
+        if benchmark is None:
+            benchmark = False
+        elif benchmark:
+            warnings.warn("deterministic=True and benchmark=True: PyTorch ignores cudnn's deterministic setting "
+                          "while torch.backends.cudnn.benchmark is True.", UserWarning, stacklevel=3)
+    if benchmark is not None:
+        torch.backends.cudnn.benchmark = benchmark
+
+
+def has_timer(callbacks: list[Callback]) -> bool:
+    return any(isinstance(c, cbs.Timer) for c in callbacks)
 
 
 def check_limit(name: str, value: int | float | None) -> int | float:
@@ -155,7 +188,7 @@ def resolve_strategy(trainer: Trainer, strategy: str | Strategy, accelerator: st
     return resolved
 
 def build_callbacks(trainer: Trainer, callbacks: Any, progress_bar: bool, checkpointing: bool,
-                    summary: bool) -> list[Callback]:
+                    summary: bool, max_time: Any = None) -> list[Callback]:
     if callbacks is None:
         callbacks = []
     elif isinstance(callbacks, Callback):
@@ -164,6 +197,11 @@ def build_callbacks(trainer: Trainer, callbacks: Any, progress_bar: bool, checkp
     for cb in callbacks:
         if not isinstance(cb, Callback):
             raise TypeError(f"callbacks must be ember.callbacks.Callback instances, got {type(cb).__name__}.")
+    if max_time is not None:  # as Lightning: a Timer checking after every step, unless one is given
+        if any(isinstance(c, cbs.Timer) for c in callbacks):
+            log.info("Ignoring Trainer(max_time=...): the callbacks already contain a Timer.")
+        else:
+            callbacks.append(cbs.Timer(duration=max_time, interval="step"))
     if progress_bar and not any(isinstance(c, cbs.ProgressBar) for c in callbacks):
         callbacks.append(cbs.ProgressBar())
     if summary and not any(isinstance(c, cbs.ModelSummary) for c in callbacks):

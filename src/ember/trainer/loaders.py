@@ -3,11 +3,15 @@ batches of each run, and the per-batch transfer to the device (with the module's
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from torch.utils.data import RandomSampler, SequentialSampler
+
 from ember.data import DataModule
 from ember.module import TrainModule
+from ember.strategies.resumable import rebuild_with_sampler, why_not_swappable
 from ember.utils import move_to_device
 
 if TYPE_CHECKING:
@@ -100,6 +104,16 @@ def batch_transfer(trainer: Trainer, dataloader_idx: int, input_dtype: Any) -> C
     return transfer
 
 
+def unshuffled(loader: Any, kind: str) -> Any:
+    """``overfit_batches``: ``loader`` with a shuffling sampler replaced by a sequential one (warned, as
+    Lightning), so every epoch sees the same batches."""
+    if isinstance(getattr(loader, "sampler", None), RandomSampler) and why_not_swappable(loader) is None:
+        warnings.warn(f"You requested to overfit but enabled {kind} dataloader shuffling. Turning off the {kind} "
+                      "dataloader shuffling for you.", UserWarning, stacklevel=2)
+        return rebuild_with_sampler(loader, SequentialSampler(loader.dataset))
+    return loader
+
+
 class FitData:
     """fit's loaders: requested from the module or datamodule in Lightning's order, counted, reloaded.
 
@@ -176,11 +190,15 @@ class FitData:
 
     def _set_train(self, loader: Any) -> None:
         t = self._trainer
+        if t.overfit_batches:
+            loader = unshuffled(loader, "train")
         self.train_loader = t.strategy.process_dataloader(loader, "fit")
         self.num_training_batches = num_batches(self.train_loader, t.limit_train_batches)
 
     def _set_val(self, loaders: list[Any]) -> None:
         t = self._trainer
+        if t.overfit_batches:
+            loaders = [unshuffled(v, "val") for v in loaders]
         self.val_loaders = [t.strategy.process_dataloader(v, "validate") for v in loaders]
         self.num_val_batches = [num_batches(v, t.limit_val_batches) for v in self.val_loaders]
 

@@ -22,6 +22,7 @@ A fit, as in Lightning::
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import warnings
 from collections.abc import Iterable, Iterator
@@ -30,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 from ember.trainer.loaders import batch_transfer, set_loader_epoch
 from ember.trainer.lockstep import Lockstep, uneven_message
 from ember.trainer.step import as_output_dict
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ember.trainer.evaluation import EvaluationLoop
@@ -95,6 +98,7 @@ class FitLoop:
         self._keep_train_stage = False  # the first epoch keeps what on_train_start logged
         self._warned_uneven = False  # ranks' unsized loaders yielded different numbers of batches
         self._loaded_at = 0  # the epoch whose loaders are in use (reload_dataloaders_every_n_epochs)
+        self._said_continue = False  # the "min_epochs / min_steps not met" line was logged this fit
 
     # ------------------------------------------------------------------ fit
     def run(self, resume: Resume | None = None, preemption: PreemptionHandler | None = None) -> None:
@@ -105,6 +109,8 @@ class FitLoop:
             resume.training_state()
         if t.num_sanity_val_steps and data.validates:  # on a resume too, as in Lightning
             self._sanity_check()
+        if t.limit_train_batches == 0:  # as Lightning: no training at all, not even its loader or hooks
+            return
         data.request_train()
         data.request_val()
         self._check_val_interval()
@@ -119,9 +125,9 @@ class FitLoop:
         self.hooks.call("on_train_start")
         self._loaded_at = p.current_epoch
         while not self._done():
-            self.run_epoch(preemption)
-            if t.should_stop and p.current_epoch >= t.min_epochs:
+            if t.should_stop and self.can_stop():  # also a stop requested before the first epoch, as Lightning
                 break
+            self.run_epoch(preemption)
         self.hooks.call("on_train_end")
 
     def _sanity_check(self) -> None:
@@ -139,6 +145,18 @@ class FitLoop:
             t.sanity_checking = False
             metrics.callback_metrics, metrics.progress_bar_metrics = saved
         self.hooks.call("on_sanity_check_end")
+
+    def can_stop(self) -> bool:
+        """Whether ``should_stop`` may end training now: ``min_epochs`` epochs finished and ``min_steps``
+        steps taken (as Lightning, which says once that training continues otherwise)."""
+        t, p = self.trainer, self.progress
+        if p.current_epoch >= t.min_epochs and (t.min_steps is None or p.global_step >= t.min_steps):
+            return True
+        if not self._said_continue:
+            self._said_continue = True
+            log.info("Trainer was signaled to stop but the required min_epochs=%s or min_steps=%s has not been met. "
+                     "Training will continue...", t.min_epochs, t.min_steps)
+        return False
 
     def _done(self) -> bool:
         t, p = self.trainer, self.progress
@@ -292,7 +310,7 @@ class FitLoop:
             if preemption is not None and (preemption_polls or preemption.received is not None):
                 preemption.check()  # on a stop signal (any rank): saves, then raises ember.exceptions.Preempted
             # current_epoch counts finished epochs: before min_epochs, finish this one whole.
-            if (t.should_stop and p.current_epoch >= t.min_epochs) or (max_steps != -1 and p.global_step >= max_steps):
+            if (t.should_stop and self.can_stop()) or (max_steps != -1 and p.global_step >= max_steps):
                 # Stopping mid-epoch: run the epoch-end validation that would otherwise be skipped,
                 # so monitored metrics (checkpointing, early stopping) reflect the final weights.
                 if not is_last and self._val_due_at_epoch_end() and p.val_checks_in_epoch == 0:

@@ -42,7 +42,12 @@ class Trainer(TrainerProperties):
         max_epochs: stop after this many epochs; -1 means no epoch limit. Default 1000 when
             neither ``max_epochs`` nor ``max_steps`` is given.
         max_steps: stop after this many optimizer steps (``global_step``); -1 means no limit.
-        min_epochs: ``should_stop`` is ignored before this many epochs.
+        min_epochs: ``should_stop`` is ignored before this many epochs (default 0; 1 when only
+            ``min_steps`` is given, as Lightning).
+        min_steps: ``should_stop`` is ignored before this many optimizer steps (None: no minimum).
+        max_time: stop after this much training time (timedelta, seconds, ``{"hours": 2}`` or
+            "DD:HH:MM:SS"): adds a ``Timer`` checking after every step (unless callbacks hold one).
+            With a Timer and no ``max_epochs`` / ``max_steps``, there is no epoch limit.
         accumulate_grad_batches: step the optimizer every k batches; the loss of each batch is
             divided by the size of its window, so a short final window still averages its batches.
         gradient_clip_val: clip gradients to this norm/value before each optimizer step.
@@ -51,11 +56,18 @@ class Trainer(TrainerProperties):
         val_check_interval: a fraction of the training epoch, or an int number of batches.
         check_val_every_n_epoch: validate every n epochs; None to validate by batch count only.
         limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches: a
-            fraction or an int number of batches per epoch.
+            fraction or an int number of batches per epoch (a whole float above 1.0 counts batches).
+            ``limit_train_batches=0`` skips training (the sanity check still runs).
+        overfit_batches: train and validate on this fraction or number of batches only (replacing
+            both limits), with shuffling turned off, to check a model can overfit a little data.
         num_sanity_val_steps: validation batches run before training (-1: all).
         log_every_n_steps: how often step metrics go to the loggers.
         fast_dev_run: run n (True: 1) batches of train, validation and test, without loggers or checkpoints.
         deterministic: ``torch.use_deterministic_algorithms`` (True, False or "warn").
+        benchmark: the value for ``torch.backends.cudnn.benchmark`` (None: left as it is, or False
+            when ``deterministic`` is True).
+        detect_anomaly: run training under ``torch.autograd.set_detect_anomaly``.
+        enable_autolog_hparams: hand the module's and datamodule's ``hparams`` to the loggers at fit start.
         default_root_dir: where logs and checkpoints go by default (the working directory).
         callbacks: a Callback or a list of them.
         enable_progress_bar: add the default progress bar.
@@ -74,7 +86,9 @@ class Trainer(TrainerProperties):
         devices: int | Sequence[int] | str = "auto",
         max_epochs: int | None = None,
         max_steps: int = -1,
-        min_epochs: int = 0,
+        min_epochs: int | None = None,
+        min_steps: int | None = None,
+        max_time: Any = None,
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
@@ -85,10 +99,13 @@ class Trainer(TrainerProperties):
         limit_val_batches: int | float | None = None,
         limit_test_batches: int | float | None = None,
         limit_predict_batches: int | float | None = None,
+        overfit_batches: int | float = 0.0,
         num_sanity_val_steps: int = 2,
         log_every_n_steps: int = 50,
         fast_dev_run: bool | int = False,
         deterministic: bool | str | None = None,
+        benchmark: bool | None = None,
+        detect_anomaly: bool = False,
         default_root_dir: str | None = None,
         callbacks: Callback | Iterable[Callback] | None = None,
         enable_progress_bar: bool = True,
@@ -96,12 +113,14 @@ class Trainer(TrainerProperties):
         logger: bool | Logger | Iterable[Logger] | None = True,
         enable_model_summary: bool = False,
         reload_dataloaders_every_n_epochs: int = 0,
+        enable_autolog_hparams: bool = True,
         **unknown: Any,
     ) -> None:
         if unknown:
             arguments.reject_unknown(unknown, Trainer.__init__)
-        max_epochs = arguments.check_schedule(
-            max_epochs=max_epochs, max_steps=max_steps, min_epochs=min_epochs,
+        epochs_given = max_epochs is not None
+        max_epochs, min_epochs = arguments.check_schedule(
+            max_epochs=max_epochs, max_steps=max_steps, min_epochs=min_epochs, min_steps=min_steps,
             accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
             gradient_clip_algorithm=gradient_clip_algorithm, val_check_interval=val_check_interval,
             check_val_every_n_epoch=check_val_every_n_epoch, log_every_n_steps=log_every_n_steps,
@@ -111,6 +130,7 @@ class Trainer(TrainerProperties):
         self.max_epochs = max_epochs
         self.max_steps = max_steps
         self.min_epochs = min_epochs
+        self.min_steps = min_steps
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val = gradient_clip_val
         self.gradient_clip_algorithm = gradient_clip_algorithm
@@ -120,6 +140,11 @@ class Trainer(TrainerProperties):
         self.limit_val_batches = arguments.check_limit("limit_val_batches", limit_val_batches)
         self.limit_test_batches = arguments.check_limit("limit_test_batches", limit_test_batches)
         self.limit_predict_batches = arguments.check_limit("limit_predict_batches", limit_predict_batches)
+        self.overfit_batches = arguments.check_limit("overfit_batches", overfit_batches)
+        if self.overfit_batches > 0:  # as Lightning: replaces the train and validation limits
+            self.limit_train_batches = self.limit_val_batches = self.overfit_batches
+        self.detect_anomaly = bool(detect_anomaly)
+        self.enable_autolog_hparams = bool(enable_autolog_hparams)
         self.num_sanity_val_steps = math.inf if num_sanity_val_steps == -1 else num_sanity_val_steps
         self.log_every_n_steps = log_every_n_steps
         self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
@@ -133,10 +158,7 @@ class Trainer(TrainerProperties):
             self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
             logger, enable_checkpointing = False, False
 
-        if deterministic is not None:
-            if deterministic not in (True, False, "warn"):
-                raise ValueError(f"deterministic must be True, False or 'warn', got {deterministic!r}.")
-            torch.use_deterministic_algorithms(bool(deterministic), warn_only=deterministic == "warn")
+        arguments.set_backend_flags(deterministic, benchmark)
 
         self._precision_name = normalize_precision(precision)
         accelerator_name, device_list = arguments.resolve_devices(accelerator, devices)
@@ -144,8 +166,10 @@ class Trainer(TrainerProperties):
         self._precision = Precision(self._precision_name, self.strategy.root_device.type)
         self._input_dtype = self._precision.input_dtype
 
-        self.callbacks: list[Callback] = arguments.build_callbacks(self, callbacks, enable_progress_bar,
-                                                                   enable_checkpointing, enable_model_summary)
+        self.callbacks: list[Callback] = arguments.build_callbacks(
+            self, callbacks, enable_progress_bar, enable_checkpointing, enable_model_summary, max_time)
+        if not epochs_given and self.max_steps == -1 and arguments.has_timer(self.callbacks):
+            self.max_epochs = -1  # as Lightning: the Timer ends the fit, not a default of 1000 epochs
         self.loggers = arguments.build_loggers(self, logger)  # also adds them to the callbacks
 
         self.progress = FitProgress()
@@ -264,10 +288,11 @@ class Trainer(TrainerProperties):
         self._loop = FitLoop(self, hooks=self._hooks, metrics=self._metrics, optim=self._optim, data=self._data,
                              logs=self._logs, evaluation=evaluation, step=step, input_dtype=self._input_dtype)
         self._hooks.call("on_fit_start")
-        self._logs.hyperparams()
+        if self.enable_autolog_hparams:
+            self._logs.hyperparams()
         # No module.train() here: as in Lightning, submodules a user put in eval mode stay there.
-        with preemption(self) as handler:  # SIGTERM -> checkpoint at the next step boundary -> Preempted exit
-            self._loop.run(resume, handler)
+        with preemption(self) as handler, torch.autograd.set_detect_anomaly(self.detect_anomaly):
+            self._loop.run(resume, handler)  # SIGTERM -> checkpoint at the next step boundary -> Preempted exit
         self._hooks.call("on_fit_end")
         self._logs.finalize("success")
 
