@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from ember.checkpoint_io import read_for_module
+from ember.types import REDUCE_OPS, parse_reduce_fx
 from ember.utils import move_to_device
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
-    from ember.types import ReduceOp, Stage
+    from ember.types import ReduceFx, Stage
 
 
 class AttributeDict(dict):
@@ -123,21 +124,30 @@ class TrainModule(nn.Module):
         return read_for_module(checkpoint_path, cls, overrides, strict=strict, map_location=map_location)
 
     # ------------------------------------------------------------------ logging
-    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
-            on_epoch: bool | None = None, reduce_fx: ReduceOp = "mean", batch_size: int | None = None,
-            sync_dist: bool = False, rank_zero_only: bool = False) -> None:
-        """Record a metric.
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
+            on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: ReduceFx = "mean",
+            enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
+            add_dataloader_idx: bool = True, batch_size: int | None = None, metric_attribute: str | None = None,
+            rank_zero_only: bool = False) -> None:
+        """Record a metric (Lightning's ``self.log``, with its arguments in its order).
 
         Args:
             name: key in ``trainer.callback_metrics`` and in the loggers.
-            value: a number or a scalar tensor (detached automatically).
+            value: a number or a scalar tensor (detached, and kept as a tensor).
             prog_bar: show it in the progress bar.
-            logger: send it to the loggers.
-            on_step: keep per-step values (default: True in training steps, False in evaluation).
-            on_epoch: reduce over the epoch (default: False in training steps, True in evaluation and in epoch hooks).
-            reduce_fx: epoch reduction, "mean" (batch-size weighted), "sum", "min" or "max".
-            batch_size: weight of this value in the epoch mean; inferred from the batch when omitted.
+            logger: send it to the loggers (None: True).
+            on_step: keep per-step values (default: True in training steps and batch hooks, else False).
+                In evaluation, per-step values go to the loggers (``name_step``), not to ``callback_metrics``.
+            on_epoch: reduce over the epoch (default: the opposite of ``on_step``'s default).
+            reduce_fx: epoch reduction: "mean" (batch-size weighted), "sum", "min" or "max" in any case,
+                "avg", or torch.mean / torch.sum / torch.max / torch.min / sum / max / min.
+            enable_graph: keep the value's autograd graph instead of detaching it.
             sync_dist: also reduce step values across processes (epoch values are always reduced).
+            sync_dist_group: must be None: ember reduces across all processes.
+            add_dataloader_idx: with several evaluation loaders, append ``/dataloader_idx_<i>`` to the name.
+            batch_size: weight of this value in the epoch mean; inferred from the batch when omitted.
+            metric_attribute: accepted for compatibility (it names a torchmetrics ``Metric`` attribute in
+                Lightning; ember logs numbers and tensors only).
             rank_zero_only: accepted for compatibility; ember reduces every key on every rank.
         """
         if self._log_sink is None:
@@ -145,8 +155,14 @@ class TrainModule(nn.Module):
                 f"self.log({name!r}, ...) was called outside of a Trainer run. Call it from training_step, "
                 "validation_step or a hook while trainer.fit/validate/test runs."
             )
-        self._log_sink.log(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
-                           reduce_fx=reduce_fx, batch_size=batch_size, sync_dist=sync_dist)
+        if sync_dist_group is not None:
+            raise ValueError(f"self.log({name!r}, sync_dist_group=...): ember reduces across all processes; "
+                             "leave sync_dist_group=None.")
+        if reduce_fx not in REDUCE_OPS:  # an alias ("avg", "MAX") or a function (torch.max): its name
+            reduce_fx = parse_reduce_fx(name, reduce_fx)
+        self._log_sink.log(name, value, prog_bar=prog_bar, logger=logger is not False, on_step=on_step,
+                           on_epoch=on_epoch, reduce_fx=reduce_fx, batch_size=batch_size, sync_dist=sync_dist,
+                           add_dataloader_idx=add_dataloader_idx, enable_graph=enable_graph)
 
     def log_dict(self, dictionary: dict[str, Any], **kwargs: Any) -> None:
         """``self.log`` every item of ``dictionary`` with the same options."""

@@ -6,7 +6,11 @@ errors that list the accepted names). A leaf: everyone may import it.
 """
 from __future__ import annotations
 
-from typing import Literal, get_args
+import builtins
+from collections.abc import Callable
+from typing import Any, Literal, get_args
+
+import torch
 
 #: What a run is doing: the ``stage`` given to ``setup`` / ``teardown`` hooks and to
 #: ``Strategy.process_dataloader``.
@@ -26,3 +30,38 @@ ReduceOp = Literal["mean", "sum", "min", "max"]
 
 #: The accepted reduce ops, in order, for run-time checks and messages.
 REDUCE_OPS: tuple[ReduceOp, ...] = get_args(ReduceOp)
+
+#: What ``self.log(reduce_fx=...)`` accepts, as Lightning does: one of ``REDUCE_OPS`` in any case, ``"avg"``
+#: for ``"mean"``, or the function itself (``torch.mean``, ``torch.sum`` / ``sum``, ``torch.max`` / ``max``,
+#: ``torch.min`` / ``min``).
+ReduceFx = str | Callable[..., Any]
+
+# The functions reduce_fx may name, as Lightning accepts them.
+_REDUCE_FUNCTIONS: dict[Callable[..., Any], ReduceOp] = {
+    torch.mean: "mean", torch.sum: "sum", builtins.sum: "sum", torch.max: "max", builtins.max: "max",
+    torch.min: "min", builtins.min: "min",
+}
+
+
+def parse_reduce_fx(name: str, reduce_fx: ReduceFx) -> ReduceOp:
+    """``reduce_fx`` as one of ``REDUCE_OPS``: a name in any case (``"avg"`` is ``"mean"``) or the function.
+
+    Raises:
+        ValueError: for anything else (a custom reduction), saying what is accepted.
+    """
+    if isinstance(reduce_fx, str):
+        op = reduce_fx.lower()
+        op = "mean" if op == "avg" else op
+        if op in REDUCE_OPS:
+            return op
+    else:
+        try:
+            return _REDUCE_FUNCTIONS[reduce_fx]
+        except (KeyError, TypeError):  # TypeError: an unhashable object
+            pass
+    raise ValueError(
+        f"self.log({name!r}, reduce_fx={reduce_fx!r}): reduce_fx must be one of {REDUCE_OPS} (any case, or "
+        "'avg' for 'mean') or one of torch.mean, torch.sum, torch.max, torch.min, sum, max, min. For another "
+        "reduction, keep the values yourself and log the result in an epoch-end hook."
+    )
+

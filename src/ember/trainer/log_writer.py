@@ -1,10 +1,14 @@
 """What reaches the loggers, and when: step metrics, epoch metrics, hyper-parameters, the final status.
 
-Only global rank zero writes. ``trainer.logged_metrics`` mirrors what was written last per key.
+Only global rank zero writes. ``trainer.logged_metrics`` mirrors what was written last per key, as
+tensors (as Lightning's); the loggers get floats, and with them the epoch, which ``logged_metrics`` does
+not hold.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from ember.callbacks.logger_writes import logger_step
 from ember.utils import to_floats
@@ -26,16 +30,27 @@ class LogWriter:
         self._trainer = trainer
         self._metrics = metrics
         self.enabled = bool(trainer.loggers) and trainer.is_global_zero
+        # Evaluation step values reach the loggers from the collector, batch by batch.
+        metrics.step_log_sink = self.eval_step_metrics if self.enabled else None
 
-    def write(self, metrics: dict[str, Any]) -> None:
-        """Hand ``metrics`` (as floats, with the epoch) to every logger at the current global step."""
+    def write(self, metrics: dict[str, Any], step: int | None = None, with_epoch: bool = True) -> None:
+        """Hand ``metrics`` (as floats, with the epoch unless ``with_epoch=False``) to every logger at
+        ``step`` (default: the current one, see ``logger_step``), and keep them in ``logged_metrics``."""
         t = self._trainer
         floats = to_floats(metrics)
-        floats["epoch"] = float(t.progress.current_epoch)
-        t.logged_metrics.update(floats)
-        step = logger_step(t)
+        logged: dict[str, Any] = t.logged_metrics
+        logged.update({k: v if isinstance(v, torch.Tensor) else torch.tensor(floats[k]) for k, v in metrics.items()})
+        if with_epoch:
+            floats["epoch"] = float(t.progress.current_epoch)
+        if step is None:
+            step = logger_step(t)
         for lg in t.loggers:
             lg.log_metrics(floats, step)
+
+    def eval_step_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        """One evaluation batch's per-step values, at ``step`` (that loader's batches so far in this run),
+        without the epoch: as Lightning writes them."""
+        self.write(metrics, step, with_epoch=False)
 
     def step_metrics(self) -> None:
         """Write the step values logged since the last write (called every ``log_every_n_steps``)."""

@@ -7,40 +7,55 @@ and ``to_floats`` converts a whole dict with one stack-and-copy.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.types import REDUCE_OPS, ReduceOp
+from ember.types import ReduceFx, ReduceOp, parse_reduce_fx
 from ember.utils import infer_batch_size
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
 
-_REDUCE_FX = REDUCE_OPS
 _FLOAT32 = torch.float32
-# Hooks whose ``self.log`` defaults to per-step values; everything else defaults to per-epoch.
+# Hooks whose ``self.log`` defaults to per-step values; everything else defaults to per-epoch (as Lightning).
 _STEP_HOOKS = frozenset({
-    "training_step", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
-    "on_before_optimizer_step", "on_before_zero_grad",
+    "training_step", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "backward",
+    "on_after_backward", "on_before_optimizer_step", "optimizer_step", "configure_gradient_clipping",
+    "clip_gradients", "on_before_zero_grad", "optimizer_zero_grad",
 })
-
+# Hooks that run once per run or epoch: Lightning allows only on_step=False, on_epoch=True there.
+_EPOCH_ONLY_HOOKS = frozenset({
+    "on_train_start", "on_validation_start", "on_test_start", "on_train_epoch_start", "on_train_epoch_end",
+    "on_validation_epoch_start", "on_validation_epoch_end", "on_test_epoch_start", "on_test_epoch_end",
+})
+# Inside these, trainer.callback_metrics shows the epoch values reduced so far (as Lightning's does).
+_EPOCH_END_HOOKS = frozenset({"on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end"})
+# Stages whose per-step values are written to the loggers batch by batch (the sanity check writes nothing).
+_EVAL_STAGES = frozenset({"validate", "test"})
 
 _ENTRY_FIELDS = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist")
 
 
 class _Entry:
     __slots__ = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist", "total", "weight",
-                 "step_key")
+                 "step_key", "epoch_key", "loader")
 
     def __init__(self, name: str, prog_bar: bool, logger: bool, on_step: bool, on_epoch: bool,
-                 reduce_fx: ReduceOp, sync_dist: bool) -> None:
-        self.name, self.prog_bar, self.logger = name, prog_bar, logger
+                 reduce_fx: ReduceOp, sync_dist: bool, suffix: str = "", loader: str = "") -> None:
+        #: The key (the logged name, and ``/dataloader_idx_i`` when several evaluation loaders log it).
+        self.name = name + suffix
+        self.prog_bar, self.logger = prog_bar, logger
         self.on_step, self.on_epoch, self.reduce_fx, self.sync_dist = on_step, on_epoch, reduce_fx, sync_dist
         self.total: Any = None
         self.weight: Any = 0
-        #: Where this entry's per-step value appears in callback_metrics.
-        self.step_key = name + "_step" if on_epoch else name
+        #: Where the per-step and the epoch values appear (``name_step`` / ``name_epoch`` when both are kept).
+        both = on_step and on_epoch
+        self.step_key = f"{name}_step{suffix}" if both else self.name
+        self.epoch_key = f"{name}_epoch{suffix}" if both else self.name
+        #: The evaluation loader (its key suffix) that logged it first.
+        self.loader = loader
 
     def accumulate(self, value: Any, batch_size: int) -> None:
         fx = self.reduce_fx
@@ -74,26 +89,61 @@ class MetricCollector:
         self.key_suffix = ""
         self._stages: dict[str, dict[str, _Entry]] = {}
         self._entries: dict[str, _Entry] = {}
-        #: The batch being processed and its inferred size (None until a mean needs it). The loops
-        #: set both per batch as plain attribute stores (no call on the per-step path).
-        self.batch: Any = None
+        #: The batch being processed (``batch``, set by the loops) and its inferred size (None until a mean needs it).
+        self._batch: Any = None
         self.batch_size: int | None = None
         #: Latest value of every key: what callbacks (checkpointing, early stopping) read.
-        self.callback_metrics: dict[str, Any] = {}
+        self._callback_metrics: dict[str, Any] = {}
         self.progress_bar_metrics: dict[str, Any] = {}
         #: Step values logged since the last logger write, for keys with ``logger=True``.
         self.pending_step_logs: dict[str, Any] = {}
+        #: Until the epoch ends, ``callback_metrics`` read in an epoch-end hook shows the values reduced so far.
+        self._epoch_open = False
+        #: In validate / test: batches seen per loader (by key suffix) in this run, the step at which
+        #: their per-step values go to the loggers, and those values until the batch is over.
+        self._counting = False
+        self._eval_batches: dict[str, int] = {}
+        self._eval_pending: dict[str, Any] = {}
+        self._eval_pending_at: tuple[str, int] = ("", -1)
+        #: Where evaluation step values go, ``(metrics, step)``: set by the LogWriter when it writes.
+        self.step_log_sink: Callable[[dict[str, Any], int], None] | None = None
+
+    @property
+    def batch(self) -> Any:
+        return self._batch
+
+    @batch.setter
+    def batch(self, value: Any) -> None:
+        # Set by the loops once per batch: in validate / test, also counts the loader's batches.
+        self._batch = value
+        if self._counting:
+            suffix = self.key_suffix
+            self._eval_batches[suffix] = self._eval_batches.get(suffix, -1) + 1
+
+    @property
+    def callback_metrics(self) -> dict[str, Any]:
+        if self._epoch_open and self.fx in _EPOCH_END_HOOKS:
+            self._publish_epoch_so_far()
+        return self._callback_metrics
+
+    @callback_metrics.setter
+    def callback_metrics(self, value: dict[str, Any]) -> None:
+        self._callback_metrics = value
 
     # ------------------------------------------------------------------ loop-facing
     def start_stage(self, stage: str) -> None:
         """Begin an epoch of ``stage``: forget that stage's previous accumulations."""
         self.stage = stage
         self._entries = self._stages[stage] = {}
+        self._epoch_open = True
+        self._counting = stage in _EVAL_STAGES
 
     def resume_stage(self, stage: str) -> None:
         """Switch back to ``stage`` keeping its accumulations (training after a mid-epoch validation)."""
         self.stage = stage
         self._entries = self._stages.setdefault(stage, {})
+        self._epoch_open = True
+        self._counting = stage in _EVAL_STAGES
 
     def state_dict(self) -> list[dict[str, Any]]:
         """The running sums behind the training epoch's ``on_epoch`` metrics (what a mid-epoch checkpoint
@@ -118,15 +168,25 @@ class MetricCollector:
 
     # ------------------------------------------------------------------ what self.log calls
     def log(self, name: str, value: Any, *, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
-            on_epoch: bool | None = None, reduce_fx: ReduceOp = "mean", batch_size: int | None = None,
-            sync_dist: bool = False) -> None:
-        if self.key_suffix:
-            name += self.key_suffix
-        entry = self._entries.get(name)
+            on_epoch: bool | None = None, reduce_fx: ReduceFx = "mean", batch_size: int | None = None,
+            sync_dist: bool = False, add_dataloader_idx: bool = True, enable_graph: bool = False) -> None:
+        loader = self.key_suffix
+        key = name + loader if loader and add_dataloader_idx else name
+        entry = self._entries.get(key)
         if entry is None:
-            entry = self._new_entry(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+            entry = self._new_entry(name, key, loader if add_dataloader_idx else "", prog_bar, logger, on_step,
+                                    on_epoch, reduce_fx, sync_dist)
+        elif entry.loader != loader:
+            first, now = (s.lstrip("/") or "outside any loader" for s in (entry.loader, loader))
+            raise ValueError(
+                f"self.log({name!r}, add_dataloader_idx=False) was called while evaluating two dataloaders "
+                f"({first} and {now}), "
+                "so their values would share one key. Log a different name per dataloader, or leave "
+                "add_dataloader_idx=True."
+            )
         if isinstance(value, torch.Tensor):
-            value = value.detach()
+            if not enable_graph:
+                value = value.detach()
             if value.ndim or value.dtype is not _FLOAT32:  # the common case (a float32 scalar) skips this
                 if value.numel() != 1:
                     raise ValueError(
@@ -139,47 +199,83 @@ class MetricCollector:
                 if value.ndim:
                     value = value.reshape(())
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = float(value)
+            # A tensor, as Lightning: callback_metrics and logged_metrics hold tensors (on the CPU: a number
+            # logged every step would otherwise cost a host-to-device copy each time).
+            value = torch.tensor(float(value), dtype=_FLOAT32)
         else:
             raise TypeError(f"self.log({name!r}, ...) expects a number or a scalar tensor, got {type(value).__name__}.")
         if entry.on_step:
-            synced = entry.sync_dist and isinstance(value, torch.Tensor)
-            step_value = self.strategy.reduce(value, entry.reduce_fx) if synced else value
-            key = entry.step_key
-            self.callback_metrics[key] = step_value
-            if entry.on_epoch:
-                self.callback_metrics[name] = step_value
+            step_value = self.strategy.reduce(value, entry.reduce_fx) if entry.sync_dist else value
+            step_key = entry.step_key
             if entry.prog_bar:
-                self.progress_bar_metrics[key] = step_value
-            if entry.logger and self.stage == "train":
-                self.pending_step_logs[key] = step_value
+                self.progress_bar_metrics[step_key] = step_value
+            if self.stage == "train":
+                self._callback_metrics[step_key] = step_value
+                if entry.on_epoch:
+                    self._callback_metrics[key] = step_value
+                if entry.logger:
+                    self.pending_step_logs[step_key] = step_value
+            elif entry.logger and self._counting:
+                # As Lightning: an evaluation step value goes to the loggers (at this loader's batch count),
+                # not to callback_metrics.
+                self._eval_step_value(step_key, step_value)
         if entry.on_epoch:
             if batch_size is None and entry.reduce_fx == "mean":
                 if self.batch_size is None:
-                    self.batch_size = infer_batch_size(self.batch)
+                    self.batch_size = infer_batch_size(self._batch)
                 batch_size = self.batch_size
             entry.accumulate(value, batch_size or 1)
 
-    def _new_entry(self, name: str, value: Any, prog_bar: bool, logger: bool, on_step: bool | None,
-                   on_epoch: bool | None, reduce_fx: ReduceOp, sync_dist: bool) -> _Entry:
+    def _new_entry(self, name: str, key: str, suffix: str, prog_bar: bool, logger: bool, on_step: bool | None,
+                   on_epoch: bool | None, reduce_fx: ReduceFx, sync_dist: bool) -> _Entry:
         if not isinstance(name, str) or not name:
             raise ValueError(f"self.log needs a non-empty string name, got {name!r}.")
-        if reduce_fx not in _REDUCE_FX:
-            raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): reduce_fx must be one of {_REDUCE_FX}.")
-        step_default = self.stage == "train" and self.fx in _STEP_HOOKS
+        op = parse_reduce_fx(name, reduce_fx)
+        fx = self.fx
+        step_default = fx in _STEP_HOOKS if self.stage == "train" else False
         on_step = step_default if on_step is None else on_step
         on_epoch = (not step_default) if on_epoch is None else on_epoch
-        if self.stage != "train" and on_step:
-            on_step = False  # evaluation values are only meaningful over the whole evaluation epoch
-            on_epoch = True
+        if fx in _EPOCH_ONLY_HOOKS and (on_step or not on_epoch):
+            raise ValueError(
+                f"self.log({name!r}, on_step={on_step}, on_epoch={on_epoch}) in {fx}: this hook runs once per "
+                "epoch or run, so only on_step=False, on_epoch=True is allowed there (as in Lightning). Drop "
+                "on_step / on_epoch, or log per-step values from a step or batch hook."
+            )
         if not on_step and not on_epoch:
             raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) would record nothing; "
                              "set one of them.")
-        entry = _Entry(name, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
-        self._entries[name] = entry
+        entry = _Entry(name, prog_bar, logger, on_step, on_epoch, op, sync_dist, suffix, self.key_suffix)
+        self._entries[key] = entry
         return entry
 
+    # ------------------------------------------------------------------ evaluation step values
+    def _eval_step_value(self, key: str, value: Any) -> None:
+        loader = self.key_suffix
+        at = (loader, self._eval_batches.get(loader, 0))
+        if at != self._eval_pending_at:
+            self.flush_eval_steps()
+            self._eval_pending_at = at
+        self._eval_pending[key] = value
+
+    def flush_eval_steps(self) -> None:
+        """Hand the evaluation step values of the last batch that logged some to ``step_log_sink``."""
+        pending = self._eval_pending
+        if pending:
+            if self.step_log_sink is not None:
+                self.step_log_sink(dict(pending), self._eval_pending_at[1])
+            pending.clear()
+
     # ------------------------------------------------------------------ epoch end
+    def _publish_epoch_so_far(self) -> None:
+        """Put the epoch values reduced so far (this process's) into callback_metrics: read inside an
+        epoch-end hook, as in Lightning. ``end_stage`` then publishes the final (cross-process) values."""
+        cm = self._callback_metrics
+        for e in self._entries.values():
+            if e.on_epoch and e.total is not None:
+                value = e.total / e.weight if e.reduce_fx == "mean" else e.total
+                cm[e.epoch_key] = value
+                cm[e.name] = value
+
     def end_stage(self) -> dict[str, Any]:
         """Reduce this stage's epoch values (across processes too) and publish them.
 
@@ -187,34 +283,37 @@ class MetricCollector:
         collective, so that after every epoch ``callback_metrics`` is identical on every rank
         (between epochs a step value is this rank's own unless it was logged with ``sync_dist``).
 
-        Returns the epoch-level metrics as tensors/floats, keyed as they appear in ``callback_metrics``.
+        Returns the epoch-level metrics as tensors, keyed as they appear in ``callback_metrics``.
         """
+        self.flush_eval_steps()
+        self._epoch_open = False
+        cm = self._callback_metrics
         entries = sorted((e for e in self._entries.values() if e.on_epoch), key=lambda e: e.name)
         rows = [(e.name, e.reduce_fx, e.total, e.weight) for e in entries]
         steps: list[_Entry] = []
         if self.strategy.world_size > 1:
             steps = sorted((e for e in self._entries.values() if e.on_step and not e.sync_dist
-                            and e.step_key in self.callback_metrics), key=lambda e: e.name)
-            rows += [(e.step_key + "/last", e.reduce_fx, self.callback_metrics[e.step_key], 1) for e in steps]
+                            and e.step_key in cm), key=lambda e: e.name)
+            rows += [(e.step_key + "/last", e.reduce_fx, cm[e.step_key], 1) for e in steps]
         if not rows:
             return {}
         values = self._reduce_across_processes(rows)
         for entry, value in zip(steps, values[len(entries):]):
-            self.callback_metrics[entry.step_key] = value
+            cm[entry.step_key] = value
             if entry.prog_bar:
                 self.progress_bar_metrics[entry.step_key] = value
         out: dict[str, Any] = {}
         for entry, value in zip(entries, values):
-            key = entry.name + "_epoch" if entry.on_step else entry.name
+            key = entry.epoch_key
             out[key] = value
-            self.callback_metrics[key] = value
-            self.callback_metrics[entry.name] = value
+            cm[key] = value
+            cm[entry.name] = value
             if entry.prog_bar:
                 self.progress_bar_metrics[key] = value
         return out
 
     def logger_keys(self) -> set[str]:
-        return {(e.name + "_epoch" if e.on_step else e.name) for e in self._entries.values() if e.on_epoch and e.logger}
+        return {e.epoch_key for e in self._entries.values() if e.on_epoch and e.logger}
 
     def _reduce_across_processes(self, rows: list[tuple[str, ReduceOp, Any, Any]]) -> list[Any]:
         """Reduce ``(name, reduce_fx, total, weight)`` rows: a weighted mean, or a sum / max / min."""
