@@ -136,7 +136,9 @@ def test_every_n_train_steps(tmp_path):
     cb = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3, save_top_k=-1)
     fit(tmp_path, cb, epochs=2)
     assert files(tmp_path) == ["last.ckpt", "step=3.ckpt", "step=6.ckpt"]
-    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 6
+    # last.ckpt is also refreshed at each epoch end, so it holds the final state (step 8); Lightning
+    # 2.6.6 leaves it at step 6, the last top-k save (README: where ember deliberately differs).
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 8
 
 
 def test_train_time_interval(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ _LAZY = {
     "ThroughputMonitor": "ember.callbacks.throughput",
     "Timer": "ember.callbacks.timer",
     "ModelCheckpoint": "ember.callbacks.model_checkpoint",
-    "OnExceptionCheckpoint": "ember.callbacks.model_checkpoint",
+    "OnExceptionCheckpoint": "ember.callbacks.checkpoint_files",
 }
 
 __all__ = ["Callback", "Logger", *_LAZY]

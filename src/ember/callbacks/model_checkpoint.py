@@ -8,7 +8,12 @@ training epoch. A resumed fit does not repeat a validation or an epoch end that 
 Differences from Lightning, on purpose:
 
 - ``save_last`` defaults to True, so ``fit(..., ckpt_path="last")`` always has something to resume
-  from. ``last.ckpt`` is a hard link to the checkpoint just written when possible (no second write).
+  from, and ``last.ckpt`` is refreshed at every save point (each epoch end or validation, and each
+  step/time cadence save) whether or not a top-k file is written there, as Lightning documents
+  ("every_n_epochs ... does not impact the saving of save_last=True checkpoints"). Lightning 2.6.6
+  refreshes it only together with a top-k file, so there a monitored value that stops improving
+  leaves ``last.ckpt`` at the best epoch, and resuming from "last" repeats the epochs after it.
+  ``last.ckpt`` is a hard link to the checkpoint just written when possible (no second write).
 - Slashes in metric names become ``_`` in file names (``{val/acc}`` -> ``val_acc=0.812``) instead
   of creating directories.
 - A file that was resumed from is never deleted by top-k rotation, and no file outside the
@@ -31,13 +36,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.callback import Callback
-from ember.checkpoint_io import DirectoryLock, fsync_dir, remove_stale_temporaries, temporary_prefix
-from ember.exceptions import Preempted
+from ember.callbacks.checkpoint_files import OnExceptionCheckpoint, link_atomic, save_on_exception
+from ember.checkpoint_io import DirectoryLock, remove_stale_temporaries
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
     from ember.types import Stage
+
+__all__ = ["ModelCheckpoint", "OnExceptionCheckpoint"]
 
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 
@@ -52,7 +59,10 @@ class ModelCheckpoint(Callback):
             epoch, the global step or a logged metric. Default ``"{epoch}-{step}"``.
         monitor: the logged metric ranking checkpoints for ``save_top_k``; None keeps the latest.
         verbose: print a line for every file written.
-        save_last: also keep ``last.ckpt`` (the most recent save), updated atomically.
+        save_last: also keep ``last.ckpt`` (the most recent save point), updated atomically; "link": make
+            it a symbolic link to the last top-k file written (a full write when none was written yet,
+            or with ``save_top_k=0``). Its name is ``CHECKPOINT_NAME_LAST``, a template like ``filename``
+            (``"last-{epoch}"``); a previous ``last`` of this run is removed when the name changes.
         save_top_k: how many checkpoints to keep (-1: all, 0: none except ``last``).
         save_weights_only: save the module's weights only (cannot resume a fit).
         mode: "min" or "max": which ``monitor`` values are better.
@@ -63,8 +73,8 @@ class ModelCheckpoint(Callback):
         save_on_train_epoch_end: save at the end of the training epoch instead of after validation
             (default: only when no validation runs).
         save_on_exception: also write ``on_exception.ckpt`` when fit raises (Ctrl-C included).
-        enable_version_counter: add ``-v1``, ``-v2``... when a file name would overwrite a file
-            this callback does not own.
+        enable_version_counter: add ``-v1``, ``-v2``... when a file name is already taken (by an earlier
+            run in the same directory, or by a checkpoint of this run that is kept), as Lightning does.
     """
 
     monitors_metrics = True
@@ -75,7 +85,8 @@ class ModelCheckpoint(Callback):
     STARTING_VERSION = 1
 
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
-                 monitor: str | None = None, verbose: bool = False, save_last: bool = True, save_top_k: int = 1,
+                 monitor: str | None = None, verbose: bool = False, save_last: bool | str | None = True,
+                 save_top_k: int = 1,
                  save_weights_only: bool = False,
                  mode: str = "min", auto_insert_metric_name: bool = True, every_n_train_steps: int | None = None,
                  train_time_interval: datetime.timedelta | float | None = None, every_n_epochs: int | None = None,
@@ -98,6 +109,8 @@ class ModelCheckpoint(Callback):
                                                 or train_time_interval.total_seconds() <= 0):
             raise ValueError(f"ModelCheckpoint train_time_interval must be a positive timedelta or number of seconds, "
                              f"got {train_time_interval!r}.")
+        if save_last not in (True, False, None, "link"):
+            raise ValueError(f"ModelCheckpoint save_last must be True, False or 'link', got {save_last!r}.")
         given = [n for n, v in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs),
                                 ("train_time_interval", train_time_interval)) if v]
         if len(given) > 1:
@@ -108,7 +121,7 @@ class ModelCheckpoint(Callback):
         self.filename = filename
         self.monitor = monitor
         self.verbose = verbose
-        self.save_last = bool(save_last)
+        self.save_last: bool | str = save_last if save_last == "link" else bool(save_last)
         self.save_top_k = save_top_k
         self.save_weights_only = save_weights_only
         self.mode = mode
@@ -128,6 +141,8 @@ class ModelCheckpoint(Callback):
         self.current_score: torch.Tensor | None = None
         self.last_model_path = ""
         self._last_global_step_saved = -1
+        self._last_checkpoint_saved = ""  # the last top-k file written: what save_last="link" points to
+        self._saved_in_fit = False
         self._last_time = time.monotonic()
         self._validation_ran = False
         self._warned_missing = False
@@ -177,6 +192,7 @@ class ModelCheckpoint(Callback):
             return
         self.dirpath = trainer.strategy.broadcast(self._resolve_dirpath(trainer))
         self._validation_ran = False
+        self._saved_in_fit = False
         holder = None
         if trainer.is_global_zero:
             self._lock = DirectoryLock(self.dirpath)
@@ -217,19 +233,22 @@ class ModelCheckpoint(Callback):
         if trainer.sanity_checking or trainer.state != "fitting":
             return
         self._validation_ran = True
-        if self._on_train_epoch_end(trainer) or not self._epoch_due(trainer):
-            return
-        if trainer.global_step == self._last_global_step_saved and not self.every_n_epochs:
-            return
-        self._save(trainer, at_epoch_end=False)
+        if not self._on_train_epoch_end(trainer):
+            self._save_point(trainer, at_epoch_end=False)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
-        if self._on_train_epoch_end(trainer) and self._epoch_due(trainer):
-            self._save(trainer, at_epoch_end=True)
+        if self._on_train_epoch_end(trainer):
+            self._save_point(trainer, at_epoch_end=True)
+
+    def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
+        # As Lightning: a fit in which no save point came (every cadence disabled, or never due)
+        # still leaves a ``last`` checkpoint of its final state.
+        if self.save_last and not self._saved_in_fit and trainer.global_step != self._last_global_step_saved:
+            self._save_last_only(trainer)
 
     def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
         if self.save_on_exception:
-            _save_on_exception(trainer, self.dirpath or self._resolve_dirpath(trainer), "on_exception", exception)
+            save_on_exception(trainer, self.dirpath or self._resolve_dirpath(trainer), "on_exception", exception)
 
     # ------------------------------------------------------------------ when
     def _epoch_due(self, trainer: Trainer) -> bool:
@@ -246,6 +265,14 @@ class ModelCheckpoint(Callback):
             return True
         return isinstance(trainer.val_check_interval, float) and trainer.val_check_interval == 1.0
 
+    def _save_point(self, trainer: Trainer, at_epoch_end: bool) -> None:
+        """An epoch end or a validation end: top-k (and last) when ``every_n_epochs`` is due; else
+        only ``last``, which ignores ``every_n_epochs`` (once per global step)."""
+        if self._epoch_due(trainer):
+            self._save(trainer, at_epoch_end=at_epoch_end)
+        elif self.save_last and trainer.global_step != self._last_global_step_saved:
+            self._save_last_only(trainer)
+
     # ------------------------------------------------------------------ what
     def _candidates(self, trainer: Trainer) -> dict[str, Any]:
         metrics = {k: v for k, v in trainer.callback_metrics.items()}
@@ -259,11 +286,28 @@ class ModelCheckpoint(Callback):
         metrics = self._candidates(trainer)
         self._last_global_step_saved = trainer.global_step
         self._last_time = time.monotonic()
+        self._saved_in_fit = True
+        previous_last = self._next_last(trainer, metrics)
         written: str | None = None
         if self.save_top_k != 0:
             written = self._save_top_k(trainer, metrics, at_epoch_end)
         if self.save_last:
-            self._write_last(trainer, written)
+            self._write_last(trainer, written, previous_last)
+
+    def _save_last_only(self, trainer: Trainer) -> None:
+        metrics = self._candidates(trainer)
+        self._last_global_step_saved = trainer.global_step
+        self._saved_in_fit = True
+        previous_last = self._next_last(trainer, metrics)
+        self._write_last(trainer, None, previous_last)
+
+    def _next_last(self, trainer: Trainer, metrics: dict[str, Any]) -> str:
+        """Name this save's ``last`` (before any file is written, as every checkpoint holds
+        ``last_model_path``); returns the previous one."""
+        previous = self.last_model_path
+        if self.save_last:
+            self.last_model_path = self._versioned(trainer, metrics, self.CHECKPOINT_NAME_LAST, keep=previous)
+        return previous
 
     def _monitored(self, trainer: Trainer, metrics: dict[str, Any], at_epoch_end: bool) -> float | None:
         if self.monitor in metrics:
@@ -284,7 +328,7 @@ class ModelCheckpoint(Callback):
 
     def _save_top_k(self, trainer: Trainer, metrics: dict[str, Any], at_epoch_end: bool) -> str | None:
         if self.monitor is None:
-            path = self._new_path(trainer, metrics)
+            path = self._versioned(trainer, metrics, None, keep=self.best_model_path)
             previous = self.best_model_path
             self.best_model_path = path
             self._write(trainer, path)
@@ -294,11 +338,11 @@ class ModelCheckpoint(Callback):
         value = self._monitored(trainer, metrics, at_epoch_end)
         if value is None:
             return None
-        self.current_score = torch.tensor(value)
         full = self.save_top_k != -1 and len(self.best_k_models) >= self.save_top_k
         if full and not self._better(value, self.kth_value):
             return None
-        path = self._new_path(trainer, metrics)
+        self.current_score = self._score(metrics[self.monitor], value)
+        path = self._versioned(trainer, metrics, None, keep=self._worst() if full else None)
         self.best_k_models[path] = value
         dropped = None
         if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
@@ -309,11 +353,19 @@ class ModelCheckpoint(Callback):
         best = min(self.best_k_models, key=self.best_k_models.__getitem__) if self.mode == "min" \
             else max(self.best_k_models, key=self.best_k_models.__getitem__)
         self.best_model_path = best
-        self.best_model_score = torch.tensor(self.best_k_models[best])
+        self.best_model_score = self.current_score if best == path else torch.tensor(self.best_k_models[best])
         self._write(trainer, path)
         if dropped is not None and dropped != path:
             self._remove(trainer, dropped)
         return path
+
+    @staticmethod
+    def _score(logged: Any, value: float) -> torch.Tensor:
+        """The monitored value as a tensor (as Lightning keeps it): the logged tensor itself, on the CPU;
+        a NaN is kept as the +-inf it ranks as."""
+        if isinstance(logged, torch.Tensor) and logged.numel() == 1 and not math.isnan(float(logged)):
+            return logged.detach().to("cpu").reshape(())
+        return torch.tensor(value)
 
     def _better(self, value: float, than: float | None) -> bool:
         if than is None:
@@ -348,31 +400,42 @@ class ModelCheckpoint(Callback):
             name += f"{self.CHECKPOINT_JOIN_CHAR}v{ver}"
         return os.path.join(self.dirpath or "", name + self.FILE_EXTENSION)
 
-    def _new_path(self, trainer: Trainer, metrics: dict[str, Any]) -> str:
-        path = self.format_checkpoint_name(metrics)
-        if self.enable_version_counter:
+    def _versioned(self, trainer: Trainer, metrics: dict[str, Any], filename: str | None, keep: str | None) -> str:
+        """The path for ``metrics`` under ``filename`` (None: this callback's template). As Lightning's: a
+        name that exists already gets ``-v1``, ``-v2``... unless it is ``keep``, this callback's own file
+        that the new one replaces; so a second run in the same directory writes ``epoch=1-step=8-v1.ckpt``
+        and ``last-v1.ckpt`` beside the first run's files. Rank zero looks; every rank gets its answer."""
+        path = self.format_checkpoint_name(metrics, filename)
+        if self.enable_version_counter and trainer.is_global_zero:
             version = self.STARTING_VERSION
-            while os.path.exists(path) and path not in self.best_k_models and path != self.best_model_path:
-                path = self.format_checkpoint_name(metrics, ver=version)
+            while os.path.lexists(path) and path != keep:
+                path = self.format_checkpoint_name(metrics, filename, ver=version)
                 version += 1
         return trainer.strategy.broadcast(path)
 
     # ------------------------------------------------------------------ files
     def _write(self, trainer: Trainer, path: str) -> None:
+        """Write a top-k file (``last`` is put in place by ``_write_last``)."""
         trainer.save_checkpoint(path, weights_only=self.save_weights_only)
+        self._last_checkpoint_saved = path
         if self.verbose and trainer.is_global_zero:
             print(f"ModelCheckpoint: epoch {trainer.current_epoch}, step {trainer.global_step}: saved {path}")
 
-    def _write_last(self, trainer: Trainer, written: str | None) -> None:
-        last = os.path.join(self.dirpath or "", self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+    def _write_last(self, trainer: Trainer, written: str | None, previous: str) -> None:
+        """Put ``last_model_path`` (named by ``_next_last``) in place, then remove this run's previous one."""
+        last = self.last_model_path
         linked = False
-        self.last_model_path = last
-        if written is not None and trainer.is_global_zero:
-            linked = _link_atomic(written, last)
-        linked = trainer.strategy.broadcast(linked)
-        if not linked:
-            self._write(trainer, last)
-        self.last_model_path = last
+        if trainer.is_global_zero:
+            if self.save_last == "link" and self._last_checkpoint_saved and self.save_top_k != 0:
+                linked = link_atomic(self._last_checkpoint_saved, last, symbolic=True)
+            elif written is not None:
+                linked = link_atomic(written, last)
+        if not trainer.strategy.broadcast(linked):
+            trainer.save_checkpoint(last, weights_only=self.save_weights_only)
+        if self.verbose and trainer.is_global_zero:
+            print(f"ModelCheckpoint: epoch {trainer.current_epoch}, step {trainer.global_step}: saved {last}")
+        if previous and previous != last and previous not in self.best_k_models:
+            self._remove(trainer, previous)
 
     def _remove(self, trainer: Trainer, path: str) -> None:
         if not trainer.is_global_zero or not path:
@@ -388,49 +451,3 @@ class ModelCheckpoint(Callback):
         except FileNotFoundError:
             pass
 
-
-def _link_atomic(src: str, dst: str) -> bool:
-    """Make ``dst`` another name of ``src`` atomically (hard link + rename); False where links are unsupported."""
-    tmp = os.path.join(os.path.dirname(dst), temporary_prefix(dst) + "link.tmp")
-    try:
-        os.link(src, tmp)
-        os.replace(tmp, dst)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        return False
-    fsync_dir(os.path.dirname(os.path.abspath(dst)))
-    return True
-
-
-def _save_on_exception(trainer: Trainer, dirpath: str, name: str, exception: BaseException) -> None:
-    if isinstance(exception, Preempted) or trainer.module is None:
-        return  # preemption already saved at a step boundary
-    if trainer.world_size > 1:
-        # Saving gathers state from every rank; a rank that raised alone would leave the others waiting.
-        warnings.warn("Exception checkpoints are only written in single-process runs; use preemption (SIGTERM) "
-                      "for multi-process runs.", UserWarning)
-        return
-    trainer.save_checkpoint(os.path.join(dirpath, name + ModelCheckpoint.FILE_EXTENSION))
-
-
-class OnExceptionCheckpoint(Callback):
-    """Write ``<dirpath>/<filename>.ckpt`` when fit raises (Ctrl-C included).
-
-    The state is whatever it was when the exception arrived, which may be mid-step; resuming from
-    it is exact only if the exception was raised at a step boundary (for clean stops, send SIGTERM:
-    see ``ember.trainer.preemption``).
-
-    Args:
-        dirpath: the directory.
-        filename: the file name without extension.
-    """
-
-    def __init__(self, dirpath: str | os.PathLike, filename: str = "on_exception") -> None:
-        self.dirpath = os.path.abspath(os.fspath(dirpath))
-        self.filename = filename
-
-    def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
-        _save_on_exception(trainer, self.dirpath, self.filename, exception)
