@@ -61,6 +61,15 @@ _GRADIENTS = "the gradient all-reduce (backward)"
 _BUFFERS = "the buffer broadcast before training_step"
 
 
+def oversubscription_message(ranks: int, cores: int) -> str | None:
+    """What to tell a user whose ``ranks`` CPU processes on one machine outnumber its ``cores`` (None if not)."""
+    if ranks <= cores:
+        return None
+    return (f"{ranks} CPU ranks run on this machine, which has {cores} core(s) for this job: the ranks take turns "
+            f"on the cores, so training runs slower than with devices={cores}. Use devices={cores} (or fewer) on "
+            "this machine, more machines, or GPUs.")
+
+
 class DDPStrategy(Strategy):
     """Data parallelism with one process per device.
 
@@ -270,9 +279,14 @@ class DDPStrategy(Strategy):
         # N processes on one machine each defaulting to every core oversubscribe it, and OpenMP's
         # spinning threads then slow a small CPU model down by 10-40x. Split the cores between the
         # local ranks, as torchrun does with OMP_NUM_THREADS, unless the user chose a number.
-        if local_world_size <= 1 or self.root_device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        if local_world_size <= 1 or self.root_device.type != "cpu":
             return
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        message = oversubscription_message(local_world_size, cores)
+        if message is not None and self.local_rank == 0:
+            warnings.warn(message, UserWarning, stacklevel=2)
+        if "OMP_NUM_THREADS" in os.environ:
+            return
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(max(1, cores // local_world_size))
 
