@@ -57,11 +57,17 @@ def test_save_hyperparameters_in_a_base_class_sees_kwargs_passed_up():
     assert m.hparams["lr"] == 0.5 and m.hparams["width"] == 16
 
 
-def test_hyperparameters_are_copied():
+def test_hparams_hold_the_arguments_and_hparams_initial_a_copy():
+    """Checked against Lightning 2.6.6: ``hparams`` holds the objects passed (the same list), and
+    ``hparams_initial`` a deep copy taken by save_hyperparameters, unchanged by later edits."""
     values = [1, 2]
     m = HP(lr=values)
     values.append(3)
-    assert m.hparams.lr == [1, 2]
+    m.hparams.layers = 9
+    assert m.hparams.lr is values
+    assert dict(m.hparams_initial) == {"lr": [1, 2], "layers": 2, "name": "m"}
+    m.hparams_initial["lr"] = 0  # a fresh copy each time: editing it changes nothing
+    assert m.hparams_initial.lr == [1, 2]
 
 
 def test_missing_hyperparameter_message():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import inspect
 import os
 import pickle
 import re
@@ -25,15 +26,18 @@ import shutil
 import socket
 import tempfile
 import threading
+import warnings
 import zipfile
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
+
+_M = TypeVar("_M", bound="TrainModule")
 
 FORMAT = "ember.checkpoint"
 FORMAT_VERSION = 1
@@ -390,19 +394,40 @@ def _short(items: list[str], n: int = 10) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
-def read_for_module(path: str, cls: type[TrainModule], overrides: dict[str, Any], strict: bool = True,
-                    map_location: Any = "cpu") -> TrainModule:
-    """Build ``cls`` from the hyper-parameters saved in ``path`` (``overrides`` win) and load its weights."""
+def read_for_module(path: str, cls: type[_M], overrides: dict[str, Any], strict: bool = True,
+                    map_location: Any = "cpu") -> _M:
+    """Build ``cls`` from the hyper-parameters saved in ``path`` (``overrides`` win) and load its weights.
+
+    As Lightning: the saved hyper-parameters updated with ``overrides`` are the constructor's keyword
+    arguments; those it does not accept are left out (unless it takes ``**kwargs``), with a warning
+    for the overrides; when ``save_hyperparameters(cfg)`` saved one dict argument (the checkpoint's
+    ``hparams_name``), they are passed as that argument.
+    """
     ckpt = load(path, map_location=map_location)
-    hparams = {**dict(ckpt.get("hyper_parameters") or {}), **overrides}
+    saved = {**dict(ckpt.get("hyper_parameters") or {}), **overrides}
+    params = inspect.signature(cls.__init__).parameters
+    names = [n for i, (n, p) in enumerate(params.items())
+             if i > 0 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    hparams_name = ckpt.get("hparams_name")
+    as_one = isinstance(hparams_name, str) and hparams_name in names
+    kwargs: dict[str, Any] = {str(hparams_name): saved} if as_one else dict(saved)
+    kwargs.update(overrides)
+    if not any_keyword:
+        dropped = [] if as_one else [k for k in overrides if k not in names]  # as_one: they went into that dict
+        if dropped:
+            warnings.warn(f"load_from_checkpoint: {cls.__name__}.__init__ takes no argument named {dropped} "
+                          f"(its arguments: {names}); ignored.", UserWarning, stacklevel=3)
+        kwargs = {k: v for k, v in kwargs.items() if k in names}
     try:
-        module = cls(**hparams)
+        module = cls(**kwargs)
     except TypeError as err:
         raise CheckpointError(f"Could not build {cls.__name__} from the hyper-parameters saved in {path!r} "
-                              f"({sorted(hparams)}): {err}. Pass the missing arguments as keyword overrides to "
+                              f"({sorted(kwargs)}): {err}. Pass the missing arguments as keyword overrides to "
                               "load_from_checkpoint, or call save_hyperparameters() in __init__.") from err
+    module.configure_model()  # layers made there exist before the weights are loaded (a no-op by default)
+    module.on_load_checkpoint(ckpt)  # first, as Lightning: it may rewrite ckpt["state_dict"]
     if strict:
         check_state_dict(module, ckpt["state_dict"], path)
-    module.on_load_checkpoint(ckpt)
     module.load_state_dict(ckpt["state_dict"], strict=strict)
     return module

@@ -1,22 +1,52 @@
 """DataModule: the data side of an experiment, in one object."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import inspect
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ember.hparams import HyperparametersMixin
 
 if TYPE_CHECKING:
     from ember.types import Stage
 
+_D = TypeVar("_D", bound="DataModule")
 
-class DataModule:
+
+class DataModule(HyperparametersMixin):
     """Group data preparation and loaders. Override what you need.
 
     ``prepare_data`` runs once per machine (local rank zero) before ``setup``; ``setup(stage)``
     runs on every process with stage "fit", "validate", "test" or "predict". ``state_dict`` is
-    saved in checkpoints and given back to ``load_state_dict`` when a fit resumes.
+    saved in checkpoints and given back to ``load_state_dict`` when a fit resumes. Its
+    ``save_hyperparameters()`` / ``hparams`` work as the module's.
     """
 
     def __init__(self) -> None:
         self.trainer: Any = None
+
+    @classmethod
+    def from_datasets(cls: type[_D], train_dataset: Any = None, val_dataset: Any = None, test_dataset: Any = None,
+                      predict_dataset: Any = None, batch_size: int = 1, num_workers: int = 0,
+                      **datamodule_kwargs: Any) -> _D:
+        """A datamodule whose loaders are ``DataLoader``s over the given datasets (each may also be a list or
+        dict of datasets, for several loaders); the training ones shuffle.
+
+        Args:
+            batch_size, num_workers: the loaders' settings; also passed to ``__init__`` when it takes them.
+            **datamodule_kwargs: passed to ``__init__``.
+        """
+        params = inspect.signature(cls.__init__).parameters
+        special = {"batch_size": batch_size, "num_workers": num_workers}
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            special = {k: v for k, v in special.items() if k in params}
+        datamodule = cls(**datamodule_kwargs, **special)
+        for stage, dataset in (("train", train_dataset), ("val", val_dataset), ("test", test_dataset),
+                               ("predict", predict_dataset)):
+            if dataset is not None:
+                loaders = _loaders_for(dataset, batch_size, num_workers, shuffle=stage == "train")
+                setattr(datamodule, f"{stage}_dataloader", lambda loaders=loaders: loaders)
+        return datamodule
 
     def prepare_data(self) -> None: ...
     def setup(self, stage: Stage) -> None: ...
@@ -49,6 +79,25 @@ class DataModule:
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Called when a Trainer run (fit, validate, test, predict) is interrupted by ``exception``."""
+
+
+def _loaders_for(dataset: Any, batch_size: int, num_workers: int, shuffle: bool) -> Any:
+    """A DataLoader for a dataset, and lists / dicts of them for lists / dicts of datasets."""
+    import torch
+    from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+    if isinstance(dataset, Dataset):
+        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and not isinstance(dataset, IterableDataset),
+                          num_workers=num_workers, pin_memory=torch.cuda.is_available())
+    if isinstance(dataset, Mapping):
+        return {k: _loaders_for(v, batch_size, num_workers, shuffle) for k, v in dataset.items()}
+    if isinstance(dataset, (list, tuple)):
+        return type(dataset)(_loaders_for(v, batch_size, num_workers, shuffle) for v in dataset)
+    raise TypeError(f"DataModule.from_datasets got a {type(dataset).__name__}; pass a torch Dataset, or a list or "
+                    "dict of them.")
 
 
 def _move(batch: Any, device: Any) -> Any:

@@ -1,15 +1,17 @@
 """TrainModule: the user's model, its steps, its optimizers and its hooks."""
 from __future__ import annotations
 
-import copy
 import inspect
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
 from ember.checkpoint_io import read_for_module
+from ember.hparams import AttributeDict as AttributeDict  # re-exported: ember.module.AttributeDict
+from ember.hparams import HyperparametersMixin
 from ember.types import REDUCE_OPS, parse_reduce_fx
 from ember.utils import move_to_device
 
@@ -17,21 +19,10 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
     from ember.types import ReduceFx, Stage
 
-
-class AttributeDict(dict):
-    """A dict whose keys are also attributes: ``self.hparams.lr``."""
-
-    def __getattr__(self, key: str) -> Any:
-        try:
-            return self[key]
-        except KeyError as err:
-            raise AttributeError(f"No hyper-parameter named {key!r}; saved ones: {sorted(self)}") from err
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        self[key] = value
+_M = TypeVar("_M", bound="TrainModule")
 
 
-class TrainModule(nn.Module):
+class TrainModule(HyperparametersMixin, nn.Module):
     """Subclass this: define ``training_step`` and ``configure_optimizers``, then ``Trainer.fit`` it.
 
     Hooks are called in Lightning's order; every hook here is a no-op and the Trainer calls only
@@ -43,7 +34,6 @@ class TrainModule(nn.Module):
         #: With ``False``, ``training_step`` does its own ``optimizers()`` / ``manual_backward`` / ``step``.
         self.automatic_optimization: bool = True
         self._trainer: Trainer | None = None
-        self._hparams: AttributeDict = AttributeDict()
         # Where ``self.log`` sends values; the Trainer sets it, a DP replica gets its own.
         self._log_sink: Any = None
 
@@ -57,7 +47,21 @@ class TrainModule(nn.Module):
 
     @trainer.setter
     def trainer(self, trainer: Trainer | None) -> None:
+        # As Lightning: TrainModules held as direct children (and theirs, recursively) see the same Trainer.
+        for child in self.children():
+            if isinstance(child, TrainModule):
+                child.trainer = trainer
         self._trainer = trainer
+
+    @property
+    def logger(self) -> Any:
+        """The Trainer's first logger (None outside a Trainer or without loggers)."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Any]:
+        """The Trainer's loggers (empty outside a Trainer)."""
+        return self._trainer.loggers if self._trainer is not None else []
 
     @property
     def device(self) -> torch.device:
@@ -80,46 +84,17 @@ class TrainModule(nn.Module):
     def global_rank(self) -> int:
         return self._trainer.global_rank if self._trainer is not None else 0
 
-    @property
-    def hparams(self) -> AttributeDict:
-        return self._hparams
-
-    def save_hyperparameters(self, *names: str, ignore: Sequence[str] | str | None = None) -> None:
-        """Store the arguments of the calling ``__init__`` in ``self.hparams`` (and in checkpoints).
-
-        Args:
-            *names: only these arguments (all of them by default).
-            ignore: arguments to leave out (e.g. a large ``nn.Module`` passed in).
-        """
-        frame = inspect.currentframe()
-        caller = frame.f_back if frame is not None else None
-        # Walk up to the outermost __init__ of this object, so subclasses' arguments are included.
-        init_locals: dict[str, Any] = {}
-        while caller is not None and caller.f_code.co_name == "__init__" and caller.f_locals.get("self") is self:
-            init_locals = {**caller.f_locals, **init_locals}
-            caller = caller.f_back
-        signature = inspect.signature(type(self).__init__)
-        ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
-        hp: dict[str, Any] = {}
-        for pname, param in signature.parameters.items():
-            if pname == "self" or pname in ignored or (names and pname not in names):
-                continue
-            if param.kind is param.VAR_KEYWORD:
-                hp.update(init_locals.get(pname, {}))
-            elif param.kind is not param.VAR_POSITIONAL and pname in init_locals:
-                hp[pname] = init_locals[pname]
-        self._hparams.update(copy.deepcopy(hp))
-
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: str, map_location: Any = "cpu", strict: bool = True,
-                             **overrides: Any) -> TrainModule:
+    def load_from_checkpoint(cls: type[_M], checkpoint_path: str, map_location: Any = "cpu", strict: bool = True,
+                             **overrides: Any) -> _M:
         """Rebuild this module from a checkpoint's saved hyper-parameters and load its weights.
 
         Args:
             checkpoint_path: an ember checkpoint file.
             map_location: where tensors are loaded (as in ``torch.load``).
             strict: require the checkpoint's keys and shapes to match the module exactly.
-            **overrides: constructor arguments that replace (or add to) the saved hyper-parameters.
+            **overrides: constructor arguments that replace the saved hyper-parameters; names the
+                constructor does not take are ignored with a warning (unless it takes ``**kwargs``).
         """
         return read_for_module(checkpoint_path, cls, overrides, strict=strict, map_location=map_location)
 
@@ -181,6 +156,55 @@ class TrainModule(nn.Module):
         if not scheds:
             return None
         return scheds[0] if len(scheds) == 1 else scheds
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Let only ``optimizer``'s parameters compute gradients: every other optimizer's parameters get
+        ``requires_grad=False`` until ``untoggle_optimizer`` (parameters already frozen stay frozen)."""
+        state: dict[torch.nn.Parameter, bool] = {}
+        for opt in self.trainer.optimizers:
+            for group in opt.param_groups:
+                for param in group["params"]:
+                    if param not in state:
+                        state[param] = param.requires_grad
+                        param.requires_grad = False
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.requires_grad = state.get(param, param.requires_grad)
+        self._toggled_requires_grad = state
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        """Give back the ``requires_grad`` flags that ``toggle_optimizer(optimizer)`` changed."""
+        state = getattr(self, "_toggled_requires_grad", {})
+        inner = getattr(optimizer, "optimizer", optimizer)  # what self.optimizers() hands out wraps the optimizer
+        for opt in self.trainer.optimizers:
+            if opt is optimizer or opt is inner:
+                continue
+            for group in opt.param_groups:
+                for param in group["params"]:
+                    if param in state:
+                        param.requires_grad = state[param]
+        self._toggled_requires_grad = {}
+
+    @contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """``toggle_optimizer`` for the body of a ``with`` block, ``untoggle_optimizer`` after it."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
+
+    def freeze(self) -> TrainModule:
+        """No parameter computes gradients, and eval mode; returns the module."""
+        for param in self.parameters():
+            param.requires_grad = False
+        return self.eval()
+
+    def unfreeze(self) -> TrainModule:
+        """Every parameter computes gradients, and train mode; returns the module."""
+        for param in self.parameters():
+            param.requires_grad = True
+        return self.train()
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Backward for manual optimization: applies precision scaling and the strategy's gradient sync."""
@@ -334,6 +358,19 @@ class TrainModule(nn.Module):
             scheduler.step()
         else:
             scheduler.step(metric)
+
+
+def takes_batch_idx(step: Callable[..., Any]) -> bool:
+    """Whether a bound step method (``module.training_step``...) is to receive ``batch_idx``.
+
+    As Lightning: yes when a parameter after ``batch`` is named ``batch_idx``, when it takes
+    ``*args``, or when it has at least two parameters (the second one, whatever its name, is the
+    index); ``def training_step(self, batch)`` gets the batch alone. The call sites ask once per run.
+    """
+    fn = getattr(step, "__wrapped__", step)  # a decorated step: read the function it wraps
+    spec = inspect.getfullargspec(fn)
+    args = spec.args[1:] if inspect.ismethod(step) else spec.args  # a bound method's first one is self
+    return "batch_idx" in args or spec.varargs is not None or len(args) >= 2
 
 
 def _restore_modes(module: nn.Module) -> None:
