@@ -6,6 +6,8 @@ import math
 import warnings
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ember.callbacks.callback import Callback
 from ember.utils import to_floats
 
@@ -65,13 +67,22 @@ class EarlyStopping(Callback):
         self.divergence_threshold = divergence_threshold
         self.check_on_train_epoch_end = check_on_train_epoch_end
         self.wait_count = 0
-        self.best_score = math.inf if mode == "min" else -math.inf
+        self._best = math.inf if mode == "min" else -math.inf
         self.stopped_epoch = -1
         self.stopped_step = -1
         #: Why training was stopped, once it was.
         self.stopping_reason: str | None = None
         self._on_epoch_end = False
         self._warned_missing = False
+
+    @property
+    def best_score(self) -> torch.Tensor:
+        """The best value seen so far, as a tensor (as Lightning's); +-inf before the first check."""
+        return torch.tensor(self._best)
+
+    @best_score.setter
+    def best_score(self, value: float | torch.Tensor) -> None:
+        self._best = float(value)
 
     def _state_key_args(self) -> dict[str, Any]:
         return {"monitor": self.monitor, "mode": self.mode}
@@ -131,31 +142,31 @@ class EarlyStopping(Callback):
         name = repr(self.monitor)
         if self.check_finite and not math.isfinite(current):
             return True, (f"EarlyStopping: monitored metric {name} = {current} is not finite {where}; stopping. "
-                          f"Best value so far: {self.best_score:.6g}."), True
+                          f"Best value so far: {self._best:.6g}."), True
         if self.stopping_threshold is not None and self._better(current, self.stopping_threshold):
             return True, (f"EarlyStopping: {name} = {current:.6g} reached the stopping threshold "
                           f"{self.stopping_threshold} {where}; stopping."), False
         if self.divergence_threshold is not None and self._better(self.divergence_threshold, current):
             return True, (f"EarlyStopping: {name} = {current:.6g} crossed the divergence threshold "
                           f"{self.divergence_threshold} {where}; stopping."), True
-        target = self.best_score - self.min_delta if self.mode == "min" else self.best_score + self.min_delta
+        target = self._best - self.min_delta if self.mode == "min" else self._best + self.min_delta
         if self._better(current, target):
-            old, self.best_score, self.wait_count = self.best_score, current, 0
+            old, self._best, self.wait_count = self._best, current, 0
             change = f" (by {abs(old - current):.6g})" if math.isfinite(old) else ""
             return False, f"EarlyStopping: {name} improved{change} to {current:.6g} {where}.", False
         self.wait_count += 1
         if self.wait_count >= self.patience:
-            return True, (f"EarlyStopping: {name} did not improve on {self.best_score:.6g} for {self.wait_count} "
+            return True, (f"EarlyStopping: {name} did not improve on {self._best:.6g} for {self.wait_count} "
                           f"checks (patience {self.patience}) {where}; stopping."), False
         return False, None, False
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return {"wait_count": self.wait_count, "stopped_epoch": self.stopped_epoch, "best_score": self.best_score,
+        return {"wait_count": self.wait_count, "stopped_epoch": self.stopped_epoch, "best_score": self._best,
                 "patience": self.patience}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wait_count = state_dict["wait_count"]
         self.stopped_epoch = state_dict["stopped_epoch"]
-        self.best_score = float(state_dict["best_score"])
+        self._best = float(state_dict["best_score"])
         self.patience = state_dict.get("patience", self.patience)
