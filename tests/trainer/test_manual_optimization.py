@@ -168,3 +168,66 @@ def test_manual_optimization_with_16_mixed_scales_and_unscales():
     fast_trainer().fit(m32, regression_loader())
     torch.testing.assert_close(m16.layer.weight, m32.layer.weight, atol=1e-2, rtol=0)
     assert not torch.equal(m16.layer.weight, BoringModel().layer.weight)
+
+
+# ---------------------------------------------------------------------- Lightning 2.6.6 parity
+class KwargsOptimizer(torch.optim.SGD):
+    """An optimizer whose step takes an extra keyword."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.scales: list[float] = []
+
+    def step(self, closure=None, scale=1.0):
+        self.scales.append(scale)
+        return super().step(closure)
+
+
+class ClosureAndKwargs(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        loss = F.mse_loss(self(batch[0]), batch[1])
+
+        def closure():
+            opt.zero_grad()
+            self.manual_backward(loss)
+            return loss
+        opt.step(closure=closure, scale=3.0)
+        if batch_idx == 3:
+            sched.step(1.0)  # the user steps ReduceLROnPlateau with a metric of their choice
+
+    def configure_optimizers(self):
+        opt = KwargsOptimizer(self.parameters(), lr=1.0)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "interval": "step", "frequency": 2}}
+
+
+def test_step_kwargs_reach_the_optimizer_and_plateau_needs_no_monitor():
+    """Lightning 2.6.6, 2 epochs of 4 batches: scale=3.0 reaches every step (8), ReduceLROnPlateau without a
+    monitor is accepted in manual optimization, and the user's steps take lr 1.0 -> 0.1."""
+    module = ClosureAndKwargs()
+    trainer = fast_trainer(max_epochs=2)
+    trainer.fit(module, regression_loader())
+    assert trainer.optimizers[0].scales == [3.0] * 8
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1)
+    assert trainer.global_step == 8
+
+
+def test_plateau_keys_are_ignored_with_a_warning_in_manual_optimization():
+    # Lightning 2.6.6: RuntimeWarning "The lr scheduler dict contains the key(s) ['monitor', 'strict'], but the keys
+    # will be ignored. You need to call `lr_scheduler.step()` manually in manual optimization."
+    class Module(ClosureAndKwargs):
+        def configure_optimizers(self):
+            opt = KwargsOptimizer(self.parameters(), lr=1.0)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "x", "strict": True}}
+
+    trainer = fast_trainer(max_epochs=1)
+    with pytest.warns(RuntimeWarning, match=r"contains the key\(s\) \['monitor', 'strict'\], but the keys will be "
+                                            r"ignored"):
+        trainer.fit(Module(), regression_loader())
+    assert trainer.lr_scheduler_configs[0].monitor is None

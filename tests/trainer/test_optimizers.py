@@ -156,7 +156,8 @@ def test_monitored_metric_missing_is_an_error_unless_not_strict():
     with pytest.raises(KeyError, match=r"monitors 'nope', which was not logged.*train_loss.*self.log\('nope'"):
         fast_trainer().fit(module_returning(make(True)), regression_loader())
     trainer = fast_trainer()
-    trainer.fit(module_returning(make(False)), regression_loader())
+    with pytest.warns(RuntimeWarning, match="monitors 'nope', which is not available, and strict is False"):
+        trainer.fit(module_returning(make(False)), regression_loader())
     assert lr_of(trainer) == 1.0
 
 
@@ -232,3 +233,153 @@ def test_dict_with_a_top_level_monitor():
     trainer.fit(Plateau(), regression_loader(), regression_loader())
     assert trainer.lr_scheduler_configs[0].monitor == "val_loss"
     assert lr_of(trainer) == pytest.approx(0.25)
+
+
+# ---------------------------------------------------------------------- Lightning's scheduler config keys
+# Each expectation below was observed on Lightning 2.6.6 with the same module and data (4 batches/epoch).
+class CustomPlateau:
+    """A scheduler outside torch's API: its step takes a metric, positionally."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.metrics: list[float] = []
+
+    def step(self, metric):
+        self.metrics.append(float(metric))
+        self.optimizer.param_groups[0]["lr"] *= 0.5
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def custom_config(**extra):
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        m.sched = CustomPlateau(opt)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": m.sched, **extra}}
+    return make
+
+
+class SteppingItself(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[Any] = []
+
+    def lr_scheduler_step(self, scheduler, metric):
+        self.received.append(None if metric is None else float(metric))
+        scheduler.step(0.0 if metric is None else metric)
+
+
+def test_a_scheduler_outside_torchs_api_needs_lr_scheduler_step():
+    # Lightning 2.6.6: "The provided lr scheduler `CustomPlateau` doesn't follow PyTorch's LRScheduler API.
+    # You should override the `LightningModule.lr_scheduler_step` hook ..."
+    with pytest.raises(TypeError, match=r"CustomPlateau is not a torch.optim.lr_scheduler scheduler.*Override "
+                                        r"M.lr_scheduler_step\(self, scheduler, metric\)"):
+        fast_trainer(max_epochs=2).fit(module_returning(custom_config()), regression_loader())
+
+
+@pytest.mark.parametrize(("extra", "gets_metric"), [
+    ({"reduce_on_plateau": True, "monitor": "train_loss"}, True),  # Lightning: the metric, once per epoch
+    ({"monitor": "train_loss"}, False),                            # Lightning: monitor ignored, metric None
+])
+def test_reduce_on_plateau_key_decides_whether_the_monitor_is_read(extra, gets_metric):
+    module = module_returning(custom_config(**extra), base=SteppingItself)
+    trainer = fast_trainer(max_epochs=2)
+    trainer.fit(module, regression_loader())
+    assert len(module.received) == 2 and lr_of(trainer) == 0.25
+    if gets_metric:
+        assert all(isinstance(v, float) for v in module.received)
+    else:
+        assert module.received == [None, None]
+    assert trainer.lr_scheduler_configs[0].reduce_on_plateau is gets_metric
+
+
+def test_a_torch_scheduler_with_a_monitor_is_stepped_without_the_metric():
+    # Lightning 2.6.6: StepLR with 'monitor': 'nope' (never logged) steps per epoch: lr 1.0 -> 0.25 after 2 epochs.
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+                                                   "monitor": "nope", "name": "steplr"}}
+    trainer = fast_trainer(max_epochs=2)
+    trainer.fit(module_returning(make), regression_loader())
+    assert lr_of(trainer) == 0.25 and trainer.lr_scheduler_configs[0].name == "steplr"
+
+
+def test_a_scheduler_without_state_dict_is_an_error():
+    # Lightning 2.6.6: TypeError "... It should have `state_dict` and `load_state_dict` methods defined."
+    class NoState:
+        def step(self):
+            pass
+
+    with pytest.raises(TypeError, match=r"NoState is not an LR scheduler: it needs step\(\), state_dict\(\) and "
+                                        r"load_state_dict\(\)"):
+        fast_trainer().fit(module_returning(lambda m: ([torch.optim.SGD(m.parameters(), lr=1.0)], [NoState()])),
+                           regression_loader())
+
+
+def test_a_non_strict_missing_monitor_warns_and_skips():
+    # Lightning 2.6.6: RuntimeWarning "ReduceLROnPlateau conditioned on metric missing which is not available but
+    # strict is set to `False`. Skipping learning rate update."; lr stays 1.0.
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                                                   "monitor": "missing", "strict": False}}
+    trainer = fast_trainer()
+    with pytest.warns(RuntimeWarning, match=r"monitors 'missing', which is not available, and strict is False: "
+                                            r"skipping this learning rate update"):
+        trainer.fit(module_returning(make), regression_loader())
+    assert lr_of(trainer) == 1.0
+
+
+def test_one_cycle_with_an_epoch_interval_warns():
+    # Lightning 2.6.6 warns: "A `OneCycleLR` scheduler is using 'interval': 'epoch'. Are you sure you didn't mean ..."
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        return [opt], [torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=10)]
+    with pytest.warns(RuntimeWarning, match=r"OneCycleLR scheduler is using 'interval': 'epoch'"):
+        fast_trainer().fit(module_returning(make), regression_loader())
+
+
+# ---------------------------------------------------------------------- stopping mid-epoch
+@pytest.mark.parametrize(("kwargs", "lr"), [
+    ({"max_steps": 6, "max_epochs": 5}, 0.5),  # Lightning 2.6.6: stepped after epoch 0 only
+    ({"max_steps": 4, "max_epochs": 5}, 0.5),  # the stop falls on the epoch's last batch: it steps
+    ({"max_steps": 2, "max_epochs": 5}, 1.0),
+])
+def test_epoch_schedulers_do_not_step_when_max_steps_ends_an_epoch_early(kwargs, lr):
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)]
+    trainer = fast_trainer(**kwargs)
+    trainer.fit(module_returning(make, base=TrainOnlyModel), regression_loader())
+    assert lr_of(trainer) == lr
+
+
+def test_a_strict_plateau_monitor_is_not_read_when_max_steps_ends_mid_epoch():
+    # Lightning 2.6.6: max_steps=2 -> no error, lr 1.0; with max_steps=4 (the epoch's end) it raises.
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                                                   "monitor": "missing"}}
+    trainer = fast_trainer(max_steps=2, max_epochs=5)
+    trainer.fit(module_returning(make, base=TrainOnlyModel), regression_loader())
+    assert lr_of(trainer) == 1.0
+    with pytest.raises(KeyError, match="monitors 'missing'"):
+        fast_trainer(max_steps=4, max_epochs=5).fit(module_returning(make, base=TrainOnlyModel), regression_loader())
+
+
+def test_epoch_schedulers_do_not_step_when_should_stop_ends_an_epoch_early():
+    # Lightning 2.6.6: should_stop at global_step 2 (of 4 per epoch) -> StepLR never steps, lr 1.0.
+    class StopAt2(ember.callbacks.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            trainer.should_stop = trainer.global_step == 2
+
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)]
+    trainer = fast_trainer(max_epochs=3, callbacks=[StopAt2()])
+    trainer.fit(module_returning(make, base=TrainOnlyModel), regression_loader())
+    assert lr_of(trainer) == 1.0 and trainer.global_step == 2

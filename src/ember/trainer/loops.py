@@ -219,7 +219,7 @@ class FitLoop:
             data.reload()
             self._loaded_at = p.current_epoch
         if p.epoch_finished:  # resumed from a checkpoint written at this epoch's end: only its bookkeeping is left
-            self._finish_epoch()
+            self._finish_epoch(whole=True)
             return
         start = p.batch_in_epoch  # > 0 only when resuming mid-epoch
         if start == 0 and not self._keep_train_stage:
@@ -266,6 +266,7 @@ class FitLoop:
             else:
                 stream = _lookahead(batches)
         batch_idx = start - 1
+        is_last = exhausted = False
         for batch, is_last in stream:
             batch_idx += 1
             if batch_idx >= n_batches:
@@ -316,12 +317,17 @@ class FitLoop:
                 if not is_last and self._val_due_at_epoch_end() and p.val_checks_in_epoch == 0:
                     self._validate()
                 break
+        else:
+            exhausted = True
         if lockstep is not None and lockstep.uneven:
             self._report_uneven(lockstep, start, p.batch_in_epoch)
         if batch_idx < start and start == 0:  # the loader yielded nothing
             raise ValueError("The train dataloader yielded no batch. Check the dataset is not empty, that "
                              "batch_size <= len(dataset) when drop_last=True, and limit_train_batches.")
-        self._end_epoch()
+        # Whether the epoch ran to its last batch: a stop mid-epoch (max_steps, should_stop) leaves
+        # the epoch-end schedulers unstepped, as Lightning does.
+        ran_last = is_last and p.batch_in_epoch == batch_idx + 1  # (not a batch refused by on_train_batch_start)
+        self._end_epoch(whole=exhausted or ran_last or p.batch_in_epoch >= n_batches)
 
     def _report_uneven(self, lockstep: Lockstep, start: int, used: int) -> None:
         """Some rank's loader ran out before the others': say how many batches each had, once per fit.
@@ -339,23 +345,23 @@ class FitLoop:
         if t.strategy.is_global_zero:
             warnings.warn(message, UserWarning, stacklevel=2)
 
-    def _end_epoch(self) -> None:
+    def _end_epoch(self, whole: bool) -> None:
         p = self.progress
         self.log_step = max(p.global_step - 1, 0)
         self.hooks.call("on_train_epoch_end", monitoring=False)
         self.logs.record_epoch(self.metrics.end_stage())
         p.epoch_finished = True  # checkpoints written by the monitoring callbacks resume after this point
         self.hooks.call("on_train_epoch_end", monitoring=True)
-        self._finish_epoch()
+        self._finish_epoch(whole)
 
-    def _finish_epoch(self) -> None:
+    def _finish_epoch(self, whole: bool) -> None:
         p = self.progress
         p.epoch_finished = False
         p.current_epoch += 1
         p.batch_in_epoch = 0
         p.val_checks_in_epoch = 0
         self.log_step = p.global_step
-        if self.optim.schedulers and self.step.automatic:
+        if whole and self.optim.schedulers and self.step.automatic:
             # Only ReduceLROnPlateau here: the others stepped after the epoch's last batch.
             self.optim.step_schedulers("epoch", p.current_epoch, self.metrics.callback_metrics, plateau=True)
 

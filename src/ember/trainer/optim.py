@@ -1,6 +1,7 @@
 """The forms ``configure_optimizers`` may return, normalised into optimizers + scheduler configs."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,7 +44,11 @@ NO_OPTIMIZER_WARNING = "configure_optimizers returned None, this fit will run wi
 
 @dataclass
 class SchedulerConfig:
-    """One LR scheduler and when to step it."""
+    """One LR scheduler and when to step it (Lightning's ``LRSchedulerConfig`` keys).
+
+    ``reduce_on_plateau``: step it with the ``monitor``-ed metric (default: whether it is a
+    ``ReduceLROnPlateau``); ``monitor`` is read for such schedulers only, as in Lightning.
+    """
 
     scheduler: Any
     interval: str = "epoch"
@@ -51,22 +56,38 @@ class SchedulerConfig:
     monitor: str | None = None
     strict: bool = True
     name: str | None = None
+    reduce_on_plateau: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.reduce_on_plateau is None:
+            self.reduce_on_plateau = isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     @property
     def is_plateau(self) -> bool:
-        return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        return bool(self.reduce_on_plateau)
 
 
-def _scheduler_config(obj: Any) -> SchedulerConfig:
+_CONFIG_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name", "reduce_on_plateau")
+#: Keys manual optimization ignores (the user steps the scheduler), with Lightning's warning.
+_MANUAL_IGNORED = ("reduce_on_plateau", "monitor", "strict")
+
+
+def _scheduler_config(obj: Any, automatic: bool = True) -> SchedulerConfig:
     if isinstance(obj, SchedulerConfig):
         cfg = obj
     elif isinstance(obj, dict):
         if "scheduler" not in obj:
             raise ValueError(f"An lr_scheduler dict needs a 'scheduler' key; got keys {sorted(obj)}.")
-        unknown = set(obj) - {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
+        unknown = set(obj) - set(_CONFIG_KEYS)
         if unknown:
-            raise ValueError(f"Unknown lr_scheduler config keys {sorted(unknown)}; allowed: scheduler, interval, "
-                             "frequency, monitor, strict, name.")
+            raise ValueError(f"Unknown lr_scheduler config keys {sorted(unknown)}; allowed: {', '.join(_CONFIG_KEYS)}.")
+        if not automatic:
+            ignored = [k for k in obj if k in _MANUAL_IGNORED]
+            if ignored:
+                warnings.warn(f"The lr scheduler dict contains the key(s) {ignored}, but the keys will be ignored. "
+                              "You need to call lr_scheduler.step() yourself in manual optimization.",
+                              RuntimeWarning, stacklevel=4)
+                obj = {k: v for k, v in obj.items() if k not in _MANUAL_IGNORED}
         cfg = SchedulerConfig(**obj)
     else:
         cfg = SchedulerConfig(scheduler=obj)
@@ -74,12 +95,29 @@ def _scheduler_config(obj: Any) -> SchedulerConfig:
         raise ValueError(f"lr_scheduler interval must be 'step' or 'epoch', got {cfg.interval!r}.")
     if not isinstance(cfg.frequency, int) or cfg.frequency < 1:
         raise ValueError(f"lr_scheduler frequency must be a positive int, got {cfg.frequency!r}.")
-    if cfg.is_plateau and not cfg.monitor:
-        raise ValueError("ReduceLROnPlateau needs a metric: return {'optimizer': opt, 'lr_scheduler': "
+    if automatic and cfg.is_plateau and not cfg.monitor:
+        raise ValueError(f"{type(cfg.scheduler).__name__} needs a metric: return {{'optimizer': opt, 'lr_scheduler': "
                          "{'scheduler': sched, 'monitor': 'val/loss'}} from configure_optimizers.")
-    if not hasattr(cfg.scheduler, "step"):
-        raise TypeError(f"{type(cfg.scheduler).__name__} is not an LR scheduler (it has no step()).")
+    if automatic and isinstance(cfg.scheduler, torch.optim.lr_scheduler.OneCycleLR) and cfg.interval == "epoch":
+        warnings.warn("A OneCycleLR scheduler is using 'interval': 'epoch'. Did you mean 'interval': 'step'?",
+                      RuntimeWarning, stacklevel=4)
+    if not all(callable(getattr(cfg.scheduler, a, None)) for a in ("step", "state_dict", "load_state_dict")):
+        raise TypeError(f"{type(cfg.scheduler).__name__} is not an LR scheduler: it needs step(), state_dict() and "
+                        "load_state_dict() (the last two save and restore it with checkpoints).")
     return cfg
+
+
+def check_scheduler_api(schedulers: list[SchedulerConfig], module: TrainModule) -> None:
+    """As Lightning: in automatic optimization, a scheduler that is not one of torch's (its ``step`` may
+    take other arguments) needs the module's ``lr_scheduler_step`` to say how to step it."""
+    if not module.automatic_optimization or type(module).lr_scheduler_step is not TrainModule.lr_scheduler_step:
+        return
+    for cfg in schedulers:
+        if not isinstance(cfg.scheduler, (torch.optim.lr_scheduler.LRScheduler,
+                                          torch.optim.lr_scheduler.ReduceLROnPlateau)):
+            raise TypeError(f"The LR scheduler {type(cfg.scheduler).__name__} is not a torch.optim.lr_scheduler "
+                            "scheduler, so ember does not know how to call its step(). Override "
+                            f"{type(module).__name__}.lr_scheduler_step(self, scheduler, metric) to step it.")
 
 
 def _check_optimizer(opt: Any) -> torch.optim.Optimizer:
@@ -89,8 +127,9 @@ def _check_optimizer(opt: Any) -> torch.optim.Optimizer:
     return opt
 
 
-def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
-    """Normalise what ``configure_optimizers`` returned."""
+def parse_optimizers(result: Any, automatic: bool = True) -> tuple[list[torch.optim.Optimizer],
+                                                                   list[SchedulerConfig]]:
+    """Normalise what ``configure_optimizers`` returned (``automatic``: the module's optimization mode)."""
     if result is None:
         return [], []
     if isinstance(result, torch.optim.Optimizer):
@@ -100,7 +139,7 @@ def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[Sch
     if isinstance(result, (list, tuple)):
         if len(result) == 2 and all(isinstance(r, (list, tuple)) for r in result):
             opts = [_check_optimizer(o) for o in result[0]]
-            return opts, [_scheduler_config(s) for s in result[1]]
+            return opts, [_scheduler_config(s, automatic) for s in result[1]]
         if result and all(isinstance(r, dict) for r in result):
             opts, scheds = [], []
             for d in result:
@@ -112,10 +151,26 @@ def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[Sch
                 if sched is not None:
                     if d.get("monitor") is not None and not isinstance(sched, (dict, SchedulerConfig)):
                         sched = {"scheduler": sched, "monitor": d["monitor"]}  # Lightning's top-level "monitor"
-                    scheds.append(_scheduler_config(sched))
+                    scheds.append(_scheduler_config(sched, automatic))
             return opts, scheds
         return [_check_optimizer(o) for o in result], []
     raise TypeError(f"configure_optimizers returned {type(result).__name__}; it may return {_FORMS}.")
+
+
+class StepWith:
+    """``optimizer`` whose ``step(closure)`` also passes ``kwargs``: what the precision plugin and the
+    strategy step when ``opt.step(closure, **kwargs)`` is called. Everything else reads through."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
+        self.optimizer, self.kwargs = optimizer, kwargs
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if closure is None:
+            return self.optimizer.step(**self.kwargs)
+        return self.optimizer.step(closure, **self.kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
 
 
 class OptimizerProxy:
@@ -129,13 +184,15 @@ class OptimizerProxy:
         self.optimizer = optimizer
         self._state = state
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Step the optimizer; keyword arguments go on to its ``step``, as in Lightning."""
         state = self._state
         state.steps_taken += 1
         if state.hooks is not None:
             state.hooks.call("on_before_optimizer_step", self.optimizer)
         assert state.precision is not None and state.strategy is not None  # set for every fit
-        return state.precision.optimizer_step(self.optimizer, state.strategy, closure)
+        optimizer: Any = StepWith(self.optimizer, kwargs) if kwargs else self.optimizer
+        return state.precision.optimizer_step(optimizer, state.strategy, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -176,23 +233,21 @@ class OptimizerState:
                 continue
             if plateau is not None and cfg.is_plateau != plateau:
                 continue
+            value = None
+            if cfg.is_plateau and cfg.monitor is not None:  # as Lightning: only these read their monitor
+                value = metrics.get(cfg.monitor)
+                if value is None:
+                    if cfg.strict:
+                        raise KeyError(
+                            f"The LR scheduler monitors {cfg.monitor!r}, which was not logged. Logged keys: "
+                            f"{sorted(metrics)}. Log it with self.log({cfg.monitor!r}, ...) or change 'monitor'.")
+                    warnings.warn(f"The LR scheduler monitors {cfg.monitor!r}, which is not available, and strict is "
+                                  "False: skipping this learning rate update.", RuntimeWarning, stacklevel=2)
+                    continue
             if custom:
-                value = metrics.get(cfg.monitor) if cfg.monitor is not None else None
-                if cfg.monitor is not None and value is None and cfg.strict:
-                    raise KeyError(f"The LR scheduler monitors {cfg.monitor!r}, which was not logged. Logged keys: "
-                                   f"{sorted(metrics)}.")
-                if module is not None and (cfg.monitor is None or value is not None):
-                    module.lr_scheduler_step(cfg.scheduler, value)
-                continue
-            if cfg.monitor is not None:
-                if cfg.monitor not in metrics:
-                    if not cfg.strict:
-                        continue
-                    raise KeyError(
-                        f"The LR scheduler monitors {cfg.monitor!r}, which was not logged. Logged keys: "
-                        f"{sorted(metrics)}. Log it with self.log({cfg.monitor!r}, ...) or change 'monitor'."
-                    )
-                value = metrics[cfg.monitor]
+                assert module is not None
+                module.lr_scheduler_step(cfg.scheduler, value)
+            elif value is not None:
                 cfg.scheduler.step(float(value))
             else:
                 cfg.scheduler.step()

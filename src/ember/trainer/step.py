@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.module import TrainModule
+from ember.trainer.optim import StepWith
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -118,8 +119,9 @@ class _SteppingOptimizer:
         self._step = step
         self.evaluates_loss = needs_closure(optimizer)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        step, optimizer = self._step, self.optimizer
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        step = self._step
+        optimizer: Any = StepWith(self.optimizer, kwargs) if kwargs else self.optimizer  # kwargs go on to its step
         if closure is not None:
             if self.evaluates_loss:
                 return step.precision.optimizer_step(optimizer, step.strategy, step.loss_closure(closure))

@@ -22,12 +22,12 @@ from ember.trainer.loaders import FitData, eval_loaders
 from ember.trainer.log_writer import LogWriter
 from ember.trainer.loops import FitLoop
 from ember.trainer.metrics import MetricCollector
-from ember.trainer.optim import NO_OPTIMIZER_WARNING, NoOptimizer, OptimizerState, parse_optimizers
+from ember.trainer.optim import NO_OPTIMIZER_WARNING, NoOptimizer, OptimizerState, check_scheduler_api, parse_optimizers
 from ember.trainer.precision import Precision, normalize_precision
 from ember.trainer.preemption import preemption
 from ember.trainer.progress import FitProgress
 from ember.trainer.properties import TrainerProperties
-from ember.trainer.resume import Resume, restore_weights_only
+from ember.trainer.resume import Resume, restore_for_evaluation
 from ember.trainer.step import TrainingStep
 from ember.types import PrecisionInput, Stage, TrainerState
 
@@ -267,7 +267,8 @@ class Trainer(TrainerProperties):
         if configured is None:  # as Lightning: warn, and train with a stand-in that updates nothing
             warnings.warn(f"{type(module).__name__}.{NO_OPTIMIZER_WARNING}.", UserWarning, stacklevel=2)
             configured = NoOptimizer()
-        optimizers, schedulers = parse_optimizers(configured)
+        optimizers, schedulers = parse_optimizers(configured, module.automatic_optimization)
+        check_scheduler_api(schedulers, module)
         if module.automatic_optimization and len(optimizers) != 1:
             raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization "
                              "needs exactly one. For several, set self.automatic_optimization = False and step "
@@ -310,7 +311,7 @@ class Trainer(TrainerProperties):
         self._precision.convert_module(module)
         self.strategy.setup(self, module)
         if path is not None:
-            restore_weights_only(self, path)
+            restore_for_evaluation(self, path)
         evaluation = EvaluationLoop(self, module, self._hooks, self._metrics, self._precision, self._input_dtype)
         if stage == "predict":
             outputs = evaluation.predict(loaders, limits, keep=self._return_predictions)
