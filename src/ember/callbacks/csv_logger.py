@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import csv
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from ember.callbacks.file_logger import FileLogger
-
-if TYPE_CHECKING:
-    pass
 
 
 class CSVLogger(FileLogger):
@@ -35,22 +34,28 @@ class CSVLogger(FileLogger):
         self.flush_logs_every_n_steps = flush_logs_every_n_steps
         self._rows: list[dict[str, Any]] = []
         self._header: list[str] | None = None  # the header of the file on disk
+        self._row_count = 0  # rows added by this logger: the step of a log_metrics call that gives none
 
     @property
     def metrics_file(self) -> str:
         return os.path.join(self.log_dir, self.METRICS_FILE)
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Add ``metrics`` (numbers or scalar tensors) to the row of ``step``; without a step, a new row numbered
+        by the rows this logger has added so far (0, 1, ...)."""
         if not self._writes:
             return
-        row = {self.prefix + k: v for k, v in metrics.items()}
+        row = {self.prefix + k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
         last = self._rows[-1] if self._rows else None
-        if last is not None and last["step"] == step and all(last.get(k, v) == v for k, v in row.items()):
+        if step is None:
+            step = self._row_count
+        elif last is not None and last["step"] == step and all(last.get(k, v) == v for k, v in row.items()):
             last.update(row)
             return
         if len(self._rows) >= self.flush_logs_every_n_steps:
             self.save()
         self._rows.append({"step": step, **row})
+        self._row_count += 1
 
     def save(self) -> None:
         if not self._rows or not self._writes:

@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from ember.callbacks.logger import Logger
+from ember.callbacks.logger import Logger, hparams_dict
 from ember.yaml import to_yaml
 
 if TYPE_CHECKING:
+    from argparse import Namespace
+
     from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
     from ember.types import Stage
@@ -59,10 +61,13 @@ class FileLogger(Logger):
 
     @property
     def root_dir(self) -> str:
-        return os.path.join(self.save_dir, self._name) if self._name else self.save_dir
+        """``<save_dir>/<name>``, with the ``name`` property (a subclass may override it)."""
+        name = self.name
+        return os.path.join(self.save_dir, name) if name else self.save_dir
 
     @property
     def log_dir(self) -> str:
+        """``<root_dir>/<version>``, with the ``version`` property (an int ``N`` is ``version_N``)."""
         version = self.version
         return os.path.join(self.root_dir, version if isinstance(version, str) else f"version_{version}")
 
@@ -81,7 +86,7 @@ class FileLogger(Logger):
         else every run directory under ``root_dir`` (without choosing a version)."""
         if self._fixed_version or self._version is not None:
             return [self.log_dir]
-        root = os.path.join(self._save_dir if self._save_dir is not None else default_root_dir, self._name)
+        root = os.path.join(self._save_dir if self._save_dir is not None else default_root_dir, self.name)
         try:
             names = sorted(os.listdir(root))
         except OSError:
@@ -92,7 +97,7 @@ class FileLogger(Logger):
         """Write into ``run_dir`` (one of ``run_dirs``), if this logger's version is not fixed."""
         if self._fixed_version:
             return False
-        root = os.path.join(self._save_dir if self._save_dir is not None else default_root_dir, self._name)
+        root = os.path.join(self._save_dir if self._save_dir is not None else default_root_dir, self.name)
         if os.path.abspath(os.path.dirname(run_dir)) != os.path.abspath(root):
             return False
         name = os.path.basename(run_dir)
@@ -115,11 +120,13 @@ class FileLogger(Logger):
             mine = self.version if self._rank == 0 else None
             self._version = trainer.strategy.broadcast(mine) if trainer.world_size > 1 else mine
 
-    def log_hyperparams(self, params: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
-        """Remember ``params`` and write them to ``hparams.yaml`` (``metrics`` are logged as usual)."""
+    def log_hyperparams(self, params: dict[str, Any] | Namespace | None = None,
+                        metrics: dict[str, float] | None = None) -> None:
+        """Remember ``params`` (a dict, a Namespace or None) and write them to ``hparams.yaml`` (``metrics``
+        are logged as usual, at step 0)."""
         if not self._writes:
             return
-        self.hparams.update(params)
+        self.hparams.update(hparams_dict(params))
         os.makedirs(self.log_dir, exist_ok=True)
         tmp = os.path.join(self.log_dir, HPARAMS_FILE + ".tmp")
         with open(tmp, "w", encoding="utf-8") as fh:

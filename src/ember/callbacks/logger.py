@@ -5,13 +5,21 @@ The Trainer converts collected tensors to floats once per logging event and call
 """
 from __future__ import annotations
 
+import os
+from argparse import Namespace
+from collections.abc import Mapping
 from typing import Any
 
 from ember.callbacks.callback import Callback
 
 
 class Logger(Callback):
-    """Base class of metric loggers (TensorBoard, CSV, ...)."""
+    """Base class of metric loggers (TensorBoard, CSV, ...).
+
+    A subclass that writes files gives a ``save_dir``; its ``log_dir`` (where checkpoints go by default)
+    is then ``<save_dir>/<name>/<version>``, with whatever its ``name`` and ``version`` properties return
+    (an int version ``N`` is the directory ``version_N``, as Lightning names it).
+    """
 
     @property
     def name(self) -> str:
@@ -22,15 +30,32 @@ class Logger(Callback):
         return None
 
     @property
-    def log_dir(self) -> str | None:
-        """Directory this logger writes into (checkpoints go beside it by default)."""
+    def save_dir(self) -> str | None:
+        """The root directory this logger writes under, or None for a logger that writes no files."""
         return None
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Record ``metrics`` at ``step`` (the global step)."""
+    @property
+    def log_dir(self) -> str | None:
+        """Directory this logger writes into (checkpoints go beside it by default): ``<save_dir>/<name>/<version>``,
+        or None without a ``save_dir``."""
+        save_dir = self.save_dir
+        if save_dir is None:
+            return None
+        parts = [os.fspath(save_dir)]
+        if self.name:
+            parts.append(str(self.name))
+        version = self.version
+        if version is not None:
+            parts.append(version if isinstance(version, str) else f"version_{version}")
+        return os.path.join(*parts)
 
-    def log_hyperparams(self, params: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
-        """Record the run's hyper-parameters (and, optionally, final metrics beside them)."""
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Record ``metrics`` at ``step`` (the Trainer always gives one; a direct call may leave it out)."""
+
+    def log_hyperparams(self, params: dict[str, Any] | Namespace | None = None,
+                        metrics: dict[str, float] | None = None) -> None:
+        """Record the run's hyper-parameters (a dict or an ``argparse.Namespace``; none at all is allowed) and,
+        optionally, final metrics beside them."""
 
     def save(self) -> None:
         """Flush what is buffered."""
@@ -38,3 +63,18 @@ class Logger(Callback):
     def finalize(self, status: str) -> None:
         """Called once when a run ends: ``"success"``, ``"failed"`` or ``"interrupted"``."""
         self.save()
+
+
+def hparams_dict(params: Mapping[str, Any] | Namespace | None) -> dict[str, Any]:
+    """``log_hyperparams``' ``params`` as a dict: a mapping, an ``argparse.Namespace`` (its attributes) or None (empty).
+
+    Raises:
+        TypeError: for anything else, saying what is accepted.
+    """
+    if params is None:
+        return {}
+    if isinstance(params, Namespace):
+        return dict(vars(params))
+    if isinstance(params, Mapping):
+        return dict(params)
+    raise TypeError(f"log_hyperparams expects a dict, an argparse.Namespace or None, got {type(params).__name__}.")

@@ -12,9 +12,13 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ember.callbacks.file_logger import FileLogger
 
 if TYPE_CHECKING:
+    from argparse import Namespace
+
     from torch.utils.tensorboard import SummaryWriter
 
     from ember.module import TrainModule
@@ -82,19 +86,23 @@ class TensorBoardLogger(FileLogger):
             self._events = _EventFile(self.log_dir, self.flush_secs, self.max_queue)
         return self._events
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Write ``metrics`` (numbers or scalar tensors) at ``step``; without one, at step 0 (as ``SummaryWriter``)."""
         events = self._event_file()
         if events is None:
             return
         # One event holding every value of this call (SummaryWriter.add_scalar builds one per value).
-        values = {self.prefix + key: value for key, value in metrics.items()}
+        values = {self.prefix + key: (float(value) if isinstance(value, torch.Tensor) else value)
+                  for key, value in metrics.items()}
         for key in metrics:
             if key != "epoch":
                 self._metric_tags[self.prefix + key] = None
-        events.add_scalars(values, step)
+        events.add_scalars(values, 0 if step is None else step)
 
-    def log_hyperparams(self, params: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
-        """Write ``params`` to ``hparams.yaml`` and to the HParams dashboard; log ``metrics`` at step 0."""
+    def log_hyperparams(self, params: dict[str, Any] | Namespace | None = None,
+                        metrics: dict[str, float] | None = None) -> None:
+        """Write ``params`` (a dict, a Namespace or None) to ``hparams.yaml`` and to the HParams dashboard;
+        log ``metrics`` at step 0."""
         if not self._writes:
             return
         super().log_hyperparams(params, metrics)

@@ -85,6 +85,8 @@ class LogWriter:
             hp = getattr(source, "hparams", None)
             if hp:
                 params.update(hp)
+        if not params:
+            return  # as Lightning: nothing saved with save_hyperparameters, nothing logged (no empty hparams.yaml)
         for lg in t.loggers:
             lg.log_hyperparams(params)
 
