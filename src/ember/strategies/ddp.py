@@ -358,7 +358,8 @@ class DDPStrategy(Strategy):
         beacon.batch = batch_idx
         beacon.loop = "training"
         # ddp.call, in its two halves: only the first may communicate.
-        args, kwargs = self._waiting(_BUFFERS, ddp.pre_forward, batch, batch_idx, *extra)
+        step_args = self.step_args("training_step", batch, batch_idx, extra)
+        args, kwargs = self._waiting(_BUFFERS, ddp.pre_forward, *step_args)
         beacon.where = TRAINING_STEP
         outputs = cast(TrainModule, ddp.module).training_step(*args, **kwargs)
         beacon.where = AFTER_STEP

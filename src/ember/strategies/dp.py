@@ -176,10 +176,11 @@ class DataParallelStrategy(Strategy):
         module = self.module
         assert module is not None  # set by setup()
         devices = self.parallel_devices
+        step_args = self.step_args(method, batch, batch_idx, extra)
         if len(devices) <= 1:
-            return getattr(module, method)(batch, batch_idx, *extra)
+            return getattr(module, method)(*step_args)
         # Only the batch is split; batch_idx and dataloader_idx go to every replica as they are.
-        args, kwargs = scatter_kwargs((batch, batch_idx, *extra), {}, devices)
+        args, kwargs = scatter_kwargs(step_args, {}, devices)
         weights = [_chunk_size(a) for a in args]
         sinks: list[_ReplicaLog] = []
 

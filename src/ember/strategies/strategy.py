@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from ember.module import takes_batch_idx
 from ember.strategies.resumable import make_resumable
 from ember.types import REDUCE_OPS, ReduceOp, Stage
 from ember.utils import move_to_device
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 T = TypeVar("T")
+_STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 
@@ -44,6 +46,7 @@ class Strategy:
         self.parallel_devices: list[torch.device] = list(devices) if devices else []
         self.trainer: Trainer | None = None
         self.module: TrainModule | None = None
+        self._without_batch_idx: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ placement and identity
     def connect(self, trainer: Trainer, accelerator: str, devices: list[torch.device]) -> None:
@@ -94,6 +97,16 @@ class Strategy:
         """Move ``module`` to the root device and prepare it for this strategy."""
         self.module = module
         module.to(self.root_device)
+        # As Lightning: a step defined without batch_idx (``def training_step(self, batch)``) gets none.
+        self._without_batch_idx = frozenset(name for name in _STEPS if callable(getattr(module, name, None))
+                                            and not takes_batch_idx(getattr(module, name)))
+
+    def step_args(self, step: str, batch: Any, batch_idx: int, extra: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The positional arguments the module's ``step`` takes: ``(batch, batch_idx, *extra)``, or
+        ``(batch, *extra)`` for a step defined without ``batch_idx``."""
+        if step in self._without_batch_idx:
+            return (batch, *extra)
+        return (batch, batch_idx, *extra)
 
     def teardown(self) -> None:
         """Release what ``setup`` and ``setup_environment`` acquired. Must be safe to call twice."""
@@ -115,16 +128,16 @@ class Strategy:
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
-        return self.module.training_step(batch, batch_idx, *extra)  # type: ignore[union-attr]
+        return self.module.training_step(*self.step_args("training_step", batch, batch_idx, extra))  # type: ignore[union-attr]
 
     def validation_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
-        return self.module.validation_step(batch, batch_idx, *extra)  # type: ignore[union-attr]
+        return self.module.validation_step(*self.step_args("validation_step", batch, batch_idx, extra))  # type: ignore[union-attr]
 
     def test_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
-        return self.module.test_step(batch, batch_idx, *extra)  # type: ignore[union-attr]
+        return self.module.test_step(*self.step_args("test_step", batch, batch_idx, extra))  # type: ignore[union-attr]
 
     def predict_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
-        return self.module.predict_step(batch, batch_idx, *extra)  # type: ignore[union-attr]
+        return self.module.predict_step(*self.step_args("predict_step", batch, batch_idx, extra))  # type: ignore[union-attr]
 
     def prepare_for_evaluation(self) -> None:
         """Called on every process before an evaluation or predict loop, however many batches it runs.
