@@ -7,6 +7,7 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so it
 ``format``             ``"ember.checkpoint"``; ``format_version`` and ``ember_version`` beside it
 ``state_dict``         the module's weights (unwrapped from any strategy wrapper)
 ``hyper_parameters``   what ``save_hyperparameters`` stored (entries that are not plain data are dropped)
+``hparams_name``       the argument a config object was saved from (``save_hyperparameters(cfg)``), or None
 ``module_class``       ``"package.module.ClassName"`` of the module, for messages
 ``weights_only``       True when only the above was saved (``save_weights_only``)
 ``optimizer_states``   one ``state_dict`` per optimizer
@@ -97,6 +98,9 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
         "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
         "state_dict": strategy.model_state_dict(),
         "hyper_parameters": _plain_hparams(module),
+        # As Lightning: the argument a single config object (dict, Namespace) was saved from, so that
+        # load_from_checkpoint passes it back as that argument.
+        "hparams_name": getattr(module, "_hparams_name", None),
         "weights_only": weights_only,
         "epoch": trainer.progress.current_epoch,
         "global_step": trainer.progress.global_step,
