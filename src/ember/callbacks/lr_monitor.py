@@ -1,14 +1,15 @@
-"""LearningRateMonitor: log every optimizer's learning rate (per param group) to the loggers."""
+"""LearningRateMonitor: log every optimizer's learning rate (per param group) to the loggers, and put
+it in ``trainer.callback_metrics`` so EarlyStopping and ModelCheckpoint can monitor it."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from ember.callbacks.callback import Callback
 from ember.callbacks.logger_writes import logger_step, logs_after_this_batch, write_to_loggers
 
 if TYPE_CHECKING:
-    import torch
-
     from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
 
@@ -17,7 +18,14 @@ class LearningRateMonitor(Callback):
     """Log the learning rate of each optimizer and param group.
 
     Names are ``lr-<OptimizerClass>`` (``-1``, ``-2``... for repeated classes, or the scheduler
-    config's ``name``), with ``/pg<i>`` per param group when an optimizer has several.
+    config's ``name``), with ``/pg<i>`` per param group when an optimizer has several. Each value
+    written also goes into ``trainer.callback_metrics`` (as a tensor), so ``EarlyStopping`` and
+    ``ModelCheckpoint`` can monitor ``"lr-SGD"``, as in Lightning.
+
+    Attributes (as Lightning's): ``lrs`` maps each name to every rate written, in order;
+    ``last_momentum_values`` / ``last_weight_decay_values`` map ``<name>-momentum`` /
+    ``<name>-weight_decay`` to the value written last (None before the first write, or when
+    ``log_momentum`` / ``log_weight_decay`` is off).
 
     Args:
         logging_interval: "step" (at the Trainer's ``log_every_n_steps`` cadence, with the global
@@ -41,6 +49,9 @@ class LearningRateMonitor(Callback):
         self._last_step = -1
         #: The values written last, for tests and notebooks.
         self.last_stats: dict[str, float] = {}
+        self.lrs: dict[str, list[float]] = {}
+        self.last_momentum_values: dict[str, float | None] = {}
+        self.last_weight_decay_values: dict[str, float | None] = {}
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         if not trainer.loggers:
@@ -64,6 +75,10 @@ class LearningRateMonitor(Callback):
             groups = opt.param_groups
             self._names.append((opt, [base if len(groups) == 1 else f"{base}/pg{i + 1}" for i in range(len(groups))]))
         self._last_step = -1
+        flat = [name for _, names in self._names for name in names]
+        self.lrs = {name: [] for name in flat}
+        self.last_momentum_values = {f"{name}-momentum": None for name in flat}
+        self.last_weight_decay_values = {f"{name}-weight_decay": None for name in flat}
 
     def _stats(self) -> dict[str, float]:
         stats: dict[str, float] = {}
@@ -77,11 +92,20 @@ class LearningRateMonitor(Callback):
                     stats[f"{name}-weight_decay"] = float(group.get("weight_decay", 0.0))
         return stats
 
-    def _log(self, trainer: Trainer, step: int) -> None:
+    def _log(self, trainer: Trainer, step: int, stats: dict[str, float] | None = None) -> None:
         if step == self._last_step:
             return
         self._last_step = step
-        self.last_stats = self._stats()
+        self.last_stats = stats or self._stats()
+        for _, names in self._names:
+            for name in names:
+                self.lrs[name].append(self.last_stats[name])
+                if self.log_momentum:
+                    self.last_momentum_values[f"{name}-momentum"] = self.last_stats[f"{name}-momentum"]
+                if self.log_weight_decay:
+                    self.last_weight_decay_values[f"{name}-weight_decay"] = self.last_stats[f"{name}-weight_decay"]
+        device = trainer.strategy.root_device
+        trainer.callback_metrics.update({k: torch.tensor(v, device=device) for k, v in self.last_stats.items()})
         write_to_loggers(trainer, self.last_stats, step)
 
     def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
@@ -92,11 +116,7 @@ class LearningRateMonitor(Callback):
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._interval == "step" and logs_after_this_batch(trainer):
-            step = logger_step(trainer)
-            if step != self._last_step:
-                self._last_step = step
-                self.last_stats = getattr(self, "_rates_of_this_step", None) or self._stats()
-                write_to_loggers(trainer, self.last_stats, step)
+            self._log(trainer, logger_step(trainer), getattr(self, "_rates_of_this_step", None))
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
         if self._interval == "epoch":

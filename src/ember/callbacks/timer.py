@@ -44,7 +44,9 @@ class Timer(Callback):
 
     When the training time reaches ``duration``, ``trainer.should_stop`` is set: the current batch
     (or epoch) finishes and fit ends through its normal path, so end-of-epoch work such as
-    checkpointing still runs. Under several processes, the decision is agreed across them.
+    checkpointing still runs. Under several processes, the decision is agreed across them. The
+    budget is also checked when fit starts, after a resume restored the time already used (as in
+    Lightning), so a run whose budget is spent does not train on.
 
     Args:
         duration: the training time budget: timedelta, seconds, dict (``{"hours": 2}``) or
@@ -86,7 +88,8 @@ class Timer(Callback):
         return offset + ((end if end is not None else time.monotonic()) - start)
 
     def time_remaining(self, stage: str = "train") -> float | None:
-        return None if self._budget is None else max(0.0, self._budget - self.time_elapsed(stage))
+        """Seconds left of ``duration`` (negative once it is overrun, as Lightning's); None without one."""
+        return None if self._budget is None else self._budget - self.time_elapsed(stage)
 
     # ------------------------------------------------------------------ stage clocks
     def _begin(self, stage: str) -> None:
@@ -96,8 +99,12 @@ class Timer(Callback):
     def _finish(self, stage: str) -> None:
         self._end[stage] = time.monotonic()
 
-    def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
         self.stopped = False
+        if self._budget is not None:  # the state is restored by now: a resumed run may have no time left
+            self._check(trainer)
+
+    def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._begin("train")
 
     def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
@@ -135,8 +142,9 @@ class Timer(Callback):
             self.stopped = True
             trainer.should_stop = True
             if self.verbose and trainer.is_global_zero:
-                log.info("Timer: the training budget of %s is used up (epoch %d, global step %d); stopping.",
-                         self.duration, trainer.current_epoch, trainer.global_step)
+                log.info("Timer: the training budget of %s is used up (%s elapsed; epoch %d, global step %d); "
+                         "stopping.", self.duration, timedelta(seconds=int(self.time_elapsed("train"))),
+                         trainer.current_epoch, trainer.global_step)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
