@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from ember.callbacks import Callback, Timer
@@ -286,6 +287,105 @@ class WithHparams(TrainOnlyModel):
 @pytest.mark.parametrize(("enabled", "expected"), [(True, [{"width": 3}]), (False, [])])
 def test_enable_autolog_hparams(enabled, expected):
     lg = HparamsLogger()
-    fast_trainer(logger=lg, enable_autolog_hparams=enabled, limit_train_batches=1).fit(WithHparams(),
-                                                                                     regression_loader())
+    trainer = fast_trainer(logger=lg, enable_autolog_hparams=enabled, limit_train_batches=1, log_every_n_steps=1)
+    trainer.fit(WithHparams(), regression_loader())
     assert lg.hparams == expected
+
+
+# ---------------------------------------------------------------------- loop-side logging
+class LogsStepAndEpoch(TrainOnlyModel):
+    """Logs ``loss`` per step and ``ep`` (the batch index) per epoch: 56 samples in batches of 8, 7 per epoch."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("loss", loss)
+        self.log("ep", float(batch_idx), on_step=False, on_epoch=True)
+        return loss
+
+
+class StopAtTwo(Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == 2:
+            trainer.should_stop = True
+
+
+def fit_logging(**kwargs):
+    lg = RecordingLogger()
+    trainer = fast_trainer(logger=lg, **kwargs)
+    trainer.fit(LogsStepAndEpoch(), regression_loader(n=56))
+    return trainer, [(step, sorted(m)) for step, m in lg.records]
+
+
+@pytest.mark.parametrize(("kwargs", "records"), [
+    # Lightning 2.6.6 (records as (step, keys)): with 7 batches and log_every_n_steps=50 the loggers get only
+    # the epoch values; max_steps ending the fit writes nothing more; a should_stop set in on_train_batch_end
+    # writes that step's values (Lightning logs every step once should_stop is set).
+    ({"max_epochs": 2}, [(6, ["ep", "epoch"]), (13, ["ep", "epoch"])]),
+    ({"max_epochs": 2, "log_every_n_steps": 5},
+     [(4, ["epoch", "loss"]), (6, ["ep", "epoch"]), (9, ["epoch", "loss"]), (13, ["ep", "epoch"])]),
+    ({"max_epochs": 2, "max_steps": 3}, [(2, ["ep", "epoch"])]),
+    ({"max_epochs": 2, "callbacks": [StopAtTwo()]}, [(1, ["epoch", "loss"]), (1, ["ep", "epoch"])]),
+])
+def test_what_reaches_the_loggers_when_a_fit_ends_before_log_every_n_steps(kwargs, records):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fewer-batches warning, tested below
+        trainer, written = fit_logging(**kwargs)
+    assert written == records
+
+
+def test_logged_metrics_hold_the_last_step_values_even_when_no_write_was_due():
+    """Lightning 2.6.6: after 2 epochs with log_every_n_steps=50, logged_metrics has 'loss' (the last step's
+    value, never written to a logger) and 'ep'."""
+    losses = []
+
+    class Module(LogsStepAndEpoch):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            losses.append(loss.detach())
+            return loss
+
+    trainer = fast_trainer(logger=RecordingLogger(), max_epochs=2, log_every_n_steps=50)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Module(), regression_loader(n=56))
+    assert sorted(trainer.logged_metrics) == ["ep", "loss"]
+    assert float(trainer.logged_metrics["loss"]) == pytest.approx(float(losses[-1]))
+
+
+def test_fast_dev_run_fills_logged_metrics():
+    # Lightning 2.6.6, fast_dev_run=2 (its loggers replaced by a dummy): logged_metrics holds the last step's 'loss'.
+    losses = []
+
+    class Module(LogsStepAndEpoch):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            losses.append(loss.detach())
+            return loss
+
+    trainer = fast_trainer(fast_dev_run=2, logger=RecordingLogger())
+    trainer.fit(Module(), regression_loader(n=56))
+    assert len(losses) == 2
+    assert float(trainer.logged_metrics["loss"]) == pytest.approx(float(losses[-1]))
+
+
+@pytest.mark.parametrize(("kwargs", "warns"), [
+    ({"logger": RecordingLogger}, True),
+    ({"logger": RecordingLogger, "log_every_n_steps": 7}, False),
+    ({"logger": False}, False),  # Lightning 2.6.6: only with a logger
+])
+def test_fewer_batches_than_log_every_n_steps_warns(kwargs, warns):
+    """Lightning 2.6.6: "The number of training batches (7) is smaller than the logging interval
+    Trainer(log_every_n_steps=50). Set a lower value for log_every_n_steps if you want to see logs for the
+    training epoch." (a PossibleUserWarning, a UserWarning)."""
+    if kwargs.get("logger") is RecordingLogger:
+        kwargs = {**kwargs, "logger": RecordingLogger()}
+    trainer = fast_trainer(**kwargs)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(LogsStepAndEpoch(), regression_loader(n=56))
+    messages = [str(w.message) for w in record if "logging interval" in str(w.message)]
+    expected = ["The number of training batches (7) is smaller than the logging interval "
+                "Trainer(log_every_n_steps=50). Set a lower value for log_every_n_steps if you want to see logs for "
+                "the training epoch."]
+    assert messages == (expected if warns else [])

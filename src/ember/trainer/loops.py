@@ -114,6 +114,11 @@ class FitLoop:
         data.request_train()
         data.request_val()
         self._check_val_interval()
+        n, every = data.num_training_batches, t.log_every_n_steps
+        if t.loggers and n < every and not t.fast_dev_run:  # as Lightning, which warns at the same point
+            warnings.warn(f"The number of training batches ({n}) is smaller than the logging interval "
+                          f"Trainer(log_every_n_steps={every}). Set a lower value for log_every_n_steps if you want "
+                          "to see logs for the training epoch.", UserWarning, stacklevel=2)
         if resume is not None:
             resume.data_position()
         if p.batch_in_epoch == 0 or p.epoch_finished:
@@ -291,7 +296,8 @@ class FitLoop:
                     self.optim.step_schedulers("step", p.global_step, metrics.callback_metrics, plateau=False)
                 if is_last and epoch_schedulers:
                     self.optim.step_schedulers("epoch", p.current_epoch + 1, metrics.callback_metrics, plateau=False)
-            self.writes_step_metrics = bool(steps and log_every) and p.global_step % log_every == 0
+            # As Lightning: every log_every_n_steps, and every step once a stop is requested.
+            self.writes_step_metrics = bool(steps and log_every) and (p.global_step % log_every == 0 or t.should_stop)
             if batch_end:
                 metrics.fx = "on_train_batch_end"
                 if wants_outputs:  # as Lightning: hooks see a dict with a detached "loss"
@@ -300,7 +306,7 @@ class FitLoop:
                     h(outputs, batch, batch_idx)
             if steps and schedulers:
                 self.optim.step_schedulers("step", p.global_step, metrics.callback_metrics, plateau=True)
-            if self.writes_step_metrics:
+            if self.writes_step_metrics or (t.should_stop and steps and log_every):  # (a stop requested just now)
                 self.writes_step_metrics = False
                 self.logs.step_metrics()
             if may_validate and self._val_due(batch_idx, is_last):

@@ -47,6 +47,7 @@ class TrainerProperties:
         max_epochs: int
         max_steps: int
         _loggers: list[Logger]
+        _logged_metrics: dict[str, Any]
         _metrics: MetricCollector
         _optim: OptimizerState
         _data: FitData
@@ -85,6 +86,20 @@ class TrainerProperties:
     @callback_metrics.setter
     def callback_metrics(self, value: dict[str, Any]) -> None:
         self._metrics.callback_metrics = value
+
+    @property
+    def logged_metrics(self) -> dict[str, Any]:
+        """The last value of every key logged with ``logger=True``: what went to the loggers, and, as in
+        Lightning, the latest step values even when no write was due (merged on read, not per step)."""
+        logged = self._logged_metrics
+        pending = self._metrics.pending_step_logs
+        if pending:
+            logged.update(pending)
+        return logged
+
+    @logged_metrics.setter
+    def logged_metrics(self, value: dict[str, Any]) -> None:
+        self._logged_metrics = value
 
     @property
     def progress_bar_metrics(self) -> dict[str, Any]:

@@ -181,7 +181,7 @@ class Trainer(TrainerProperties):
         self._metrics = MetricCollector(self.strategy)
         self._hooks = Hooks(self, self.callbacks, None, self._metrics)
         self._logs = LogWriter(self, self._metrics)
-        self.logged_metrics: dict[str, float] = {}
+        self._logged_metrics: dict[str, Any] = {}
         #: Epoch-level metrics of the last fit, one dict per epoch.
         self.history: list[dict[str, float]] = []
         self._optim = OptimizerState([], [])
