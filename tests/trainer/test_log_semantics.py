@@ -276,3 +276,44 @@ def test_epoch_values_are_visible_inside_the_epoch_end_hooks():
     assert watch.seen["train"] == in_train_epoch_end  # callbacks run first, and see the same
     assert module.seen["train, before logging"] == in_train_epoch_end
     assert module.seen["train, after logging"] == {**in_train_epoch_end, "te": 5.0}
+
+
+# ---------------------------------------------------------------------- the same under ddp (2 gloo ranks)
+def two_ranks_log(rank: int, world: int) -> dict:
+    import os
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+
+    def log(m, at, b, i, dl):
+        if at == "training_step":
+            m.log("t", b[0].mean(), on_epoch=True)
+        if at == "validation_step":
+            m.log("v", b[0].mean(), on_step=True)
+        if at == "on_train_epoch_end":
+            m.seen["in hook"] = floats(m.trainer.callback_metrics)
+
+    logger = RecordingLogger()
+    module = Logs(log)
+    trainer = ember.Trainer(strategy="ddp", devices=world, max_epochs=1, logger=logger, log_every_n_steps=1,
+                            enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0)
+    trainer.fit(module, value_loader(VALUES, 2), value_loader(VALUES, 2))
+    return {"records": logger.records, "in hook": module.seen["in hook"], "after": floats(trainer.callback_metrics),
+            "logged": floats(trainer.logged_metrics)}
+
+
+def test_under_ddp_rank_zero_writes_its_step_values_and_epoch_values_are_reduced_across_ranks():
+    from tests.helpers.dist import run_ranks
+
+    ranks = run_ranks(two_ranks_log, 2, timeout=60)
+    # Each rank gets every other sample: rank 0 batches [1, 3], [5, 7] (means 2, 6), rank 1 [2, 4], [6, 8].
+    # As in Lightning, only rank zero writes, and step values are that rank's own; ember reduces epoch values
+    # across ranks (README), 4.5 here.
+    assert ranks[1]["records"] == []
+    assert [r for r in ranks[0]["records"] if "v_step" in r[1] or "v_epoch" in r[1]] == [
+        (0, {"v_step": 2.0}), (1, {"v_step": 6.0}), (1, {"v_epoch": 4.5, "epoch": 0})]
+    # Inside on_train_epoch_end the epoch value is this rank's own so far (as Lightning's without sync_dist),
+    # no collective runs there; once the epoch has ended it is the same on every rank.
+    assert [r["in hook"]["t_epoch"] for r in ranks] == [4.0, 5.0]
+    for r in ranks:
+        assert r["after"]["t_epoch"] == 4.5 and r["after"]["v"] == 4.5
+    assert ranks[0]["logged"]["t_epoch"] == 4.5 and ranks[1]["logged"] == {}
