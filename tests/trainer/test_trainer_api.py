@@ -182,3 +182,18 @@ def test_no_warning_for_an_ordinary_trainer():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fast_trainer(limit_train_batches=2.0)
+
+
+def test_none_means_the_default_where_lightnings_signature_says_so(tmp_path):
+    """Lightning 2.6.6: Trainer(num_sanity_val_steps=None, log_every_n_steps=None, enable_checkpointing=None,
+    enable_progress_bar=None, val_check_interval=None, gradient_clip_algorithm=None, precision=None) -> sanity 2,
+    every 50, val_check_interval 1.0, precision "32-true", a progress bar and a ModelCheckpoint; clipping by norm."""
+    from ember.callbacks import ProgressBar
+
+    trainer = ember.Trainer(num_sanity_val_steps=None, log_every_n_steps=None, enable_checkpointing=None,
+                            enable_progress_bar=None, val_check_interval=None, gradient_clip_algorithm=None,
+                            precision=None, logger=False, accelerator="cpu", default_root_dir=tmp_path)
+    assert (trainer.num_sanity_val_steps, trainer.log_every_n_steps, trainer.val_check_interval) == (2, 50, 1.0)
+    assert trainer.precision == "32-true" and trainer.gradient_clip_algorithm == "norm"
+    assert isinstance(trainer.checkpoint_callback, ModelCheckpoint)
+    assert any(isinstance(c, ProgressBar) for c in trainer.callbacks)

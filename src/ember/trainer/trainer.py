@@ -91,25 +91,25 @@ class Trainer(TrainerProperties):
         max_time: Any = None,
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str = "norm",
-        precision: PrecisionInput = "32-true",
-        val_check_interval: int | float = 1.0,
+        gradient_clip_algorithm: str | None = "norm",
+        precision: PrecisionInput | None = "32-true",
+        val_check_interval: int | float | None = 1.0,
         check_val_every_n_epoch: int | None = 1,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
         limit_test_batches: int | float | None = None,
         limit_predict_batches: int | float | None = None,
         overfit_batches: int | float = 0.0,
-        num_sanity_val_steps: int = 2,
-        log_every_n_steps: int = 50,
+        num_sanity_val_steps: int | None = 2,
+        log_every_n_steps: int | None = 50,
         fast_dev_run: bool | int = False,
         deterministic: bool | str | None = None,
         benchmark: bool | None = None,
         detect_anomaly: bool = False,
         default_root_dir: str | None = None,
         callbacks: Callback | Iterable[Callback] | None = None,
-        enable_progress_bar: bool = True,
-        enable_checkpointing: bool = True,
+        enable_progress_bar: bool | None = True,
+        enable_checkpointing: bool | None = True,
         logger: bool | Logger | Iterable[Logger] | None = True,
         enable_model_summary: bool = False,
         reload_dataloaders_every_n_epochs: int = 0,
@@ -118,6 +118,14 @@ class Trainer(TrainerProperties):
     ) -> None:
         if unknown:
             arguments.reject_unknown(unknown, Trainer.__init__)
+        # None stands for the default of these, as in Lightning's signature.
+        gradient_clip_algorithm = "norm" if gradient_clip_algorithm is None else gradient_clip_algorithm
+        precision = "32-true" if precision is None else precision
+        val_check_interval = 1.0 if val_check_interval is None else val_check_interval
+        num_sanity_val_steps = 2 if num_sanity_val_steps is None else num_sanity_val_steps
+        log_every_n_steps = 50 if log_every_n_steps is None else log_every_n_steps
+        enable_progress_bar = True if enable_progress_bar is None else enable_progress_bar
+        enable_checkpointing = True if enable_checkpointing is None else enable_checkpointing
         epochs_given = max_epochs is not None
         max_epochs, min_epochs = arguments.check_schedule(
             max_epochs=max_epochs, max_steps=max_steps, min_epochs=min_epochs, min_steps=min_steps,
