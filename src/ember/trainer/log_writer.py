@@ -29,17 +29,22 @@ class LogWriter:
     def __init__(self, trainer: Trainer, metrics: MetricCollector) -> None:
         self._trainer = trainer
         self._metrics = metrics
-        self.enabled = bool(trainer.loggers) and trainer.is_global_zero
+        #: With loggers, every process keeps ``logged_metrics`` (as Lightning); global rank zero alone writes.
+        self.enabled = bool(trainer.loggers)
+        self._writes = self.enabled and trainer.is_global_zero
         # Evaluation step values reach the loggers from the collector, batch by batch.
         metrics.step_log_sink = self.eval_step_metrics if self.enabled else None
 
     def write(self, metrics: dict[str, Any], step: int | None = None, with_epoch: bool = True) -> None:
-        """Hand ``metrics`` (as floats, with the epoch unless ``with_epoch=False``) to every logger at
-        ``step`` (default: the current one, see ``logger_step``), and keep them in ``logged_metrics``."""
+        """Keep ``metrics`` in ``logged_metrics`` (as tensors) and, on global rank zero, hand them (as floats,
+        with the epoch unless ``with_epoch=False``) to every logger at ``step`` (default: the current one, see
+        ``logger_step``)."""
         t = self._trainer
-        floats = to_floats(metrics)
         logged: dict[str, Any] = t.logged_metrics
-        logged.update({k: v if isinstance(v, torch.Tensor) else torch.tensor(floats[k]) for k, v in metrics.items()})
+        logged.update({k: v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for k, v in metrics.items()})
+        if not self._writes:
+            return
+        floats = to_floats(metrics)
         if with_epoch:
             floats["epoch"] = float(t.progress.current_epoch)
         if step is None:
@@ -77,7 +82,7 @@ class LogWriter:
 
     def hyperparams(self) -> None:
         """Hand the module's (and datamodule's) ``hparams`` to every logger once per fit."""
-        if not self.enabled:
+        if not self._writes:
             return
         t = self._trainer
         params: dict[str, Any] = {}
