@@ -151,6 +151,16 @@ def test_limit_train_batches_zero_skips_training(sanity, calls, requested):
     assert (trainer.global_step, trainer.current_epoch) == (0, 0)
 
 
+@pytest.mark.parametrize("kwargs", [{"max_epochs": 0}, {"max_steps": 0, "max_epochs": 3}])
+def test_nothing_to_train_runs_no_train_hook(kwargs):
+    """Lightning 2.6.6: max_epochs=0 or max_steps=0 -> the sanity check runs and both loaders are requested,
+    but neither on_train_start nor on_train_end."""
+    hooks, module = Hooks(), Requests()
+    fast_trainer(callbacks=[hooks], **kwargs).fit(module)
+    assert hooks.calls == ["fit_start", "sanity_start", "val_batch", "val_batch", "fit_end"]
+    assert module.requested == ["val", "train"]
+
+
 # ---------------------------------------------------------------------- overfit_batches
 class Seen(BoringModel):
     def __init__(self) -> None:
