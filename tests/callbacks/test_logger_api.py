@@ -140,3 +140,13 @@ def test_tensorboard_log_metrics_without_a_step_writes_at_step_zero(tmp_path):
         "a": [(0, 1.0)], "b": [(3, 2.0)]}
     with open(os.path.join(logger.log_dir, "hparams.yaml")) as fh:
         assert fh.read() == "lr: 0.1\n"
+
+
+def test_log_hyperparams_metrics_go_in_at_the_given_step(tmp_path):
+    # Lightning 2.6.6's TensorBoardLogger.log_hyperparams(params, metrics, step) logs the metrics at step.
+    logger = CSVLogger(save_dir=str(tmp_path))
+    logger.log_hyperparams({"lr": 0.1}, {"hp_metric": 0.5}, step=4)
+    logger.log_hyperparams({"lr": 0.1}, {"other": 1.0})
+    logger.save()
+    assert [(r["step"], r["hp_metric"], r["other"]) for r in csv_rows(logger.metrics_file)] == [
+        ("4", "0.5", ""), ("0", "", "1.0")]

@@ -121,9 +121,9 @@ class FileLogger(Logger):
             self._version = trainer.strategy.broadcast(mine) if trainer.world_size > 1 else mine
 
     def log_hyperparams(self, params: dict[str, Any] | Namespace | None = None,
-                        metrics: dict[str, float] | None = None) -> None:
+                        metrics: dict[str, float] | None = None, step: int | None = None) -> None:
         """Remember ``params`` (a dict, a Namespace or None) and write them to ``hparams.yaml`` (``metrics``
-        are logged as usual, at step 0)."""
+        are logged as usual, at ``step``, default 0)."""
         if not self._writes:
             return
         self.hparams.update(hparams_dict(params))
@@ -133,7 +133,7 @@ class FileLogger(Logger):
             fh.write(to_yaml(self.hparams))
         os.replace(tmp, os.path.join(self.log_dir, HPARAMS_FILE))
         if metrics:
-            self.log_metrics(metrics, 0)
+            self.log_metrics(metrics, 0 if step is None else step)
 
     def _state_key_args(self) -> dict[str, Any]:
         return {"name": self._name, "version": self._version}

@@ -53,9 +53,9 @@ class Logger(Callback):
         """Record ``metrics`` at ``step`` (the Trainer always gives one; a direct call may leave it out)."""
 
     def log_hyperparams(self, params: dict[str, Any] | Namespace | None = None,
-                        metrics: dict[str, float] | None = None) -> None:
+                        metrics: dict[str, float] | None = None, step: int | None = None) -> None:
         """Record the run's hyper-parameters (a dict or an ``argparse.Namespace``; none at all is allowed) and,
-        optionally, final metrics beside them."""
+        optionally, final metrics beside them (at ``step``)."""
 
     def save(self) -> None:
         """Flush what is buffered."""

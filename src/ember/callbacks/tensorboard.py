@@ -100,12 +100,12 @@ class TensorBoardLogger(FileLogger):
         events.add_scalars(values, 0 if step is None else step)
 
     def log_hyperparams(self, params: dict[str, Any] | Namespace | None = None,
-                        metrics: dict[str, float] | None = None) -> None:
+                        metrics: dict[str, float] | None = None, step: int | None = None) -> None:
         """Write ``params`` (a dict, a Namespace or None) to ``hparams.yaml`` and to the HParams dashboard;
-        log ``metrics`` at step 0."""
+        log ``metrics`` at ``step`` (default 0)."""
         if not self._writes:
             return
-        super().log_hyperparams(params, metrics)
+        super().log_hyperparams(params, metrics, step)
         flat = _flatten(self.hparams)
         events = self._event_file()
         assert events is not None  # this logger writes (checked above)
