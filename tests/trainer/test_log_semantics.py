@@ -235,6 +235,15 @@ def test_callback_and_logged_metrics_hold_tensors_and_logged_metrics_no_epoch():
     assert logger.records[-1] == (1, {"n_epoch": 2.0, "epoch": 0})
 
 
+def test_numpy_numbers_are_logged_like_python_numbers():
+    np = pytest.importorskip("numpy")
+    module = Logs(lambda m, at, b, i, dl: m.log_dict({"i": np.int64(2), "f": np.float32(0.5)})
+                  if at == "training_step" else None)
+    trainer = trainer_with()
+    trainer.fit(module, value_loader(VALUES))
+    assert trainer.callback_metrics == {"i": torch.tensor(2.0), "f": torch.tensor(0.5)}
+
+
 def test_validate_fills_logged_metrics_with_tensors():
     module = Logs(lambda m, at, b, i, dl: m.log("v", b[0].mean()) if at == "validation_step" else None)
     trainer = trainer_with(RecordingLogger())

@@ -6,6 +6,7 @@ and ``to_floats`` converts a whole dict with one stack-and-copy.
 """
 from __future__ import annotations
 
+import numbers
 import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -198,9 +199,10 @@ class MetricCollector:
                     value = value.float()
                 if value.ndim:
                     value = value.reshape(())
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            # A tensor, as Lightning: callback_metrics and logged_metrics hold tensors (on the CPU: a number
-            # logged every step would otherwise cost a host-to-device copy each time).
+        elif (isinstance(value, (int, float)) or isinstance(value, numbers.Real)) and not isinstance(value, bool):
+            # Any real number (NumPy's scalars too), as Lightning. Kept as a tensor, as Lightning: callback_metrics
+            # and logged_metrics hold tensors (on the CPU: a number logged every step would otherwise cost a
+            # host-to-device copy each time).
             value = torch.tensor(float(value), dtype=_FLOAT32)
         else:
             raise TypeError(f"self.log({name!r}, ...) expects a number or a scalar tensor, got {type(value).__name__}.")
