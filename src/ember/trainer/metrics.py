@@ -100,11 +100,12 @@ class MetricCollector:
         self.pending_step_logs: dict[str, Any] = {}
         #: Until the epoch ends, ``callback_metrics`` read in an epoch-end hook shows the values reduced so far.
         self._epoch_open = False
-        #: In validate / test: batches seen per loader (by key suffix) in this run, the step at which
-        #: their per-step values go to the loggers, and those values until the batch is over.
+        #: In validate / test: batches seen per loader (by key suffix) in this run; the per-step values of the
+        #: last batch that logged some (written when another batch logs, or when the stage ends) and their
+        #: (loader, step).
         self._counting = False
         self._eval_batches: dict[str, int] = {}
-        self._eval_pending: dict[str, Any] = {}
+        self.pending_eval_step_logs: dict[str, Any] = {}
         self._eval_pending_at: tuple[str, int] = ("", -1)
         #: Where evaluation step values go, ``(metrics, step)``: set by the LogWriter when it writes.
         self.step_log_sink: Callable[[dict[str, Any], int], None] | None = None
@@ -257,11 +258,11 @@ class MetricCollector:
         if at != self._eval_pending_at:
             self.flush_eval_steps()
             self._eval_pending_at = at
-        self._eval_pending[key] = value
+        self.pending_eval_step_logs[key] = value
 
     def flush_eval_steps(self) -> None:
         """Hand the evaluation step values of the last batch that logged some to ``step_log_sink``."""
-        pending = self._eval_pending
+        pending = self.pending_eval_step_logs
         if pending:
             if self.step_log_sink is not None:
                 self.step_log_sink(dict(pending), self._eval_pending_at[1])
