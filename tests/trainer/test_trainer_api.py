@@ -178,6 +178,12 @@ def test_a_lightning_argument_ember_does_not_take_says_why():
         ember.Trainer(profiler="simple")
 
 
+def test_a_removed_lightning_1_argument_names_its_replacement():
+    with pytest.raises(TypeError, match=r"'resume_from_checkpoint', a Lightning 1.x argument removed in Lightning "
+                                        r"2.0: pass ckpt_path= to trainer.fit"):
+        ember.Trainer(resume_from_checkpoint="last.ckpt")
+
+
 def test_no_warning_for_an_ordinary_trainer():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -124,6 +124,11 @@ NOT_TAKEN = {
     "sync_batchnorm": "convert the module yourself with torch.nn.SyncBatchNorm.convert_sync_batchnorm before fit",
     "model_registry": "ember has no model registry",
 }
+#: Lightning 1.x arguments (removed in 2.0, where they are plain unknown keywords), and what replaced them.
+REMOVED = {
+    "gpus": "use accelerator='cuda', devices=n",
+    "resume_from_checkpoint": "pass ckpt_path= to trainer.fit",
+}
 
 
 def reject_unknown(unknown: dict[str, Any], init: Callable[..., Any]) -> None:
@@ -132,6 +137,8 @@ def reject_unknown(unknown: dict[str, Any], init: Callable[..., Any]) -> None:
     name = sorted(unknown)[0]
     if name in NOT_TAKEN:
         raise TypeError(f"Trainer() got the Lightning argument {name!r}, which ember does not take: {NOT_TAKEN[name]}.")
+    if name in REMOVED:
+        raise TypeError(f"Trainer() got {name!r}, a Lightning 1.x argument removed in Lightning 2.0: {REMOVED[name]}.")
     close = difflib.get_close_matches(name, names, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else " See help(ember.Trainer) for the arguments it takes."
     raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}.{hint}")
