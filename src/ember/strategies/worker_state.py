@@ -34,7 +34,7 @@ def run_in_worker(fn: Callable[..., Any], args: tuple, kwargs: dict, rng: dict) 
     state = {
         "weights": {k: v.detach().cpu() for k, v in module.state_dict().items()},
         "callback_metrics": _to_cpu(trainer.callback_metrics),
-        "logged_metrics": dict(trainer.logged_metrics),
+        "logged_metrics": _to_cpu(dict(trainer.logged_metrics)),
         "progress": trainer.progress.state_dict(),
         "history": list(getattr(trainer, "history", [])),
         "callbacks": [(type(cb).__name__, cb.state_dict()) for cb in trainer.callbacks
