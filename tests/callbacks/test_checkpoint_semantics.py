@@ -218,11 +218,13 @@ def test_the_file_being_replaced_is_overwritten_not_versioned(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- scores
 def test_scores_are_tensors(tmp_path):
-    # Lightning 2.6.6: current_score and best_model_score are tensors; current_score is the
-    # value of the last save that entered the top k (val_loss 3, 1, 2, 4 -> 1.0).
+    # Lightning 2.6.6: current_score, best_model_score, kth_value and the best_k_models values are
+    # tensors; current_score is the value of the last save that entered the top k (val_loss 3, 1, 2, 4 -> 1.0).
     cb = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_last=False)
     fit(cb, epochs=4, module=Module([3.0, 1.0, 2.0, 4.0]))
     assert isinstance(cb.current_score, torch.Tensor) and isinstance(cb.best_model_score, torch.Tensor)
     assert cb.current_score.item() == 1.0 and cb.best_model_score.item() == 1.0
     assert cb.best_model_score.shape == () and cb.best_model_score.device.type == "cpu"
+    assert isinstance(cb.kth_value, torch.Tensor) and cb.kth_value.item() == 1.0
+    assert {os.path.basename(k): v.item() for k, v in cb.best_k_models.items()} == {"epoch=1-step=8.ckpt": 1.0}
     assert cb.best_model_path == str(tmp_path / "epoch=1-step=8.ckpt")

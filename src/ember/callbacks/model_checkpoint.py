@@ -133,9 +133,9 @@ class ModelCheckpoint(Callback):
         self.save_on_exception = save_on_exception
         self.enable_version_counter = enable_version_counter
 
-        self.best_k_models: dict[str, float] = {}
+        self.best_k_models: dict[str, torch.Tensor] = {}  # path -> score, tensors as Lightning's
         self.kth_best_model_path = ""
-        self.kth_value: float | None = None
+        self.kth_value: torch.Tensor | None = None
         self.best_model_path = ""
         self.best_model_score: torch.Tensor | None = None
         self.current_score: torch.Tensor | None = None
@@ -155,8 +155,10 @@ class ModelCheckpoint(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "monitor": self.monitor, "dirpath": self.dirpath, "best_k_models": dict(self.best_k_models),
-            "kth_best_model_path": self.kth_best_model_path, "kth_value": self.kth_value,
+            "monitor": self.monitor, "dirpath": self.dirpath,
+            "best_k_models": {k: float(v) for k, v in self.best_k_models.items()},
+            "kth_best_model_path": self.kth_best_model_path,
+            "kth_value": None if self.kth_value is None else float(self.kth_value),
             "best_model_path": self.best_model_path,
             "best_model_score": None if self.best_model_score is None else float(self.best_model_score),
             "current_score": None if self.current_score is None else float(self.current_score),
@@ -176,9 +178,10 @@ class ModelCheckpoint(Callback):
         score = state.get("best_model_score")
         self.best_model_score = None if score is None else torch.tensor(score)
         self.best_model_path = state.get("best_model_path", "")
-        self.best_k_models = {k: float(v) for k, v in state.get("best_k_models", {}).items()}
+        self.best_k_models = {k: torch.as_tensor(v) for k, v in state.get("best_k_models", {}).items()}
         self.kth_best_model_path = state.get("kth_best_model_path", "")
-        self.kth_value = state.get("kth_value")
+        kth = state.get("kth_value")
+        self.kth_value = None if kth is None else torch.as_tensor(kth)
         self.last_model_path = state.get("last_model_path", "")
 
     # ------------------------------------------------------------------ hooks
@@ -339,21 +342,21 @@ class ModelCheckpoint(Callback):
         if value is None:
             return None
         full = self.save_top_k != -1 and len(self.best_k_models) >= self.save_top_k
-        if full and not self._better(value, self.kth_value):
+        if full and not self._better(value, None if self.kth_value is None else float(self.kth_value)):
             return None
         self.current_score = self._score(metrics[self.monitor], value)
         path = self._versioned(trainer, metrics, None, keep=self._worst() if full else None)
-        self.best_k_models[path] = value
+        self.best_k_models[path] = self.current_score
         dropped = None
         if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
             dropped = self._worst()
             del self.best_k_models[dropped]
         worst = self._worst()
         self.kth_best_model_path, self.kth_value = worst, self.best_k_models[worst]
-        best = min(self.best_k_models, key=self.best_k_models.__getitem__) if self.mode == "min" \
-            else max(self.best_k_models, key=self.best_k_models.__getitem__)
+        pick = min if self.mode == "min" else max
+        best = pick(self.best_k_models, key=lambda k: float(self.best_k_models[k]))
         self.best_model_path = best
-        self.best_model_score = self.current_score if best == path else torch.tensor(self.best_k_models[best])
+        self.best_model_score = self.best_k_models[best]
         self._write(trainer, path)
         if dropped is not None and dropped != path:
             self._remove(trainer, dropped)
@@ -374,7 +377,7 @@ class ModelCheckpoint(Callback):
 
     def _worst(self) -> str:
         pick = max if self.mode == "min" else min
-        return pick(self.best_k_models, key=self.best_k_models.__getitem__)
+        return pick(self.best_k_models, key=lambda k: float(self.best_k_models[k]))
 
     # ------------------------------------------------------------------ names
     def format_checkpoint_name(self, metrics: dict[str, Any], filename: str | None = None,
