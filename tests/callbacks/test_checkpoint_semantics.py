@@ -228,3 +228,21 @@ def test_scores_are_tensors(tmp_path):
     assert isinstance(cb.kth_value, torch.Tensor) and cb.kth_value.item() == 1.0
     assert {os.path.basename(k): v.item() for k, v in cb.best_k_models.items()} == {"epoch=1-step=8.ckpt": 1.0}
     assert cb.best_model_path == str(tmp_path / "epoch=1-step=8.ckpt")
+
+
+def test_a_replaced_top_k_file_is_removed_only_after_last_stopped_pointing_at_it(tmp_path, monkeypatch):
+    # ember's own ordering (Lightning removes first, then links): a crash between the two steps must not
+    # leave last.ckpt dangling or pointing at a deleted file.
+    import ember.callbacks.model_checkpoint as mc
+    seen: list[tuple[str, str]] = []
+    remove = os.remove
+
+    def recording_remove(path: str) -> None:
+        seen.append((os.path.basename(path), os.readlink(tmp_path / "last.ckpt")))
+        remove(path)
+
+    monkeypatch.setattr(mc.os, "remove", recording_remove)
+    cb = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_last="link")
+    fit(cb, epochs=3)
+    assert seen == [("epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"), ("epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt")]
+    assert files(tmp_path) == ["epoch=2-step=12.ckpt", "last.ckpt"]

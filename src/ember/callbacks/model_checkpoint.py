@@ -143,6 +143,7 @@ class ModelCheckpoint(Callback):
         self._last_global_step_saved = -1
         self._last_checkpoint_saved = ""  # the last top-k file written: what save_last="link" points to
         self._saved_in_fit = False
+        self._replaced: list[str] = []  # top-k files replaced by this save, removed once last is in place
         self._last_time = time.monotonic()
         self._validation_ran = False
         self._warned_missing = False
@@ -292,10 +293,14 @@ class ModelCheckpoint(Callback):
         self._saved_in_fit = True
         previous_last = self._next_last(trainer, metrics)
         written: str | None = None
+        self._replaced = []
         if self.save_top_k != 0:
             written = self._save_top_k(trainer, metrics, at_epoch_end)
         if self.save_last:
             self._write_last(trainer, written, previous_last)
+        # Files that left the top k go only now, once ``last`` no longer names (or links to) them.
+        for path in self._replaced:
+            self._remove(trainer, path)
 
     def _save_last_only(self, trainer: Trainer) -> None:
         metrics = self._candidates(trainer)
@@ -336,7 +341,7 @@ class ModelCheckpoint(Callback):
             self.best_model_path = path
             self._write(trainer, path)
             if self.save_top_k == 1 and previous and previous != path:
-                self._remove(trainer, previous)
+                self._replaced.append(previous)
             return path
         value = self._monitored(trainer, metrics, at_epoch_end)
         if value is None:
@@ -359,7 +364,7 @@ class ModelCheckpoint(Callback):
         self.best_model_score = self.best_k_models[best]
         self._write(trainer, path)
         if dropped is not None and dropped != path:
-            self._remove(trainer, dropped)
+            self._replaced.append(dropped)
         return path
 
     @staticmethod
