@@ -246,3 +246,13 @@ def test_a_replaced_top_k_file_is_removed_only_after_last_stopped_pointing_at_it
     fit(cb, epochs=3)
     assert seen == [("epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"), ("epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt")]
     assert files(tmp_path) == ["epoch=2-step=12.ckpt", "last.ckpt"]
+
+
+def test_next_last_path_names_a_free_file_beside_an_earlier_run(tmp_path):
+    first = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    rec = SaveRecorder()
+    trainer = ember.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[first, rec])
+    trainer.fit(Module(), loader())
+    assert first.next_last_path(trainer) == str(tmp_path / "last.ckpt")  # its own last: replaced in place
+    assert ModelCheckpoint(dirpath=tmp_path).next_last_path(trainer) == str(tmp_path / "last-v1.ckpt")

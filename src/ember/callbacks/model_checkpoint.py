@@ -309,6 +309,13 @@ class ModelCheckpoint(Callback):
         previous_last = self._next_last(trainer, metrics)
         self._write_last(trainer, None, previous_last)
 
+    def next_last_path(self, trainer: Trainer) -> str:
+        """The path this callback's next ``last`` checkpoint gets now: ``CHECKPOINT_NAME_LAST`` formatted,
+        with ``-v1``... beside an earlier run's file of that name (for a checkpoint written outside the
+        callback, such as on preemption). Every process must call it (rank zero's answer is broadcast)."""
+        return self._versioned(trainer, self._candidates(trainer), self.CHECKPOINT_NAME_LAST,
+                               keep=self.last_model_path)
+
     def _next_last(self, trainer: Trainer, metrics: dict[str, Any]) -> str:
         """Name this save's ``last`` (before any file is written, as every checkpoint holds
         ``last_model_path``); returns the previous one."""
