@@ -92,7 +92,7 @@ class Trainer(TrainerProperties):
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = "norm",
-        precision: PrecisionInput | None = "32-true",
+        precision: PrecisionInput = "32-true",
         val_check_interval: int | float | None = 1.0,
         check_val_every_n_epoch: int | None = 1,
         limit_train_batches: int | float | None = None,
@@ -120,7 +120,6 @@ class Trainer(TrainerProperties):
             arguments.reject_unknown(unknown, Trainer.__init__)
         # None stands for the default of these, as in Lightning's signature.
         gradient_clip_algorithm = "norm" if gradient_clip_algorithm is None else gradient_clip_algorithm
-        precision = "32-true" if precision is None else precision
         val_check_interval = 1.0 if val_check_interval is None else val_check_interval
         num_sanity_val_steps = 2 if num_sanity_val_steps is None else num_sanity_val_steps
         log_every_n_steps = 50 if log_every_n_steps is None else log_every_n_steps
