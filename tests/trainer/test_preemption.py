@@ -94,3 +94,35 @@ def test_configured_signal_preempts_with_its_exit_status(tmp_path):
     assert info.value.checkpoint_path == str(tmp_path / "checkpoints" / "last.ckpt")
     assert torch.load(info.value.checkpoint_path, weights_only=True)["progress"]["global_step"] == 3
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_a_preempted_second_run_in_the_same_directory_keeps_the_first_runs_last_checkpoint(tmp_path):
+    class Net(ember.TrainModule):
+        def __init__(self, stop_at: int | None = None):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+            self.stop_at = stop_at
+
+        def training_step(self, batch, batch_idx):
+            if self.global_step == self.stop_at:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return self.layer(batch[0].float().unsqueeze(1)).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def trainer() -> ember.Trainer:
+        t = ember.Trainer(max_epochs=1, enable_progress_bar=False, logger=False, default_root_dir=str(tmp_path))
+        t.preemption_signals = (signal.SIGUSR1,)
+        return t
+
+    data = DataLoader(TensorDataset(torch.arange(10)), batch_size=2)
+    trainer().fit(Net(), data)
+    first = tmp_path / "checkpoints" / "last.ckpt"
+    before = first.read_bytes()
+    with pytest.warns(UserWarning, match="SIGUSR1"), pytest.raises(preemption.Preempted) as info:
+        trainer().fit(Net(stop_at=2), data)
+    # As ModelCheckpoint names a second run's files in one directory (Lightning's -v1), so does preemption.
+    assert info.value.checkpoint_path == str(tmp_path / "checkpoints" / "last-v1.ckpt")
+    assert first.read_bytes() == before
+    assert torch.load(info.value.checkpoint_path, weights_only=True)["progress"]["global_step"] == 3

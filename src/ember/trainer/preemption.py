@@ -145,8 +145,14 @@ class PreemptionHandler:
         if self._clock is not None:
             self._clock.restart()  # the checkpoint write gets a whole grace period
         callbacks = [cb for cb in t.callbacks if hasattr(cb, "best_model_path") and hasattr(cb, "dirpath")]
-        directory = (callbacks[0].dirpath if callbacks and callbacks[0].dirpath else checkpoint.default_dir(t))
-        path = checkpoint.save(t, os.path.join(directory, "last.ckpt"))
+        first = callbacks[0] if callbacks and callbacks[0].dirpath else None
+        if first is not None and hasattr(first, "next_last_path"):
+            # The callback's own name for its next last checkpoint: an earlier run's last.ckpt in the same
+            # directory is never overwritten (this one gets last-v1.ckpt), this run's own is.
+            target = first.next_last_path(t)
+        else:
+            target = os.path.join(first.dirpath if first is not None else checkpoint.default_dir(t), "last.ckpt")
+        path = checkpoint.save(t, target)
         for cb in callbacks:
             if hasattr(cb, "last_model_path") and os.path.dirname(path) == os.path.abspath(cb.dirpath or ""):
                 cb.last_model_path = path
