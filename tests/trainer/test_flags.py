@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from ember.callbacks import Callback, Timer
+from ember.callbacks import Callback, EarlyStopping, Timer
 from tests.helpers.models import BoringModel, RecordingLogger, TrainOnlyModel, fast_trainer, regression_loader
 
 
@@ -73,6 +73,25 @@ def test_the_continue_message_is_logged_once(caplog):
     lines = [r.getMessage() for r in caplog.records if "signaled to stop" in r.getMessage()]
     assert lines == ["Trainer was signaled to stop but the required min_epochs=1 or min_steps=6 has not been met. "
                      "Training will continue..."]
+
+
+@pytest.mark.parametrize(("kwargs", "steps", "epochs", "stopped_epoch", "wait"), [
+    # Lightning 2.6.6: EarlyStopping("v", patience=0) on a rising "v" stops after epoch 1; min_epochs=3 runs
+    # epoch 2 whole; min_steps=10 stops at step 10, mid-epoch 2; EarlyStopping keeps counting meanwhile.
+    ({}, 8, 2, 1, 1),
+    ({"min_epochs": 3}, 12, 3, 2, 2),
+    ({"min_steps": 10}, 10, 3, 2, 2),
+])
+def test_early_stopping_waits_for_min_epochs_and_min_steps(kwargs, steps, epochs, stopped_epoch, wait):
+    class Rising(BoringModel):
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            self.log("v", float(self.current_epoch))
+
+    es = EarlyStopping("v", patience=0, mode="min")
+    trainer = fast_trainer(callbacks=[es], max_epochs=10, num_sanity_val_steps=0, **kwargs)
+    trainer.fit(Rising(), regression_loader(), regression_loader())
+    assert (trainer.global_step, trainer.current_epoch, es.stopped_epoch, es.wait_count) == (
+        steps, epochs, stopped_epoch, wait)
 
 
 class StopAtTrainStart(Callback):
