@@ -78,7 +78,7 @@ def test_stops_at_the_right_validation_check(values, kwargs, stop_at, best):
     max_epochs = len(values) if stop_at is None else 10
     trainer, module = run(values, es, max_epochs=max_epochs)
     if stop_at is None:
-        assert not trainer.should_stop and module.checks == len(values) and es.stopped_epoch == -1
+        assert not trainer.should_stop and module.checks == len(values) and es.stopped_epoch == 0
     else:
         assert trainer.should_stop and module.checks == stop_at + 1
         assert es.stopped_epoch == stop_at and trainer.current_epoch == stop_at + 1
@@ -155,7 +155,7 @@ def test_validate_alone_does_not_check():
 
 def test_state_dict_round_trip_and_argument_checks():
     es = EarlyStopping(monitor="val/metric", mode="max", patience=4)
-    es.wait_count, es.best_score, es.stopped_epoch = 2, 0.9, -1
+    es.wait_count, es.best_score, es.stopped_epoch = 2, 0.9, 0
     other = EarlyStopping(monitor="val/metric", mode="max")
     other.load_state_dict(es.state_dict())
     assert (other.wait_count, other.best_score, other.patience) == (2, 0.9, 4)

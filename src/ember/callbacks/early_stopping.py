@@ -68,7 +68,7 @@ class EarlyStopping(Callback):
         self.check_on_train_epoch_end = check_on_train_epoch_end
         self.wait_count = 0
         self._best = math.inf if mode == "min" else -math.inf
-        self.stopped_epoch = -1
+        self.stopped_epoch = 0  # as Lightning: 0 when training was not stopped
         self.stopped_step = -1
         #: Why training was stopped, once it was.
         self.stopping_reason: str | None = None
