@@ -273,15 +273,25 @@ def check_plain_data(obj: Any, where: str = "checkpoint") -> None:
 
 
 # ---------------------------------------------------------------------------------------------- loading
-def load(path: str, map_location: Any = "cpu") -> dict[str, Any]:
-    """Load and validate an ember checkpoint, with an explanatory error for every way it can be wrong."""
+_ALTERNATIVES = {
+    "fit": ", or ckpt_path='last' to resume from the latest one if any",
+    "evaluate": ", or ckpt_path='best' / 'last' for this Trainer's best / latest checkpoint",
+}
+
+
+def load(path: str, map_location: Any = "cpu", purpose: str | None = None) -> dict[str, Any]:
+    """Load and validate an ember checkpoint, with an explanatory error for every way it can be wrong.
+
+    ``purpose`` ("fit", "evaluate" or None for ``load_from_checkpoint``) decides what a missing file's
+    error suggests instead: only what that caller accepts.
+    """
     path = os.fspath(path)
     if not os.path.exists(path):
         directory = os.path.dirname(os.path.abspath(path))
         nearby = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, "*.ckpt")))
         hint = f" Checkpoints in {directory}: {nearby}." if nearby else ""
         raise CheckpointNotFoundError(f"No checkpoint file at {path!r}.{hint} Pass the path of an existing "
-                                      "checkpoint, or ckpt_path='last' to resume from the latest one if any.")
+                                      f"checkpoint{_ALTERNATIVES.get(purpose or '', '')}.")
     if os.path.isdir(path):
         raise CheckpointError(f"{path!r} is a directory; pass the path of a .ckpt file inside it.")
     size = os.path.getsize(path)

@@ -346,3 +346,21 @@ def test_validation_progress_is_saved_after_the_validation(tmp_path):
     t.fit(WithVal(), loader(), loader())
     mid = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=True)["progress"]
     assert (mid["batch_in_epoch"], mid["val_checks_in_epoch"]) == (2, 1)
+
+
+def test_a_missing_file_suggests_only_what_the_caller_accepts(tmp_path):
+    missing = str(tmp_path / "nope.ckpt")
+    with pytest.raises(CheckpointNotFoundError, match=r"or ckpt_path='last' to resume") as fit:
+        _fit_from(missing, Net())
+    class Tested(Net):
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            pass
+
+    trainer = ember.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    with pytest.raises(CheckpointNotFoundError, match=r"ckpt_path='best' / 'last' for this Trainer's") as test:
+        trainer.test(Tested(), loader(), ckpt_path=missing)
+    with pytest.raises(CheckpointNotFoundError) as load:
+        Net.load_from_checkpoint(missing)
+    assert "resume" not in str(test.value) and "ckpt_path" not in str(load.value)
+    assert str(load.value).rstrip().endswith("Pass the path of an existing checkpoint.")
+    assert "best" not in str(fit.value)

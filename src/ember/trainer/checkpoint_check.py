@@ -52,7 +52,8 @@ def validate(trainer: Trainer, ckpt: dict[str, Any], path: str, part: str) -> No
 
     ``part`` is "modules" (before ``configure_optimizers``: also every entry that needs neither the
     optimizers nor the loaders, so that a malformed file fails before the weights are touched),
-    "training" (the optimizers exist) or "data" (the train loader exists).
+    "training" (the optimizers exist), "data" (the train loader exists), or "evaluation" (validate /
+    test / predict from ``ckpt_path``: the callbacks' states are loaded too).
     """
     parts: dict[str, list[tuple[str, Callable[[Trainer, dict[str, Any], Any], None]]]] = {
         "modules": [
@@ -71,6 +72,9 @@ def validate(trainer: Trainer, ckpt: dict[str, Any], path: str, part: str) -> No
         "data": [
             ("progress", _position),
             ("sampler", _sampler),
+        ],
+        "evaluation": [
+            ("callbacks", _callbacks),
         ],
     }
     checks = parts[part]

@@ -54,18 +54,21 @@ class Resume:
             self._rollback()
             raise
 
-    def modules_and_callbacks(self) -> None:
+    def modules_and_callbacks(self, fit: bool = True) -> None:
+        """The first part of a fit resume; with ``fit=False``, all that validate / test / predict restore
+        from ``ckpt_path`` (as Lightning: the weights, the datamodule's and the callbacks' state)."""
         trainer, path = self.trainer, self.path
-        self.ckpt = ckpt = load(path)
+        self.ckpt = ckpt = load(path, purpose="fit" if fit else "evaluate")
         module = trainer.module
         assert module is not None
-        if ckpt.get("weights_only") or "progress" not in ckpt:
+        if fit and (ckpt.get("weights_only") or "progress" not in ckpt):
             raise CheckpointError(f"{path!r} holds weights only (save_weights_only=True), not the optimizer and "
                                   "progress state a fit resumes from. Start a new fit from it with "
                                   f"{type(module).__name__}.load_from_checkpoint(path), or resume from a full "
                                   "checkpoint.")
-        self._validate("modules")
-        check_state_dict(module, ckpt["state_dict"], path, exact_dtype=True)
+        self._validate("modules" if fit else "evaluation")
+        # A fit continues training in the saved dtype; evaluation may cast (a float64 file into float32).
+        check_state_dict(module, ckpt["state_dict"], path, exact_dtype=fit)
         # Callbacks and the datamodule restore through state_dict / load_state_dict: copies to put back
         # into those this restore touches (and only those: the others never see a load_state_dict call).
         weights = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
@@ -86,6 +89,8 @@ class Resume:
         try:
             module.on_load_checkpoint(ckpt)
             module.load_state_dict(ckpt["state_dict"], strict=True)  # by keyword, as Lightning
+            if not fit:
+                trainer.ckpt_path = path
             dm = trainer.datamodule
             if dm is not None and ckpt.get("datamodule"):
                 touch(dm)
@@ -166,16 +171,10 @@ class Resume:
         trainer.ckpt_path = self.path
 
 
-def restore_weights_only(trainer: Trainer, path: str) -> dict[str, Any]:
-    """validate / test / predict with ``ckpt_path``: the module's weights only."""
-    ckpt = load(path)
-    module = trainer.module
-    assert module is not None  # restored at the start of a run, with the module attached
-    module.on_load_checkpoint(ckpt)
-    check_state_dict(module, ckpt["state_dict"], path)
-    module.load_state_dict(ckpt["state_dict"])
-    trainer.ckpt_path = path
-    return ckpt
+def restore_for_evaluation(trainer: Trainer, path: str) -> None:
+    """validate / test / predict with ``ckpt_path``, as Lightning: the module's ``on_load_checkpoint`` and
+    weights, the datamodule's state, the callbacks' ``on_load_checkpoint`` and state (all or nothing)."""
+    Resume(trainer, path).modules_and_callbacks(fit=False)
 
 
 def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
