@@ -115,7 +115,7 @@ class FitLoop:
         data.request_val()
         self._check_val_interval()
         n, every = data.num_training_batches, t.log_every_n_steps
-        if t.loggers and n < every and not t.fast_dev_run:  # as Lightning, which warns at the same point
+        if t.loggers and n < every and not t.fast_dev_run and t.is_global_zero:  # as Lightning (rank zero)
             warnings.warn(f"The number of training batches ({n}) is smaller than the logging interval "
                           f"Trainer(log_every_n_steps={every}). Set a lower value for log_every_n_steps if you want "
                           "to see logs for the training epoch.", UserWarning, stacklevel=2)
