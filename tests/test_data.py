@@ -98,3 +98,26 @@ def test_a_datamodule_passed_in_the_dataloaders_position():
     assert trainer.validate(BoringModel(), dm)[0].keys() == {"val_loss"}
     assert trainer.test(BoringModel(), dm)[0].keys() == {"test_loss"}
     assert len(trainer.predict(BoringModel(), dm)) == 1
+
+
+def test_a_failing_fit_calls_the_datamodules_on_exception_after_the_callbacks():
+    """As Lightning 2.6.6: on an exception, the callbacks' on_exception, then the datamodule's."""
+    calls: list[str] = []
+
+    class Fails(BoringModel):
+        def training_step(self, batch, batch_idx):
+            raise KeyError("boom")
+
+    class Watching(DM):
+        def on_exception(self, exception):
+            calls.append(f"DataModule.on_exception:{type(exception).__name__}")
+
+    class CallbackWatching(RecordingCallback):
+        def on_exception(self, trainer, module, exception):
+            calls.append("Callback.on_exception")
+
+    with pytest.raises(KeyError, match="boom"):
+        trainer = fast_trainer(callbacks=[CallbackWatching(calls)], num_sanity_val_steps=0)
+        trainer.fit(Fails(), datamodule=Watching(calls))
+    exceptions = [c for c in calls if "on_exception" in c]
+    assert exceptions == ["Callback.on_exception", "DataModule.on_exception:KeyError"]

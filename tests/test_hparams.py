@@ -386,3 +386,75 @@ def test_load_from_checkpoint_passes_a_saved_dict_as_its_argument(tmp_path):
         warnings.simplefilter("error")  # lr is not an argument of __init__, but it went into cfg
         loaded = SavedConfig.load_from_checkpoint(path, lr=0.9)
     assert dict(loaded.hparams) == {"lr": 0.9} and loaded.lr == 0.9
+
+
+class _HparamsLogger(ember.callbacks.Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.params: list[dict[str, Any]] = []
+
+    def log_hyperparams(self, params: Any = None, metrics: Any = None, step: Any = None) -> None:
+        self.params.append(dict(params or {}))
+
+
+class _Tunable(ember.TrainModule):
+    def __init__(self, lr: float = 0.1, log_them: bool = True) -> None:
+        super().__init__()
+        self.save_hyperparameters(logger=log_them)
+        self.hparams.lr = 0.5  # changed after __init__: the loggers still get the value given (hparams_initial)
+        self.layer = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class _DataWithLr(ember.DataModule):
+    def __init__(self, lr: float = 0.3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self):
+        return regression_loader()
+
+
+def _fit_with_logger(module: ember.TrainModule, datamodule: Any = None) -> _HparamsLogger:
+    logger = _HparamsLogger()
+    trainer = ember.Trainer(max_steps=1, logger=logger, enable_progress_bar=False, enable_checkpointing=False,
+                            accelerator="cpu", log_every_n_steps=1)
+    if datamodule is None:
+        trainer.fit(module, regression_loader())
+    else:
+        trainer.fit(module, datamodule=datamodule)
+    return logger
+
+
+def test_loggers_get_the_initial_hyperparameters_of_sources_that_ask():
+    """Lightning 2.6.6 (CSVLogger): hparams.yaml holds lr: 0.1 although hparams.lr was changed to 0.5 in
+    __init__; with save_hyperparameters(logger=False) nothing is logged; a key the module and the datamodule
+    save with different values raises 'Error while merging hparams'."""
+    assert _fit_with_logger(_Tunable()).params == [{"lr": 0.1, "log_them": True}]
+    assert _fit_with_logger(_Tunable(log_them=False)).params == []
+    with pytest.raises(RuntimeError, match=r"\['lr'\] are saved by both _Tunable and _DataWithLr"):
+        _fit_with_logger(_Tunable(), _DataWithLr())
+
+
+def test_a_fit_drops_unpicklable_hyperparameters_when_it_starts():
+    class Fits(WithFunction):
+        def __init__(self, lr: float = 0.1, fn: Any = None) -> None:
+            super().__init__(lr, fn)
+            self.layer = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    m = Fits(fn=lambda x: x)
+    assert sorted(m.hparams) == ["fn", "lr"]
+    with pytest.warns(UserWarning, match="'fn' was removed from hparams"):
+        fast_trainer(max_steps=1).fit(m, regression_loader())
+    assert sorted(m.hparams) == ["lr"] and sorted(m.hparams_initial) == ["fn", "lr"]

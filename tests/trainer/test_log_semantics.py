@@ -327,3 +327,38 @@ def test_under_ddp_rank_zero_writes_its_step_values_and_epoch_values_are_reduced
         assert r["after"]["t_epoch"] == 4.5 and r["after"]["v"] == 4.5
     # Every rank keeps logged_metrics (as Lightning, whose loggers alone are rank-zero-only): its own last step values.
     assert [(r["logged"]["v_step"], r["logged"]["t_epoch"]) for r in ranks] == [(6.0, 4.5), (7.0, 4.5)]
+
+
+class _LossAndEpoch(ember.TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).pow(2).mean()
+        self.log("loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("vl", self.layer(batch[0]).pow(2).mean())
+
+    def on_train_epoch_end(self):
+        self.log("ep", float(self.current_epoch))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("logger", [False, True])
+def test_logged_metrics_are_kept_with_or_without_loggers(tmp_path, logger):
+    """Lightning 2.6.6, the same module, logger=False and True alike: after fit logged_metrics has
+    ['ep', 'loss', 'vl']; after a validate, only ['vl'] (each entry point starts empty)."""
+    loader = DataLoader(TensorDataset(torch.arange(8.0).unsqueeze(1)), batch_size=4)
+    trainer = ember.Trainer(max_epochs=2, logger=logger, enable_progress_bar=False, enable_checkpointing=False,
+                            num_sanity_val_steps=0, log_every_n_steps=1, default_root_dir=str(tmp_path),
+                            accelerator="cpu")
+    module = _LossAndEpoch()
+    trainer.fit(module, loader, loader)
+    assert sorted(trainer.logged_metrics) == ["ep", "loss", "vl"]
+    trainer.validate(module, loader)
+    assert sorted(trainer.logged_metrics) == ["vl"]

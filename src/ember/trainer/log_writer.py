@@ -65,8 +65,9 @@ class LogWriter:
         pending.clear()
 
     def epoch_metrics(self, epoch_metrics: dict[str, Any]) -> None:
-        """Write the logger-bound part of an epoch's reduced metrics."""
-        if self.enabled and epoch_metrics:
+        """Write the logger-bound part of an epoch's reduced metrics (into ``logged_metrics`` even without
+        loggers, as Lightning)."""
+        if epoch_metrics:
             keys = self._metrics.logger_keys()
             logged = {k: v for k, v in epoch_metrics.items() if k in keys}
             if logged:
@@ -81,15 +82,24 @@ class LogWriter:
         self.epoch_metrics(epoch_metrics)
 
     def hyperparams(self) -> None:
-        """Hand the module's (and datamodule's) ``hparams`` to every logger once per fit."""
+        """Hand the module's (and datamodule's) hyper-parameters to every logger once per fit, as Lightning:
+        the values given to ``__init__`` (``hparams_initial``), of the sources that saved them with
+        ``save_hyperparameters(logger=True)``, refusing a key the two give different values."""
         if not self._writes:
             return
         t = self._trainer
         params: dict[str, Any] = {}
         for source in (t.module, t.datamodule):
-            hp = getattr(source, "hparams", None)
-            if hp:
-                params.update(hp)
+            if source is None or not source.__dict__.get("_log_hyperparams", False):
+                continue
+            hp = dict(getattr(source, "hparams_initial", None) or {})
+            clash = sorted(k for k in hp if k in params and not _same(params[k], hp[k]))
+            if clash:
+                raise RuntimeError(f"The hyper-parameters {clash} are saved by both {type(t.module).__name__} and "
+                                   f"{type(source).__name__} with different values, so the loggers cannot record "
+                                   "one set. Rename them in one of the two, or leave them out of one with "
+                                   "save_hyperparameters(ignore=[...]).")
+            params.update(hp)
         if not params:
             return  # as Lightning: nothing saved with save_hyperparameters, nothing logged (no empty hparams.yaml)
         for lg in t.loggers:
@@ -101,3 +111,13 @@ class LogWriter:
         if t.is_global_zero:
             for lg in t.loggers:
                 lg.finalize(status)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two hyper-parameter values are equal (tensors compared by value)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and bool(torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # values whose == does not give a bool (arrays): compare identity
+        return a is b

@@ -13,6 +13,7 @@ import torch
 from ember.callbacks.callback import Callback
 from ember.callbacks.logger import Logger
 from ember.data import DataModule
+from ember.hparams import drop_unpicklable
 from ember.module import TrainModule
 from ember.strategies.strategy import Strategy
 from ember.trainer import arguments, checkpoint
@@ -224,6 +225,10 @@ class Trainer(TrainerProperties):
         """Attach, join the processes, prepare_data, setup hooks, configure_model; returns the checkpoint
         file to restore, if any."""
         self.module, self.datamodule = module, datamodule
+        # As Lightning when a run starts: hyper-parameters that cannot be pickled are dropped, with a warning.
+        for source in (module, datamodule):
+            if source is not None and source.__dict__.get("_hparams") is not None:
+                drop_unpicklable(source.hparams)
         module.trainer = self
         if datamodule is not None:
             datamodule.trainer = self
@@ -326,9 +331,8 @@ class Trainer(TrainerProperties):
                 return None
             return outputs[0] if len(outputs) == 1 else outputs
         results = evaluation.run(stage, loaders, limits)
-        if self._logs.enabled:
-            # Like fit's metrics: adds "epoch" and fills trainer.logged_metrics.
-            self._logs.write({k: v for r in results for k, v in r.items()})
+        # As Lightning: trainer.logged_metrics gets them with or without loggers; the loggers also get "epoch".
+        self._logs.write({k: v for r in results for k, v in r.items()})
         return results
 
     def _on_exception(self, exc: BaseException) -> None:
@@ -341,6 +345,12 @@ class Trainer(TrainerProperties):
                 owner = type(getattr(fn, "__self__", None)).__name__
                 warnings.warn(f"{owner}.on_exception raised {type(hook_exc).__name__}: {hook_exc} (while handling "
                               f"{type(exc).__name__}, which follows)", RuntimeWarning)
+        if self.datamodule is not None:  # after the callbacks and the module, as in Lightning
+            try:
+                self.datamodule.on_exception(exc)
+            except Exception as hook_exc:
+                warnings.warn(f"{type(self.datamodule).__name__}.on_exception raised {type(hook_exc).__name__}: "
+                              f"{hook_exc} (while handling {type(exc).__name__}, which follows)", RuntimeWarning)
         self._logs.finalize("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
 
     def _teardown(self, stage: Stage) -> None:
