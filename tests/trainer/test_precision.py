@@ -155,11 +155,16 @@ def test_precision_aliases(alias, name):
     assert fast_trainer(precision=alias).precision == name
 
 
-@pytest.mark.parametrize("bad", ["fp8", "16-true", 8, None])
+@pytest.mark.parametrize("bad", ["fp8", "16-true", 8])
 def test_unknown_precision(bad):
     message = r"Unknown precision .*Use one of '32-true', '64-true', 'bf16-mixed', '16-mixed'"
     with pytest.raises(ValueError, match=message):
         fast_trainer(precision=bad)
+
+
+def test_precision_none_is_the_default():
+    """As Lightning 2.6.6: Trainer(precision=None).precision == '32-true'."""
+    assert fast_trainer(precision=None).precision == "32-true"
 
 
 def test_precision_plugin_state_dict_round_trip():

@@ -21,6 +21,8 @@ _ALIASES: dict[str | int, PrecisionName] = {
 
 
 def normalize_precision(value: Any) -> PrecisionName:
+    if value is None:  # as Lightning: the default
+        return "32-true"
     if value not in _ALIASES:
         raise ValueError(f"Unknown precision {value!r}. Use one of '32-true', '64-true', 'bf16-mixed', '16-mixed'.")
     return _ALIASES[value]

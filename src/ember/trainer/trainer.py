@@ -93,7 +93,7 @@ class Trainer(TrainerProperties):
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = "norm",
-        precision: PrecisionInput = "32-true",
+        precision: PrecisionInput | None = "32-true",
         val_check_interval: int | float | None = 1.0,
         check_val_every_n_epoch: int | None = 1,
         limit_train_batches: int | float | None = None,
