@@ -54,9 +54,30 @@ def test_a_logger_subclass_name_and_version_decide_where_checkpoints_go(tmp_path
     assert logger.log_dir == os.path.join(root, "custom", "version_3")
     trainer = fast_trainer(logger=logger, enable_checkpointing=True, default_root_dir=str(tmp_path))
     trainer.fit(BoringModel(), loader())
-    # Lightning 2.6.6: <save_dir>/<name>/version_<version>/checkpoints/epoch=0-step=2.ckpt
+    # Lightning 2.6.6: <save_dir>/<name>/version_<version>/checkpoints/epoch=0-step=2.ckpt, and trainer.log_dir is
+    # the save_dir for a logger that is not TensorBoard's or CSV's.
     assert trainer.checkpoint_callback.best_model_path == os.path.join(
         root, "custom", "version_3", "checkpoints", "epoch=0-step=2.ckpt")
+    assert trainer.log_dir == root
+
+
+class NoDir(Logger):
+    @property
+    def name(self) -> str:
+        return "nodir"
+
+    @property
+    def version(self) -> int:
+        return 3
+
+
+def test_a_logger_without_save_dir_puts_checkpoints_under_the_default_root_dir(tmp_path):
+    """Lightning 2.6.6: trainer.log_dir is None; checkpoints go to <default_root_dir>/nodir/version_3/checkpoints."""
+    trainer = fast_trainer(logger=NoDir(), enable_checkpointing=True, default_root_dir=str(tmp_path))
+    trainer.fit(BoringModel(), loader())
+    assert trainer.log_dir is None
+    assert trainer.checkpoint_callback.best_model_path == os.path.join(
+        str(tmp_path), "nodir", "version_3", "checkpoints", "epoch=0-step=2.ckpt")
 
 
 def test_a_logger_without_save_dir_has_no_log_dir():

@@ -39,9 +39,11 @@ class Logger(Callback):
         """Directory this logger writes into (checkpoints go beside it by default): ``<save_dir>/<name>/<version>``,
         or None without a ``save_dir``."""
         save_dir = self.save_dir
-        if save_dir is None:
-            return None
-        parts = [os.fspath(save_dir)]
+        return None if save_dir is None else self.run_dir(save_dir)
+
+    def run_dir(self, root: str | os.PathLike[str]) -> str:
+        """``<root>/<name>/<version>`` (a version that is an int reads ``version_<N>``)."""
+        parts = [os.fspath(root)]
         if self.name:
             parts.append(str(self.name))
         version = self.version

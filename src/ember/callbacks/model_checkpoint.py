@@ -189,7 +189,13 @@ class ModelCheckpoint(Callback):
     def _resolve_dirpath(self, trainer: Trainer) -> str:
         if self._dirpath_given and self.dirpath is not None:
             return self.dirpath
-        return os.path.abspath(os.path.join(trainer.log_dir, "checkpoints"))
+        # As Lightning: <save_dir>/<name>/<version>/checkpoints of the first logger (default_root_dir in
+        # place of a save_dir it does not have), or <default_root_dir>/checkpoints without a logger.
+        if not trainer.loggers:
+            return os.path.abspath(os.path.join(trainer.default_root_dir, "checkpoints"))
+        first = trainer.loggers[0]
+        base = first.log_dir or first.run_dir(trainer.default_root_dir)
+        return os.path.abspath(os.path.join(base, "checkpoints"))
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: Stage) -> None:
         if stage != "fit":

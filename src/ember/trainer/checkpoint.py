@@ -201,12 +201,12 @@ def _checkpoint_callbacks(trainer: Trainer) -> list[Any]:
 def _default_dirs(trainer: Trainer) -> list[str]:
     """Where a ModelCheckpoint without a ``dirpath`` writes: ``<log dir>/checkpoints``, for every run
     directory of the first logger when its version is not chosen yet."""
-    for lg in trainer.loggers:
-        if isinstance(lg, FileLogger):
-            return [os.path.join(d, "checkpoints") for d in lg.run_dirs(trainer.default_root_dir)]
-        if lg.log_dir is not None:
-            return [os.path.join(lg.log_dir, "checkpoints")]
-    return [os.path.join(trainer.default_root_dir, "checkpoints")]
+    if not trainer.loggers:
+        return [os.path.join(trainer.default_root_dir, "checkpoints")]
+    first = trainer.loggers[0]  # as ModelCheckpoint._resolve_dirpath
+    if isinstance(first, FileLogger):
+        return [os.path.join(d, "checkpoints") for d in first.run_dirs(trainer.default_root_dir)]
+    return [os.path.join(first.log_dir or first.run_dir(trainer.default_root_dir), "checkpoints")]
 
 
 def default_dir(trainer: Trainer) -> str:

@@ -7,7 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ember.callbacks.early_stopping import EarlyStopping
+from ember.callbacks.file_logger import FileLogger
 from ember.callbacks.logger import Logger
+from ember.callbacks.model_checkpoint import ModelCheckpoint
 
 if TYPE_CHECKING:
     from ember.callbacks.callback import Callback
@@ -136,18 +139,18 @@ class TrainerProperties:
         self.loggers = value
 
     @property
-    def log_dir(self) -> str:
-        """The first logger's directory, or ``default_root_dir`` without a logger."""
-        for lg in self._loggers:
-            if lg.log_dir is not None:
-                return lg.log_dir
-        return self.default_root_dir
+    def log_dir(self) -> str | None:
+        """As Lightning: the first logger's run directory for TensorBoard and CSV loggers, the first
+        logger's ``save_dir`` for any other (None without one), ``default_root_dir`` without a logger."""
+        if not self._loggers:
+            return self.default_root_dir
+        first = self._loggers[0]
+        return first.log_dir if isinstance(first, FileLogger) else first.save_dir
 
     # ------------------------------------------------------------------ callbacks found by kind
     @property
     def checkpoint_callbacks(self) -> list[Any]:
         """Every ``ModelCheckpoint`` among the callbacks."""
-        from ember.callbacks.model_checkpoint import ModelCheckpoint
         return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
 
     @property
@@ -159,7 +162,6 @@ class TrainerProperties:
     @property
     def early_stopping_callbacks(self) -> list[Any]:
         """Every ``EarlyStopping`` among the callbacks."""
-        from ember.callbacks.early_stopping import EarlyStopping
         return [c for c in self.callbacks if isinstance(c, EarlyStopping)]
 
     @property
