@@ -28,9 +28,9 @@ def logger_step(trainer: Trainer) -> int:
 
 
 def write_to_loggers(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
-    """Hand ``metrics`` (floats) to every logger at ``step``, on global rank zero only."""
+    """Hand ``metrics`` (floats) to every logger at ``step``, on global rank zero only. As Lightning's
+    monitors, they go to the loggers only, not into ``trainer.logged_metrics`` (that holds ``self.log``'s)."""
     if not trainer.is_global_zero:
         return
-    trainer.logged_metrics.update(metrics)
     for lg in trainer.loggers:
         lg.log_metrics(metrics, step)

@@ -95,9 +95,9 @@ class TrainerProperties:
         """The last value of every key logged with ``logger=True``: what went to the loggers, and, as in
         Lightning, the latest step values even when no write was due (merged on read, not per step)."""
         logged = self._logged_metrics
-        pending = self._metrics.pending_step_logs
-        if pending:
-            logged.update(pending)
+        for pending in (self._metrics.pending_step_logs, self._metrics.pending_eval_step_logs):
+            if pending:  # as Lightning: the current batch's step values are visible before they are written
+                logged.update(pending)
         return logged
 
     @logged_metrics.setter
