@@ -588,3 +588,31 @@ def test_backward_override_without_ddp():
 @pytest.mark.timeout(60)
 def test_backward_override_under_ddp():
     assert run_ranks(_backward_rank, 2, timeout=50) == [BACKWARD_DDP, BACKWARD_DDP]
+
+
+def test_a_stop_requested_in_on_fit_start_skips_training():
+    """Lightning 2.6.6: should_stop set in on_fit_start -> on_fit_start, on_sanity_check_start, on_fit_end;
+    no on_train_start / on_train_end, global_step 0."""
+    calls: list[str] = []
+
+    class Stops(Callback):
+        def on_fit_start(self, trainer: Any, module: Any) -> None:
+            trainer.should_stop = True
+            calls.append("on_fit_start")
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            calls.append("on_train_start")
+
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            calls.append("on_train_end")
+
+        def on_fit_end(self, trainer: Any, module: Any) -> None:
+            calls.append("on_fit_end")
+
+        def on_sanity_check_start(self, trainer: Any, module: Any) -> None:
+            calls.append("on_sanity_check_start")
+
+    t = ember.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                      callbacks=[Stops()], accelerator="cpu")
+    t.fit(RecordingHookModule([]))
+    assert calls == ["on_fit_start", "on_sanity_check_start", "on_fit_end"] and t.global_step == 0

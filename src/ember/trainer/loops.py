@@ -121,7 +121,9 @@ class FitLoop:
                           "to see logs for the training epoch.", UserWarning, stacklevel=2)
         if resume is not None:
             resume.data_position()
-        if self._done():  # as Lightning (max_epochs=0, max_steps=0, a finished run resumed): no train hooks
+        # As Lightning (max_epochs=0, max_steps=0, a finished run resumed, a stop requested before training
+        # that the minimums allow): no train hooks.
+        if self._done() or (t.should_stop and self.can_stop()):
             return
         if p.batch_in_epoch == 0 or p.epoch_finished:
             # Values logged in on_train_start (per epoch by default) count toward the first epoch run.
