@@ -128,7 +128,9 @@ class Strategy:
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
-        return self.module.training_step(*self.step_args("training_step", batch, batch_idx, extra))  # type: ignore[union-attr]
+        if "training_step" in self._without_batch_idx:  # (inline: this runs every training batch)
+            return self.module.training_step(batch, *extra)  # type: ignore[union-attr]
+        return self.module.training_step(batch, batch_idx, *extra)  # type: ignore[union-attr]
 
     def validation_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
         return self.module.validation_step(*self.step_args("validation_step", batch, batch_idx, extra))  # type: ignore[union-attr]

@@ -104,7 +104,7 @@ class _Closure:
             self.called, self.outputs = True, outputs
         # A window whose last batch returned None still steps on its earlier batches' gradients.
         self.skipped = not step.window_has_grad
-        if not self.skipped:
+        if not self.skipped and (step.pre_step_work or not step.sized):
             step.before_optimizer_step(self._pos)
         return loss
 
@@ -184,7 +184,7 @@ class TrainingStep:
         self._h_after_backward = hooks.get("on_after_backward")
         self._h_before_step = hooks.get("on_before_optimizer_step")
         # Whether anything runs between the last backward and the step (besides a short window's rescale).
-        self._pre_step_work = bool(self.precision.scaler is not None or self._h_before_step
+        self.pre_step_work = bool(self.precision.scaler is not None or self._h_before_step
                                    or self._clip_override is not None or self.clip_val)
         self._hooks_bound = True
 
@@ -262,7 +262,7 @@ class TrainingStep:
                 for p in group["params"]:
                     if p.grad is not None:
                         p.grad.mul_(self.k / (pos + 1))
-        if not self._pre_step_work:
+        if not self.pre_step_work:
             return
         if self.precision.scaler is not None:
             self.precision.unscale(optimizer)
