@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ember.callbacks.callback import Callback
+from ember.callbacks.fit_summary import print_fit_summary
 from ember.callbacks.logger import Logger
 from ember.data import DataModule
 from ember.hparams import drop_unpicklable
@@ -308,6 +309,7 @@ class Trainer(TrainerProperties):
             self._loop.run(resume, handler)  # SIGTERM -> checkpoint at the next step boundary -> Preempted exit
         self._hooks.call("on_fit_end")
         self._logs.finalize("success")
+        print_fit_summary(self)  # one line on rank zero: where the logs and checkpoints went
 
     def _evaluate_or_predict(self, stage: Stage, module: TrainModule, given: Any, path: str | None) -> Any:
         if stage == "predict":
