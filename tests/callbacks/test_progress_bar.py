@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from ember.callbacks import ProgressBar
+from ember.callbacks import Callback, ProgressBar
 from ember.callbacks import progress_bar as progress_bar_module
 from ember.strategies.single import SingleDeviceStrategy
 
@@ -102,22 +102,22 @@ def test_bar_mode_in_a_terminal_and_line_mode_in_a_pipe(tmp_path):
     assert tty_proc.returncode == 0 and "Traceback" not in tty_err, tty_err
     assert "FIT DONE" in tty_out
     assert re.search(r"\r(?!\n)", tty_out), "no in-place redraw in a terminal"
-    assert re.search(r"Epoch 1: 100%\|.*16/16", tty_out)
+    assert re.search(r"Epoch 1/1: 100%\|.*16/16", tty_out)  # 0-based, as the line mode: epoch 1 of 0..1
     assert "it/s" in tty_out and "train/loss=" in tty_out
     assert re.search(r"Validation: 100%\|.*8/8", tty_out)
-    assert "Epoch 0/2" not in tty_out  # no line-mode output
+    assert " done " not in tty_out  # no line-mode output
 
     # pipe: plain lines, no carriage return at all
     assert pipe_proc.returncode == 0 and "Traceback" not in pipe_err, pipe_err
     assert "\r" not in pipe_out and "\r" not in pipe_err
     lines = pipe_out.splitlines()
     assert lines[-1] == "FIT DONE"
-    progress = [ln for ln in lines if ln.startswith("Epoch 0/2  ")]
-    assert [re.match(r"Epoch 0/2  (\d+)/16", ln).group(1) for ln in progress] == [str(n) for n in range(2, 17, 2)]
+    progress = [ln for ln in lines if ln.startswith("Epoch 0/1  ")]
+    assert [re.match(r"Epoch 0/1  (\d+)/16", ln).group(1) for ln in progress] == [str(n) for n in range(2, 17, 2)]
     assert all("it/s" in ln and "train/loss=" in ln for ln in progress)
     done = [ln for ln in lines if " done " in ln]
-    assert [ln.split("  ")[0] for ln in done] == ["Validation done", "Epoch 0/2 done", "Validation done",
-                                                  "Epoch 1/2 done"]
+    # one line per epoch, the validation's metrics folded in
+    assert [ln.split("  ")[0] for ln in done] == ["Epoch 0/1 done", "Epoch 1/1 done"]
     assert all(re.search(r"val/loss=\S+", ln) for ln in done)
     assert not any(ln.startswith("Sanity check") for ln in lines)
     assert all(len(ln) < 200 for ln in lines)
@@ -170,10 +170,10 @@ def test_line_mode_on_a_non_terminal_stream(tmp_path):
     trainer.test(module, data(16, 8))
     trainer.predict(module, data(16, 8))
     lines = out.getvalue().splitlines()
-    assert [ln.split("  ")[0] for ln in lines] == ["Validation done", "Epoch 0/2 done", "Validation done",
-                                                   "Epoch 1/2 done", "Testing done", "Predicting done"]
-    assert re.match(r"Epoch 1/2 done  8/8 \(100%\)  [\d.]+ it/s  \d\d:\d\d  train/loss=\S+ val/loss=\S+$", lines[3])
-    assert "test/loss=" in lines[4]
+    assert [ln.split("  ")[0] for ln in lines] == ["Epoch 0/1 done", "Epoch 1/1 done", "Testing done",
+                                                   "Predicting done"]
+    assert re.match(r"Epoch 1/1 done  8/8 \(100%\)  [\d.]+ it/s  \d\d:\d\d  train/loss=\S+ val/loss=\S+$", lines[1])
+    assert "test/loss=" in lines[2]
     assert "\r" not in out.getvalue()
 
 
@@ -198,7 +198,7 @@ def test_metrics_are_converted_only_when_something_is_printed(monkeypatch):
     monkeypatch.setattr(progress_bar_module, "to_floats", counting)
     out = io.StringIO()
     run(ProgressBar(line_interval=3600.0, stream=out))
-    assert len(calls) == len(out.getvalue().splitlines()) == 4  # 16 batches, 4 lines, 4 conversions
+    assert len(calls) == len(out.getvalue().splitlines()) == 2  # 2 epochs of 8 batches: 2 lines, 2 conversions
 
 
 class _OtherRank(SingleDeviceStrategy):
@@ -273,8 +273,11 @@ def test_only_rank_zero_prints_and_logs_under_ddp(tmp_path):
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     # each rank runs 4 of the 8 batches per epoch; only rank zero's progress is printed, once
-    assert [ln.split("  ")[0] for ln in lines if " done " in ln] == ["Epoch 0/2 done", "Epoch 1/2 done"]
-    assert len([ln for ln in lines if ln.startswith("Epoch 0/2  ")]) == 4
+    assert [ln.split("  ")[0] for ln in lines if " done " in ln] == ["Epoch 0/1 done", "Epoch 1/1 done"]
+    assert len([ln for ln in lines if ln.startswith("Epoch 0/1  ")]) == 4
+    # the end-of-fit line: once (rank zero's), after the progress
+    assert [ln for ln in lines if ln.startswith("ember: ")] == ["ember: logs in ember_logs/version_0"]
+    assert lines[-2:] == ["ember: logs in ember_logs/version_0", "FIT DONE"]
     assert os.listdir(tmp_path / "ember_logs") == ["version_0"]
     rows = (tmp_path / "ember_logs" / "version_0" / "metrics.csv").read_text().splitlines()
     # 8 steps, rank zero's rows only, each written (as Lightning) at the step's index: 0..7
@@ -295,3 +298,72 @@ def test_bar_mode_redraws_at_most_every_mininterval():
     redraws = out.getvalue().count("\r")
     assert elapsed > 0.2  # long enough for a per-batch redraw bug to show
     assert redraws <= 6 + 2 * elapsed / 0.1, (redraws, elapsed)
+
+
+def _fit_lines(epochs=3, **trainer_kwargs):
+    """The closing lines of a fit in line mode (timed lines off: one an hour)."""
+    out = io.StringIO()
+    trainer = ember.Trainer(max_epochs=epochs, logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                            callbacks=[ProgressBar(line_interval=3600.0, stream=out)], **trainer_kwargs)
+    module = Tiny()
+    trainer.fit(module, data(), data(16, 8))
+    return trainer, module, out
+
+
+def test_one_line_per_epoch_with_the_validation_metrics_folded_in():
+    trainer, module, out = _fit_lines(epochs=3)
+    lines = out.getvalue().splitlines()
+    assert [ln.split("  ")[0] for ln in lines] == ["Epoch 0/2 done", "Epoch 1/2 done", "Epoch 2/2 done"]
+    assert all(re.search(r"  train/loss=\S+ val/loss=\S+$", ln) for ln in lines), lines
+    # the last line shows the metrics the fit ended with
+    assert lines[-1].endswith(f"val/loss={float(trainer.callback_metrics['val/loss']):.4g}")
+    # a standalone validate still prints its own line
+    out.truncate(0), out.seek(0)
+    trainer.validate(module, data(16, 8))
+    assert [ln.split("  ")[0] for ln in out.getvalue().splitlines()] == ["Validation done"]
+    assert "val/loss=" in out.getvalue()
+
+
+def test_the_last_of_ten_epochs_is_epoch_9_of_0_to_9_in_both_modes():
+    _, _, out = _fit_lines(epochs=10, limit_train_batches=1, limit_val_batches=1)
+    lines = out.getvalue().splitlines()
+    assert [ln.split("  ")[0] for ln in lines] == [f"Epoch {i}/9 done" for i in range(10)]
+    bar = io.StringIO()
+    ember.Trainer(max_epochs=10, logger=False, enable_checkpointing=False, limit_train_batches=1,
+                  limit_val_batches=1, callbacks=[ProgressBar(mode="bar", stream=bar)]).fit(Tiny(), data(), data(16, 8))
+    assert "Epoch 9/9: 100%" in bar.getvalue() and "Epoch 10" not in bar.getvalue()
+    # without an epoch limit: no total
+    _, _, out = _fit_lines(epochs=-1, max_steps=10)
+    assert [ln.split("  ")[0] for ln in out.getvalue().splitlines()] == ["Epoch 0 done", "Epoch 1 done"]
+
+
+def test_validation_every_2_epochs_shows_its_metrics_only_in_the_epochs_that_validated():
+    _, _, out = _fit_lines(epochs=4, check_val_every_n_epoch=2)
+    lines = out.getvalue().splitlines()
+    assert [ln.split("  ")[0] for ln in lines] == [f"Epoch {i}/3 done" for i in range(4)]
+    assert ["val/loss=" in ln for ln in lines] == [False, True, False, True]  # no stale value shown as new
+    assert all("train/loss=" in ln for ln in lines)
+
+
+def test_a_mid_epoch_validation_keeps_its_own_line():
+    _, _, out = _fit_lines(epochs=2, val_check_interval=0.5)
+    lines = out.getvalue().splitlines()
+    assert [ln.split("  ")[0] for ln in lines] == ["Validation done", "Epoch 0/1 done", "Validation done",
+                                                   "Epoch 1/1 done"]
+    assert all("val/loss=" in ln for ln in lines)
+    # the mid-epoch line shows the metrics of its moment, not those of the batch after it
+    assert re.match(r"Validation done  2/2 \(100%\)", lines[0])
+
+
+def test_a_validation_whose_epoch_fails_still_gets_its_line():
+    class Boom(Callback):
+        def on_train_epoch_end(self, trainer, module):
+            raise RuntimeError("boom")
+
+    out = io.StringIO()
+    trainer = ember.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                            callbacks=[Boom(), ProgressBar(line_interval=3600.0, stream=out)])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Tiny(), data(), data(16, 8))
+    lines = out.getvalue().splitlines()
+    assert [ln.split("  ")[0] for ln in lines] == ["Validation done"] and "val/loss=" in lines[0]

@@ -5,6 +5,16 @@ with a separate validation bar that fills up before it goes. When stdout is a fi
 SLURM, ``nohup``), redrawing a bar would fill the log with carriage returns, so instead one
 compact line is printed every ``line_interval`` seconds, plus one at the end of each epoch.
 
+Inside ``fit`` each epoch ends in ONE line, "Epoch 3/9 done ...", which carries the validation
+metrics of the validation that closed the epoch (its own "Validation done" line is folded into it).
+A validation in the middle of an epoch (``val_check_interval`` < 1) keeps its own line, and so does
+a standalone ``validate`` / ``test`` / ``predict``. An epoch that did not validate shows no
+validation metric: the values of an earlier validation are left out rather than shown as new.
+
+Epochs are numbered from 0, as ``trainer.current_epoch`` and the ``epoch=N`` of checkpoint names,
+in both modes: "Epoch 3/9" is epoch 3 of 0..9, so the last of 10 epochs reads "Epoch 9/9" (as
+Lightning's rich bar; without an epoch limit, just "Epoch 3").
+
 Per-step cost is a counter and, at most every ``refresh_rate`` batches, a clock read. The
 metrics (which live on the device) are converted to numbers only when something is printed.
 """
@@ -28,6 +38,12 @@ def _fmt(value: float) -> str:
 
 def _rate(rate: float) -> str:
     return f"{rate:.2f}" if rate < 10 else f"{rate:.1f}" if rate < 100 else f"{rate:.0f}"
+
+
+def _epoch_desc(trainer: Any) -> str:
+    """"Epoch 3/9": epoch 3 of 0..9 (0-based, as ``current_epoch``); "Epoch 3" without an epoch limit."""
+    last = f"/{trainer.max_epochs - 1}" if trainer.max_epochs is not None and trainer.max_epochs > 0 else ""
+    return f"Epoch {trainer.current_epoch}{last}"
 
 
 def _hms(seconds: float) -> str:
@@ -117,6 +133,11 @@ class ProgressBar(Callback):
         self._train: Any = None  # a tqdm bar, or a _Span in line mode
         self._last_draw = 0.0
         self._eval: Any = None
+        # Line mode inside fit: the validation that ends an epoch is folded into the epoch's line.
+        self._val_pending: tuple[_Span, float, dict[str, Any]] | None = None  # its line, printed if batches follow
+        self._validated = False  # this epoch validated
+        self._before_val: dict[str, Any] = {}  # the progress-bar metrics when the validation started
+        self._val_values: dict[str, Any] = {}  # the values the last validation set (left out once stale)
 
     @property
     def is_line_mode(self) -> bool:
@@ -135,9 +156,16 @@ class ProgressBar(Callback):
         else:
             self._lines = self.mode == "lines"
 
-    def _postfix(self, trainer: Any) -> dict[str, str]:
-        metrics = to_floats(trainer.progress_bar_metrics)
+    def _postfix(self, trainer: Any, raw: dict[str, Any] | None = None) -> dict[str, str]:
+        metrics = to_floats(trainer.progress_bar_metrics if raw is None else raw)
         return {k: _fmt(v) for k, v in metrics.items()}
+
+    def _flush_validation(self, trainer: Any) -> None:
+        """Print the line of a validation that training continued after (one in mid-epoch)."""
+        pending, self._val_pending = self._val_pending, None
+        if pending is not None and self._enabled:
+            span, now, raw = pending
+            self._print(span.line(now, self._postfix(trainer, raw), self.line_interval, done=True))
 
     def _print(self, line: str) -> None:
         try:
@@ -155,16 +183,18 @@ class ProgressBar(Callback):
         if not self._enabled:
             return
         if self._lines:
-            epochs = f"/{trainer.max_epochs}" if trainer.max_epochs != -1 else ""
-            self._train = _Span(f"Epoch {trainer.current_epoch}{epochs}", trainer.num_training_batches,
-                                trainer.progress.batch_in_epoch, self.line_interval)
+            self._val_pending, self._validated = None, False
+            self._train = _Span(_epoch_desc(trainer), trainer.num_training_batches, trainer.progress.batch_in_epoch,
+                                self.line_interval)
             return
         if self._train is not None:
             self._train.close()
-        self._train = self._bar(trainer.num_training_batches, f"Epoch {trainer.current_epoch}", self.leave)
+        self._train = self._bar(trainer.num_training_batches, _epoch_desc(trainer), self.leave)
         self._train.update(trainer.progress.batch_in_epoch)
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._val_pending is not None:  # a validation in mid-epoch: training went on, so it gets its line
+            self._flush_validation(trainer)
         bar = self._train
         if bar is None or (batch_idx + 1) % self.refresh_rate:
             return
@@ -186,17 +216,23 @@ class ProgressBar(Callback):
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
         bar = self._train
         if bar is None or not self._enabled:
+            if self._val_pending is not None:  # no epoch line (an epoch resumed in its middle): its own line
+                self._flush_validation(trainer)
             return
         bar.n = trainer.progress.batch_in_epoch
         if self._lines:
-            self._print(bar.line(time.monotonic(), self._postfix(trainer), self.line_interval, done=True))
+            self._val_pending = None  # the epoch's line below carries that validation's metrics
+            raw = trainer.progress_bar_metrics
+            if not self._validated and self._val_values:  # leave out an earlier validation's values
+                raw = {k: v for k, v in raw.items() if k not in self._val_values or v is not self._val_values[k]}
+            self._print(bar.line(time.monotonic(), self._postfix(trainer, raw), self.line_interval, done=True))
             self._train = None
             return
         bar.set_postfix(self._postfix(trainer), refresh=False)
         bar.refresh()
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
-        self._close()
+        self._close(trainer)
 
     # ------------------------------------------------------------------ evaluation
     def _eval_start(self, trainer: Any, desc: str, total: float) -> None:
@@ -204,6 +240,8 @@ class ProgressBar(Callback):
             return
         if self._lines:
             self._eval = _Span(desc, total, 0, self.line_interval)
+            if trainer.training:
+                self._before_val = dict(trainer.progress_bar_metrics)
             return
         # Inside fit the validation bar sits under the epoch's bar and goes away once full.
         # The sanity check's bar goes too; a standalone validate/test/predict bar stays if ``leave``.
@@ -230,7 +268,13 @@ class ProgressBar(Callback):
         if self._lines:
             if bar.total != math.inf:
                 bar.n = int(bar.total)
-            if not trainer.sanity_checking and self._enabled:
+            if trainer.training:  # a validation inside fit: its line waits (see on_train_epoch_end)
+                raw = trainer.progress_bar_metrics
+                before, self._before_val = self._before_val, {}
+                self._val_values = {k: v for k, v in raw.items() if k not in before or before[k] is not v}
+                self._validated = True
+                self._val_pending = (bar, time.monotonic(), dict(raw))
+            elif not trainer.sanity_checking and self._enabled:
                 metrics = self._postfix(trainer) if show_metrics else {}
                 self._print(bar.line(time.monotonic(), metrics, self.line_interval, done=True))
             return
@@ -272,14 +316,16 @@ class ProgressBar(Callback):
     def on_predict_end(self, trainer: Any, module: Any) -> None:
         self._eval_end(trainer, show_metrics=False)
 
-    def _close(self) -> None:
+    def _close(self, trainer: Any) -> None:
+        if self._val_pending is not None:  # a validation whose epoch did not end (a failure right after it)
+            self._flush_validation(trainer)
         for bar in (self._train, self._eval):
             if bar is not None and not self._lines:
                 bar.close()
         self._train = self._eval = None
 
     def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
-        self._close()
+        self._close(trainer)
 
     def teardown(self, trainer: Any, module: Any, stage: Stage) -> None:
-        self._close()
+        self._close(trainer)
