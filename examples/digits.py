@@ -3,6 +3,11 @@
     python examples/digits.py                                  # one process, one device
     python examples/digits.py --strategy dp --devices 2        # two replicas in threads
     python examples/digits.py --strategy ddp --devices 2       # two processes over gloo
+    torchrun --nproc-per-node 2 examples/digits.py --strategy ddp --devices 2   # ddp joins torchrun's world
+
+Each prints the progress bar, then, on rank zero only::
+
+    validation accuracy 0.98.. after 10 epochs in .. s
 """
 from __future__ import annotations
 

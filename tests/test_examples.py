@@ -2,6 +2,7 @@
 working directory, with small settings, checking its exit status and what it prints and writes."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -107,3 +108,49 @@ def test_preemption_by_an_outside_sigterm(tmp_path):
     assert second.returncode == 0, _fail(second)
     assert f"resumed from step {stopped} " in second.stdout, _fail(second)
     assert "finished at step 30 (3 epochs)" in second.stdout, _fail(second)
+
+
+# ---------------------------------------------------------------- gan.py (manual optimization)
+def test_gan_trains_with_two_optimizers_and_prints_losses(tmp_path):
+    proc = run_example(tmp_path, str(EXAMPLES / "gan.py"), "--max-epochs", "2", "--limit-batches", "5")
+    assert proc.returncode == 0, _fail(proc)
+    lines = proc.stdout.splitlines()
+    epochs = [line.split() for line in lines if line.startswith("epoch ")]
+    assert [e[1] for e in epochs] == ["1/2", "2/2"], proc.stdout
+    for e in epochs:
+        assert e[2] == "d_loss" and e[4] == "g_loss"
+        d_loss, g_loss = float(e[3]), float(e[5])
+        assert 0 < d_loss < 10 and 0 < g_loss < 10, e
+    assert epochs[0][3:] != epochs[1][3:]  # both networks train: the losses move
+    # manual optimization: one global step per batch, however many optimizers stepped
+    done = next(i for i, line in enumerate(lines) if line.startswith("trained "))
+    assert lines[done].startswith("trained 10 steps"), proc.stdout
+    digit = lines[done + 1:done + 9]
+    assert len(digit) == 8 and all(len(row) == 18 for row in digit), digit
+
+
+# ---------------------------------------------------------------- custom_callback_logger.py
+def test_custom_callback_stops_and_custom_logger_writes_json_lines(tmp_path):
+    """``--target 0.5``: the callback stops the fit after the first epoch that reaches it; the logger's
+    file holds the hyper-parameters, the logged metrics (the printed accuracy among them) and the end status."""
+    proc = run_example(tmp_path, str(EXAMPLES / "custom_callback_logger.py"), "--max-epochs", "4",
+                       "--limit-batches", "6", "--target", "0.5")
+    assert proc.returncode == 0, _fail(proc)
+    epoch_lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert epoch_lines and epoch_lines[-1].endswith("-> reached the target 0.5, stopping"), proc.stdout
+    assert all("stopping" not in line for line in epoch_lines[:-1])
+    assert len(epoch_lines) < 4  # stopped before max_epochs
+    printed = [float(line.split("val/acc ")[1].split()[0]) for line in epoch_lines]
+
+    path = tmp_path / "jsonl" / "version_0" / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert f"{len(epoch_lines)} epochs; the JSON lines logger wrote {len(records)} records" in proc.stdout
+    assert records[0] == {"hparams": {"lr": 0.003, "channels": 32}}
+    assert records[-1] == {"status": "success"}
+    logged_acc = [r["metrics"]["val/acc"] for r in records[1:-1] if "val/acc" in r["metrics"]]
+    assert [round(a, 4) for a in logged_acc] == printed
+    steps = [r["step"] for r in records[1:-1]]
+    assert steps == sorted(steps) and steps[-1] == 6 * len(epoch_lines) - 1
+    # the logger has a save_dir, so the checkpoints went beside its file
+    assert "checkpoints in " + os.path.join("jsonl", "version_0", "checkpoints") in proc.stdout
+    assert (tmp_path / "jsonl" / "version_0" / "checkpoints" / "last.ckpt").is_file()
