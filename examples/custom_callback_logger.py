@@ -8,7 +8,7 @@
 
 Run (from any directory; files go under the current one)::
 
-    python examples/custom_callback_logger.py          # at most 10 epochs, 10-20 s on 2 CPU cores
+    python examples/custom_callback_logger.py          # at most 10 epochs: about 10 s on 2 CPU cores
 
 It prints, with the numbers of your run::
 

@@ -5,7 +5,7 @@ gives the discriminator's and the generator's, ``self.manual_backward(loss)`` re
 ``loss.backward()``, and ``self.toggled_optimizer(opt)`` lets only that optimizer's parameters
 compute gradients for the duration of a ``with`` block. Run::
 
-    python examples/gan.py                    # 20 epochs of 29 batches, 15-30 s on 2 CPU cores
+    python examples/gan.py                    # 20 epochs of 29 batches: 8-30 s on 2 CPU cores
 
 It prints one line per epoch with the epoch's mean losses (they move around as the two networks
 compete: the discriminator's mostly between 0.5 and 1.3, the generator's between 1 and 3; one
