@@ -43,6 +43,12 @@ EXPECT: dict[tuple[str, int], list[str]] = {
         r"\[\{'test_acc': 0\.\d+\}\]",
         r"best: \S+ember_logs/version_0/checkpoints/epoch=1-step=48\.ckpt hidden = 32",
     ],
+    ("from-lightning.md", 1): [
+        r"Trainer\(\) got 'gpus', a Lightning 1\.x argument removed in Lightning 2\.0: "
+        r"use accelerator='cuda', devices=n\.",
+        r"Trainer\(\) got 'resume_from_checkpoint', .*: pass ckpt_path= to trainer\.fit\.",
+        r"Trainer\(\) got an unexpected keyword argument 'max_epoch'\. Did you mean 'max_epochs'\?",
+    ],
     ("strategies.md", 0): [r"SingleDeviceStrategy rank 0 of 1: 30 steps, val_acc 0\.\d+"],
     ("strategies.md", 1): [r"DataParallelStrategy rank 0 of 1: 30 steps, val_acc 0\.\d+"],
     # Both ranks print, with the same (reduced) metric.
