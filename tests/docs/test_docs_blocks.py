@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from tests.docs.scripts import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(ROOT, "docs")
@@ -107,14 +107,6 @@ SLOW = {("strategies.md", 2), ("failures.md", 0), ("failures.md", 1)}
 CASES = [(guide, i) for guide in GUIDES for i in range(len(_python(guide)))]
 
 
-def _run_script(tmp_path, source: str, timeout: float) -> subprocess.CompletedProcess:
-    script = tmp_path / "script.py"
-    script.write_text(source)
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
-
 def test_docs_index_lists_every_guide_in_reading_order():
     index = open(os.path.join(DOCS, "README.md")).read()
     linked = re.findall(r"\]\(([\w-]+\.md)\)", index)
@@ -138,10 +130,10 @@ def test_python_block_runs(tmp_path, guide, index):
     timeout = 80 if (guide, index) in SLOW else 40
     if (guide, index) in FIRST_RUN:
         status, out, err = FIRST_RUN[(guide, index)]
-        first = _run_script(tmp_path, _python(guide)[index], timeout=timeout)
+        first = run_script(tmp_path, _python(guide)[index], timeout=timeout)
         assert first.returncode == status, first.stderr[-3000:]
         assert re.search(out, first.stdout) and re.search(err, first.stderr), (first.stdout, first.stderr[-3000:])
-    done = _run_script(tmp_path, _python(guide)[index], timeout=timeout)
+    done = run_script(tmp_path, _python(guide)[index], timeout=timeout)
     status, errors = STATUS.get((guide, index), (0, []))
     assert done.returncode == status, done.stderr[-3000:]
     for pattern in errors:

@@ -16,6 +16,8 @@ import textwrap
 
 import pytest
 
+from tests.docs.scripts import run_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = open(os.path.join(ROOT, "README.md")).read()
 BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, flags=re.S)
@@ -61,14 +63,6 @@ EPILOGUE = {
 }
 
 
-def _run_script(tmp_path, source: str, timeout: float) -> subprocess.CompletedProcess:
-    script = tmp_path / "script.py"
-    script.write_text(source)
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
-
 def test_readme_has_the_blocks_this_file_knows():
     assert len(PYTHON) == 2 and len(BASH) == 3
 
@@ -78,7 +72,7 @@ def test_readme_has_the_blocks_this_file_knows():
 def test_python_block_runs(tmp_path, index):
     block = PYTHON[index]
     epilogue = "".join(e for key, e in EPILOGUE.items() if key in block)
-    done = _run_script(tmp_path, PRELUDE + block + epilogue, timeout=170)
+    done = run_script(tmp_path, PRELUDE + block + epilogue, timeout=170)
     assert done.returncode == 0, done.stderr[-3000:]
     # Every fit ends with the line saying where things went (logger and checkpointing on by default).
     assert "ember: logs in ember_logs/version_0" in done.stdout, done.stdout[-2000:]

@@ -126,3 +126,33 @@ def test_a_preempted_second_run_in_the_same_directory_keeps_the_first_runs_last_
     assert info.value.checkpoint_path == str(tmp_path / "checkpoints" / "last-v1.ckpt")
     assert first.read_bytes() == before
     assert torch.load(info.value.checkpoint_path, weights_only=True)["progress"]["global_step"] == 3
+
+
+def test_a_resume_after_preemption_keeps_writing_the_same_last_checkpoint(tmp_path):
+    class Net(ember.TrainModule):
+        def __init__(self, stop_at: int | None = None):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+            self.stop_at = stop_at
+
+        def training_step(self, batch, batch_idx):
+            if self.global_step == self.stop_at:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return self.layer(batch[0].float().unsqueeze(1)).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def trainer() -> ember.Trainer:
+        t = ember.Trainer(max_epochs=2, enable_progress_bar=False, logger=False, default_root_dir=str(tmp_path))
+        t.preemption_signals = (signal.SIGUSR1,)
+        return t
+
+    data = DataLoader(TensorDataset(torch.arange(10)), batch_size=2)
+    with pytest.warns(UserWarning, match="SIGUSR1"), pytest.raises(preemption.Preempted):
+        trainer().fit(Net(stop_at=2), data)  # before any ModelCheckpoint save point
+    resumed = trainer()
+    resumed.fit(Net(), data, ckpt_path="last")
+    directory = tmp_path / "checkpoints"
+    assert sorted(p.name for p in directory.glob("last*.ckpt")) == ["last.ckpt"]
+    assert torch.load(directory / "last.ckpt", weights_only=True)["progress"]["global_step"] == 10

@@ -152,10 +152,13 @@ class PreemptionHandler:
             target = first.next_last_path(t)
         else:
             target = os.path.join(first.dirpath if first is not None else checkpoint.default_dir(t), "last.ckpt")
-        path = checkpoint.save(t, target)
+        # Named before the write, so the checkpoint's own callback state says it is this run's last: a
+        # resume from it keeps writing last.ckpt, not a second last-v1.ckpt beside it.
         for cb in callbacks:
-            if hasattr(cb, "last_model_path") and os.path.dirname(path) == os.path.abspath(cb.dirpath or ""):
-                cb.last_model_path = path
+            if hasattr(cb, "last_model_path") and os.path.dirname(os.path.abspath(target)) == os.path.abspath(
+                    cb.dirpath or ""):
+                cb.last_model_path = os.path.abspath(target)
+        path = checkpoint.save(t, target)
         signum = self.received if self.received is not None else signal.SIGTERM
         exc = Preempted(signum, path)
         if t.is_global_zero:
