@@ -183,8 +183,10 @@ def test_validate_after_fit_logs_and_closes_the_writer(tmp_path):
     trainer.validate(module, loaders()[1])
     assert logger._writer is None
     # as Lightning: the fit's validation at the index of the epoch's last step (7), a validate after the fit at
-    # trainer.global_step (8)
-    assert [e.step for e in read(logger.log_dir).Scalars("val/loss")] == [7, 8]
+    # trainer.global_step (8). The validate writes a second event file; the reader takes files in name order,
+    # and torch numbers them per process without padding ("...9" sorts after "...10"), so order by wall time.
+    events = sorted(read(logger.log_dir).Scalars("val/loss"), key=lambda e: e.wall_time)
+    assert [e.step for e in events] == [7, 8]
 
 
 def test_importing_and_building_the_default_logger_does_not_import_tensorboard(tmp_path):
