@@ -300,3 +300,15 @@ if __name__ == "__main__":
     warnings.simplefilter("ignore")
     _kill_run(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
     sys.exit("the run was not killed")
+
+
+def test_last_with_no_checkpoint_names_where_the_default_logger_runs_would_be(tmp_path):
+    from tests.helpers.models import BoringModel, regression_loader
+
+    trainer = ember.Trainer(max_epochs=1, enable_progress_bar=False, default_root_dir=str(tmp_path),
+                            log_every_n_steps=1)
+    with pytest.warns(UserWarning, match="found no checkpoint") as record:
+        trainer.fit(BoringModel(), regression_loader(), ckpt_path="last")
+    message = next(str(w.message) for w in record if "found no checkpoint" in str(w.message))
+    runs = os.path.join(str(tmp_path), "ember_logs", "*", "checkpoints")
+    assert f"searched [{runs!r}, {os.path.join(str(tmp_path), 'checkpoints')!r}]" in message

@@ -86,12 +86,16 @@ class FileLogger(Logger):
         else every run directory under ``root_dir`` (without choosing a version)."""
         if self._fixed_version or self._version is not None:
             return [self.log_dir]
-        root = os.path.join(self._save_dir if self._save_dir is not None else default_root_dir, self.name)
+        root = self.runs_root(default_root_dir)
         try:
             names = sorted(os.listdir(root))
         except OSError:
             return []
         return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))]
+
+    def runs_root(self, default_root_dir: str) -> str:
+        """The directory holding this logger's run directories (``<save_dir>/<name>``)."""
+        return os.path.join(self._save_dir if self._save_dir is not None else default_root_dir, self.name)
 
     def continue_run(self, run_dir: str, default_root_dir: str) -> bool:
         """Write into ``run_dir`` (one of ``run_dirs``), if this logger's version is not fixed."""

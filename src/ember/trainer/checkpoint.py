@@ -228,6 +228,12 @@ def find_last(trainer: Trainer) -> tuple[str | None, list[str]]:
             dirs.append(os.path.abspath(d))
     found = [p for d in dirs for p in glob.glob(os.path.join(glob.escape(d), "last*.ckpt"))]
     if not found:
+        # Say where a checkpoint would have been found, run directories that do not exist yet included.
+        first = trainer.loggers[0] if trainer.loggers else None
+        if isinstance(first, FileLogger) and not any(cb.dirpath and getattr(cb, "_dirpath_given", False)
+                                                     for cb in callbacks):
+            runs = os.path.abspath(first.runs_root(trainer.default_root_dir))
+            dirs = [os.path.join(runs, "*", "checkpoints")] + [d for d in dirs if not d.startswith(runs + os.sep)]
         return None, dirs
     return max(found, key=os.path.getmtime), dirs
 
