@@ -346,10 +346,12 @@ def _first_line_with(text: str, needle: str) -> str:
 
 
 def _corrupt(path: str, size: int, err: BaseException) -> CheckpointError:
+    # torch's reason: its first sentence, whole (its later advice is about pickles, not about this file).
+    text = str(err).strip()
+    reason = text.splitlines()[0].split(". ")[0].rstrip(".") if text else "unexpected end of data"
     return CheckpointError(
         f"Checkpoint {path!r} ({size} bytes) cannot be read: it is truncated, corrupt, or not a torch file "
-        f"({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else 'unexpected end of data'}). "
-        "Use an earlier checkpoint."
+        f"({type(err).__name__}: {reason}). Use an earlier checkpoint."
     )
 
 
