@@ -96,32 +96,37 @@ def test_configured_signal_preempts_with_its_exit_status(tmp_path):
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
+class _SignalsAt(ember.TrainModule):
+    """Sends itself SIGUSR1 in training_step when global_step reaches ``stop_at`` (None: never)."""
+
+    def __init__(self, stop_at: int | None = None):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.stop_at = stop_at
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.stop_at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return self.layer(batch[0].float().unsqueeze(1)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _preemptible(root, max_epochs: int) -> ember.Trainer:
+    """A default-checkpointing Trainer in ``root`` that SIGUSR1 preempts."""
+    t = ember.Trainer(max_epochs=max_epochs, enable_progress_bar=False, logger=False, default_root_dir=str(root))
+    t.preemption_signals = (signal.SIGUSR1,)
+    return t
+
+
 def test_a_preempted_second_run_in_the_same_directory_keeps_the_first_runs_last_checkpoint(tmp_path):
-    class Net(ember.TrainModule):
-        def __init__(self, stop_at: int | None = None):
-            super().__init__()
-            self.layer = torch.nn.Linear(1, 1)
-            self.stop_at = stop_at
-
-        def training_step(self, batch, batch_idx):
-            if self.global_step == self.stop_at:
-                os.kill(os.getpid(), signal.SIGUSR1)
-            return self.layer(batch[0].float().unsqueeze(1)).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def trainer() -> ember.Trainer:
-        t = ember.Trainer(max_epochs=1, enable_progress_bar=False, logger=False, default_root_dir=str(tmp_path))
-        t.preemption_signals = (signal.SIGUSR1,)
-        return t
-
     data = DataLoader(TensorDataset(torch.arange(10)), batch_size=2)
-    trainer().fit(Net(), data)
+    _preemptible(tmp_path, 1).fit(_SignalsAt(), data)
     first = tmp_path / "checkpoints" / "last.ckpt"
     before = first.read_bytes()
     with pytest.warns(UserWarning, match="SIGUSR1"), pytest.raises(preemption.Preempted) as info:
-        trainer().fit(Net(stop_at=2), data)
+        _preemptible(tmp_path, 1).fit(_SignalsAt(stop_at=2), data)
     # As ModelCheckpoint names a second run's files in one directory (Lightning's -v1), so does preemption.
     assert info.value.checkpoint_path == str(tmp_path / "checkpoints" / "last-v1.ckpt")
     assert first.read_bytes() == before
@@ -129,30 +134,10 @@ def test_a_preempted_second_run_in_the_same_directory_keeps_the_first_runs_last_
 
 
 def test_a_resume_after_preemption_keeps_writing_the_same_last_checkpoint(tmp_path):
-    class Net(ember.TrainModule):
-        def __init__(self, stop_at: int | None = None):
-            super().__init__()
-            self.layer = torch.nn.Linear(1, 1)
-            self.stop_at = stop_at
-
-        def training_step(self, batch, batch_idx):
-            if self.global_step == self.stop_at:
-                os.kill(os.getpid(), signal.SIGUSR1)
-            return self.layer(batch[0].float().unsqueeze(1)).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def trainer() -> ember.Trainer:
-        t = ember.Trainer(max_epochs=2, enable_progress_bar=False, logger=False, default_root_dir=str(tmp_path))
-        t.preemption_signals = (signal.SIGUSR1,)
-        return t
-
     data = DataLoader(TensorDataset(torch.arange(10)), batch_size=2)
     with pytest.warns(UserWarning, match="SIGUSR1"), pytest.raises(preemption.Preempted):
-        trainer().fit(Net(stop_at=2), data)  # before any ModelCheckpoint save point
-    resumed = trainer()
-    resumed.fit(Net(), data, ckpt_path="last")
+        _preemptible(tmp_path, 2).fit(_SignalsAt(stop_at=2), data)  # before any ModelCheckpoint save point
+    _preemptible(tmp_path, 2).fit(_SignalsAt(), data, ckpt_path="last")
     directory = tmp_path / "checkpoints"
     assert sorted(p.name for p in directory.glob("last*.ckpt")) == ["last.ckpt"]
     assert torch.load(directory / "last.ckpt", weights_only=True)["progress"]["global_step"] == 10
