@@ -173,7 +173,20 @@ class StepWith:
         return getattr(self.optimizer, name)
 
 
-class OptimizerProxy:
+class ReadThroughOptimizer:
+    """Wraps an optimizer: ``zero_grad`` and every attribute read through to it; subclasses define ``step``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+class OptimizerProxy(ReadThroughOptimizer):
     """What ``self.optimizers()`` hands out in manual optimization.
 
     ``step`` runs ``on_before_optimizer_step`` (once per call, as Lightning) and steps through the
@@ -181,7 +194,7 @@ class OptimizerProxy:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, state: OptimizerState) -> None:
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self._state = state
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
@@ -193,12 +206,6 @@ class OptimizerProxy:
         assert state.precision is not None and state.strategy is not None  # set for every fit
         optimizer: Any = StepWith(self.optimizer, kwargs) if kwargs else self.optimizer
         return state.precision.optimizer_step(optimizer, state.strategy, closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
 
 
 class OptimizerState:

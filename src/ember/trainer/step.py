@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.module import TrainModule
-from ember.trainer.optim import StepWith
+from ember.trainer.optim import ReadThroughOptimizer, StepWith
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -109,13 +109,13 @@ class _Closure:
         return loss
 
 
-class _SteppingOptimizer:
+class _SteppingOptimizer(ReadThroughOptimizer):
     """The optimizer ``optimizer_step`` receives: ``step(closure)`` runs the closure, then the real step
     through the precision plugin and the strategy; an optimizer that evaluates the loss itself (LBFGS)
     gets the closure instead. Everything else reads through to the optimizer."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, step: TrainingStep) -> None:
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self._step = step
         self.evaluates_loss = needs_closure(optimizer)
 
@@ -129,12 +129,6 @@ class _SteppingOptimizer:
             if not step.window_has_grad:  # training_step returned None on every batch of the window: no step
                 return None
         return step.precision.optimizer_step(optimizer, step.strategy, None)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
 
 
 class TrainingStep:
