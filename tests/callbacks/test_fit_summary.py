@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ember
 from ember.callbacks import CSVLogger, ModelCheckpoint
 from ember.callbacks.fit_summary import fit_summary
-from ember.strategies.single import SingleDeviceStrategy
+from tests.helpers.models import OtherRank
 
 
 class Tiny(ember.TrainModule):
@@ -107,21 +107,9 @@ def test_a_failed_fit_prints_nothing(tmp_path, monkeypatch, capsys):
     assert summary_lines(capsys) == []
 
 
-class _OtherRank(SingleDeviceStrategy):
-    """A single-device strategy that reports being rank 1 of 2, as a DDP worker would."""
-
-    @property
-    def global_rank(self) -> int:
-        return 1
-
-    @property
-    def is_global_zero(self) -> bool:
-        return False
-
-
 def test_other_ranks_print_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     checkpoint = ModelCheckpoint(dirpath="ckpts")
-    trainer = fit(strategy=_OtherRank(), logger=CSVLogger(), callbacks=[checkpoint])
+    trainer = fit(strategy=OtherRank(), logger=CSVLogger(), callbacks=[checkpoint])
     assert capsys.readouterr().out == ""
     assert fit_summary(trainer) is not None  # there was something to say, but not on this rank

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ember
 from ember.callbacks import Callback, ProgressBar
 from ember.callbacks import progress_bar as progress_bar_module
-from ember.strategies.single import SingleDeviceStrategy
+from tests.helpers.models import OtherRank
 
 SCRIPT = r"""
 import sys
@@ -201,23 +201,11 @@ def test_metrics_are_converted_only_when_something_is_printed(monkeypatch):
     assert len(calls) == len(out.getvalue().splitlines()) == 2  # 2 epochs of 8 batches: 2 lines, 2 conversions
 
 
-class _OtherRank(SingleDeviceStrategy):
-    """A single-device strategy that reports being rank 1 of 2, as a DDP worker would."""
-
-    @property
-    def global_rank(self) -> int:
-        return 1
-
-    @property
-    def is_global_zero(self) -> bool:
-        return False
-
-
 @pytest.mark.parametrize("mode", ["bar", "lines"])
 def test_nothing_is_printed_on_other_ranks(mode, capsys):
     out = io.StringIO()
-    run(ProgressBar(mode=mode, stream=out, line_interval=0.0), strategy=_OtherRank())
-    run(ProgressBar(mode=mode, line_interval=0.0), strategy=_OtherRank(), epochs=1)
+    run(ProgressBar(mode=mode, stream=out, line_interval=0.0), strategy=OtherRank())
+    run(ProgressBar(mode=mode, line_interval=0.0), strategy=OtherRank(), epochs=1)
     assert out.getvalue() == ""
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == ""

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 import ember
 from ember.callbacks import Callback, Logger
 from ember.callbacks.callback import HOOKS
+from ember.strategies.single import SingleDeviceStrategy
 
 
 # ---------------------------------------------------------------------- data
@@ -174,3 +175,21 @@ class RecordingLogger(Logger):
 
     def steps_with(self, key: str) -> list[int]:
         return [s for s, m in self.records if key in m]
+
+
+class OtherRank(SingleDeviceStrategy):
+    """A single-device strategy that reports being rank 1 of 2, as a DDP worker would."""
+
+    @property
+    def global_rank(self) -> int:
+        return 1
+
+    @property
+    def is_global_zero(self) -> bool:
+        return False
+
+
+def value_loader(values: list[float], batch_size: int = 4) -> DataLoader:
+    """Batches of ``(v, v)`` where v is one float per sample, so the logged batch mean is known."""
+    t = torch.tensor(values).unsqueeze(1)
+    return DataLoader(TensorDataset(t, t), batch_size=batch_size)

@@ -15,14 +15,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import Callback
-from tests.helpers.models import RecordingLogger, fast_trainer
+from tests.helpers.models import RecordingLogger, fast_trainer, value_loader
 
 VALUES = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
-
-
-def value_loader(values: list[float], batch_size: int = 4) -> DataLoader:
-    t = torch.tensor(values).unsqueeze(1)
-    return DataLoader(TensorDataset(t, t), batch_size=batch_size)
 
 
 class Logs(ember.TrainModule):

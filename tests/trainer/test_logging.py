@@ -5,16 +5,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from tests.helpers.models import RecordingLogger, fast_trainer
-
-
-def value_loader(values: list[float], batch_size: int) -> DataLoader:
-    """Batches of ``(v, v)`` where v is one float per sample, so the logged batch mean is known."""
-    t = torch.tensor(values).unsqueeze(1)
-    return DataLoader(TensorDataset(t, t), batch_size=batch_size)
+from tests.helpers.models import RecordingLogger, fast_trainer, value_loader
 
 
 class Logs(ember.TrainModule):
