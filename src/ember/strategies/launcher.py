@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ember.strategies.exits import describe_exit, exit_status, job_status, signal_name, stop_signal
@@ -221,8 +222,14 @@ class Launcher:
         if world.source == "ember" and PARENT_ENV in os.environ and world.rank != 0:
             die_with_parent(int(os.environ[PARENT_ENV]))
 
-    def init_process_group(self, backend: str) -> None:
-        """Joins the job's process group (once per process)."""
+    def init_process_group(self, backend: str, device: torch.device | None = None) -> None:
+        """Joins the job's process group (once per process).
+
+        Args:
+            backend: "gloo" or "nccl".
+            device: This rank's CUDA device, bound to the group at creation so that NCCL never
+                guesses one from the rank; None on CPU.
+        """
         if dist.is_initialized():
             return
         if self.store is None:
@@ -232,8 +239,15 @@ class Launcher:
                 HOSTED_ENV in os.environ
             self.store = dist.TCPStore(w.master_addr, w.master_port, None, w.rank == 0 and not hosted,
                                        timeout=self.timeout, wait_for_workers=False)
-        dist.init_process_group(backend, store=self.store, rank=self.world.rank,
-                                world_size=self.world.world_size, timeout=self.timeout)
+        # Under torchrun the agent's store outlives a restart, and so do the previous attempt's
+        # process-group keys (peer addresses among them): a restarted attempt that reads them
+        # connects to dead peers ("Gloo connectFullMesh failed", pytorch#135712) or hangs. Each
+        # attempt gets keys of its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        extra: dict[str, Any] = {"device_id": device} if device is not None and device.type == "cuda" else {}
+        dist.init_process_group(backend, store=dist.PrefixStore(f"ember/attempt{attempt}", self.store),
+                                rank=self.world.rank, world_size=self.world.world_size,
+                                timeout=self.timeout, **extra)
         # Left to interpreter shutdown, the group's threads can abort the process ("terminate
         # called without an active exception") after a perfectly good run.
         atexit.register(destroy_group)
