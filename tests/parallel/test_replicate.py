@@ -8,7 +8,15 @@ import pytest
 import torch
 from torch import nn
 
-from ember.parallel.replicate import Broadcast, DeviceMismatchError, ReduceAdd, Replicator, _copy_to, replicate
+from ember.parallel.replicate import (
+    Broadcast,
+    DeviceMismatchError,
+    ReduceAdd,
+    Replicator,
+    _copy_to,
+    _reduce_add_coalesced,
+    replicate,
+)
 
 CPU2 = ["cpu", "cpu"]
 
@@ -185,3 +193,46 @@ def test_coalesced_copy_keeps_values_shapes_and_dtypes():
     for t, c in zip(tensors, copies):
         assert c.dtype == t.dtype and c.shape == t.shape
         assert torch.equal(c.to_dense(), t.to_dense())
+
+
+def test_coalesced_copies_have_their_own_version_counters():
+    # Views of one flat tensor would share its version counter: an in-place update of one copy
+    # (a replica's BatchNorm statistics) would then break backward through an unrelated one.
+    weight, stats = torch.randn(4), torch.zeros(4)
+    w, s = _copy_to([weight, stats], torch.device("cpu"))
+    assert w._base is None and s._base is None
+    x = torch.randn(4, requires_grad=True)
+    loss = (w * x).sum()  # autograd saves w for x's gradient
+    s.add_(1.0)
+    assert w._version == 0
+    loss.backward()
+    torch.testing.assert_close(x.grad, weight)
+
+
+def test_coalesced_copies_keep_the_memory_layout():
+    conv = torch.randn(8, 3, 5, 5).to(memory_format=torch.channels_last)
+    transposed = torch.randn(4, 3).t()
+    strided_slice = torch.randn(6, 4)[::2]  # not dense: becomes contiguous, as .contiguous()
+    copies = _copy_to([conv, transposed, strided_slice, torch.randn(0, 3)], torch.device("cpu"))
+    assert copies[0].is_contiguous(memory_format=torch.channels_last)
+    assert copies[0].stride() == conv.stride() and copies[1].stride() == transposed.stride()
+    assert copies[2].is_contiguous()
+    for source, copy_ in zip([conv, transposed, strided_slice], copies):
+        assert torch.equal(copy_, source)
+    assert copies[3].shape == (0, 3)
+
+
+def test_reduce_add_coalesced_equals_per_tensor_sums():
+    def row():
+        return [torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last), torch.randn(5),
+                torch.randn(3, dtype=torch.float64), torch.eye(2).to_sparse(), torch.randn(4, 2).t()]
+    rows = [row(), row(), row()]
+    sums = _reduce_add_coalesced(rows, torch.device("cpu"))
+    for j, total in enumerate(sums):
+        expected = rows[0][j] + rows[1][j] + rows[2][j]
+        assert total.dtype == expected.dtype
+        torch.testing.assert_close(total.to_dense(), expected.to_dense())
+    assert sums[0].is_contiguous(memory_format=torch.channels_last)
+    assert sums[4].stride() == rows[0][4].stride()
+    sums[1].add_(1.0)
+    assert sums[0]._version == 0 and sums[2]._version == 0

@@ -50,8 +50,47 @@ class DeviceMismatchError(ValueError, RuntimeError):
 # ---------------------------------------------------------------------------------------------
 # Copies
 # ---------------------------------------------------------------------------------------------
+def _layout(t: Tensor) -> tuple[list[int], tuple[int, ...]]:
+    """``t``'s dimensions from outermost to innermost in memory, and the strides a copy gets.
+
+    A tensor that covers its memory densely without overlap (contiguous, channels_last, a
+    transpose) keeps its strides, so ``.permute(order)`` is a view of it laid out contiguously.
+    Any other (a strided slice, an expanded tensor) gets contiguous strides, as ``.contiguous()``.
+    """
+    strides_now = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: -strides_now[d])  # stable: ties keep their order
+    if not t.permute(order).is_contiguous():
+        order = list(range(t.dim()))
+    strides = [0] * t.dim()
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(t.size(d), 1)
+    return order, tuple(strides)
+
+
+def _pieces(flat: Tensor, like: Sequence[Tensor], layouts: Sequence[tuple[list[int], tuple]],
+            ) -> list[Tensor]:
+    """Cut ``flat`` into tensors shaped (and strided) as ``like``, each its own tensor.
+
+    ``.data`` rather than a view: views of one flat tensor would share its autograd version
+    counter, so an in-place update of one (a replica's BatchNorm statistics) would make backward
+    fail for any other that autograd saved ("modified by an inplace operation"). PyTorch's
+    ``broadcast_coalesced`` and ``reduce_add_coalesced`` detach their outputs so for that reason.
+    """
+    out, start = [], flat.storage_offset()
+    for t, (_, strides) in zip(like, layouts):
+        out.append(flat.as_strided(t.shape, strides, start).data)
+        start += t.numel()
+    return out
+
+
 def _copy_to(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
-    """Copy ``tensors`` to ``device``, coalesced into few large copies per dtype."""
+    """Copy ``tensors`` to ``device``, coalesced into few large copies per dtype.
+
+    Every copy keeps its source's memory layout (channels_last stays channels_last) and has its
+    own autograd version counter, as a separate ``.to()`` per tensor would give.
+    """
     out: list[Any] = [None] * len(tensors)
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -59,20 +98,70 @@ def _copy_to(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
             out[i] = t.to(device)
         else:
             groups.setdefault(t.dtype, []).append(i)
-    for idx in groups.values():
+    for bucket in _buckets(tensors, groups.values()):
+        layouts = [_layout(tensors[j]) for j in bucket]
+        flat = torch.cat([tensors[j].permute(order).reshape(-1)
+                          for j, (order, _) in zip(bucket, layouts)])
+        moved = flat.to(device, non_blocking=device.type == "cuda")
+        for j, piece in zip(bucket, _pieces(moved, [tensors[j] for j in bucket], layouts)):
+            out[j] = piece
+    return out
+
+
+def _buckets(tensors: Sequence[Tensor], groups: Any) -> list[list[int]]:
+    """Indices of ``tensors`` (already grouped by dtype) in buckets of about ``_COALESCE_BYTES``."""
+    out = []
+    for idx in groups:
         bucket: list[int] = []
         size = 0
-        for i in idx + [-1]:
-            if i >= 0:
-                bucket.append(i)
-                size += tensors[i].numel() * tensors[i].element_size()
-            if bucket and (i < 0 or size >= _COALESCE_BYTES):
-                flat = torch.cat([tensors[j].reshape(-1) for j in bucket])
-                moved = flat.to(device, non_blocking=device.type == "cuda")
-                for j, piece in zip(bucket, moved.split([tensors[j].numel() for j in bucket])):
-                    out[j] = piece.view(tensors[j].shape)
+        for i in idx:
+            bucket.append(i)
+            size += tensors[i].numel() * tensors[i].element_size()
+            if size >= _COALESCE_BYTES:
+                out.append(bucket)
                 bucket, size = [], 0
+        if bucket:
+            out.append(bucket)
     return out
+
+
+def _reduce_add_coalesced(rows: Sequence[Sequence[Tensor]], destination: torch.device) -> list[Tensor]:
+    """``sum(row[j] for row in rows)`` on ``destination`` for every ``j``, moving each replica's
+    tensors in few large copies per dtype instead of one copy per tensor (PyTorch's
+    ``reduce_add_coalesced``). The sums keep the first row's memory layout."""
+    first = rows[0]
+    out: list[Any] = [None] * len(first)
+    groups: dict[torch.dtype, list[int]] = {}
+    for j, t in enumerate(first):
+        if t.layout != torch.strided or any(r[j].layout != torch.strided for r in rows):
+            out[j] = _sum_parts([r[j] for r in rows], destination)
+        else:
+            groups.setdefault(t.dtype, []).append(j)
+    async_copy = destination.type == "cuda"  # towards the CPU the sum reads the copy at once
+    for bucket in _buckets(first, groups.values()):
+        layouts = [_layout(first[j]) for j in bucket]
+        total: Tensor | None = None
+        for row in rows:
+            flat = torch.cat([row[j].permute(order).reshape(-1)
+                              for j, (order, _) in zip(bucket, layouts)])
+            flat = flat.to(destination, non_blocking=async_copy)
+            if total is None:
+                total = flat  # torch.cat made it: ours to add into
+            else:
+                total.add_(flat)
+        assert total is not None
+        for j, piece in zip(bucket, _pieces(total, [first[j] for j in bucket], layouts)):
+            out[j] = piece
+    return out
+
+
+def _sum_parts(parts: Sequence[Tensor], destination: torch.device) -> Tensor:
+    # Only towards a GPU may the copy be asynchronous: a CPU result is read at once.
+    moved = [g.to(destination, non_blocking=destination.type == "cuda") for g in parts]
+    total = moved[0] + moved[1] if len(moved) > 1 else moved[0].clone()
+    for g in moved[2:]:
+        total.add_(g)
+    return total
 
 
 class Broadcast(torch.autograd.Function):
@@ -108,16 +197,11 @@ class ReduceAdd(torch.autograd.Function):
     def forward(ctx: Any, destination: torch.device, num_inputs: int,
                 *grads: Tensor) -> tuple[Tensor, ...]:
         ctx.devices = [grads[k].device for k in range(0, len(grads), num_inputs)]
-        sums = []
-        for j in range(num_inputs):
-            # Only towards a GPU may the copy be asynchronous: a CPU result is read at once.
-            parts = [g.to(destination, non_blocking=destination.type == "cuda")
-                     for g in grads[j::num_inputs]]
-            total = parts[0] + parts[1] if len(parts) > 1 else parts[0].clone()
-            for g in parts[2:]:
-                total.add_(g)
-            sums.append(total)
-        return tuple(sums)
+        if all(g.device == destination for g in grads):
+            # Nothing to move: one add per tensor (a coalesced sum would only add two copies).
+            return tuple(_sum_parts(grads[j::num_inputs], destination) for j in range(num_inputs))
+        rows = [grads[k:k + num_inputs] for k in range(0, len(grads), num_inputs)]
+        return tuple(_reduce_add_coalesced(rows, destination))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
