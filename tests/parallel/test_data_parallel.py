@@ -332,3 +332,11 @@ def test_cpu_inputs_reach_a_gpu_replica_and_gradients_come_back():
     assert out.device == torch.device("cuda", 0)
     out.sum().backward()
     assert x.grad is not None and x.grad.device.type == "cpu"
+
+
+def test_parallel_backward_on_cuda_is_refused_at_construction():
+    model = mlp()
+    with pytest.raises(ValueError, match=r"parallel_backward=True .* CPU replicas only; on cuda:0 it would"
+                                         r" deadlock.*set it to False"):
+        DataParallel(model, device_ids=["cuda:0", "cuda:0"], parallel_backward=True)
+    assert next(model.parameters()).device.type == "cpu"

@@ -213,3 +213,23 @@ def test_foreign_tensor_requiring_grad_is_detected():
     outputs = [o + stray for o in outputs]
     with pytest.raises(RuntimeError, match="neither a parameter or buffer"):
         attach_replica_graphs(outputs, [w], leaves, [CPU, CPU], check_leaves=True)
+
+
+def test_parallel_backward_is_refused_on_cuda_devices():
+    # On CUDA the joint node's backward would join threads whose GPU work waits for the very
+    # autograd thread it runs on: a deadlock. Refused before anything touches a GPU.
+    x = torch.ones(2, requires_grad=True)
+    leaf = x.detach().requires_grad_(True)
+    with pytest.raises(ValueError, match=r"CPU replicas only; on cuda:0, cuda:1 it would deadlock"):
+        attach_replica_graphs([leaf * 2, leaf * 3], [x], [[leaf], [leaf]], ["cuda:0", "cuda:1"])
+
+
+def test_the_torch_floor_has_the_per_device_autocast_queries():
+    # _CallerState reads torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype,
+    # which torch 2.4 introduced: the package must not allow an older torch.
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    major, minor = map(int, re.search(r'"torch>=(\d+)\.(\d+)', text).groups())
+    assert (major, minor) >= (2, 4)

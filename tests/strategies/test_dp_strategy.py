@@ -170,3 +170,12 @@ def test_one_device_is_the_plain_module():
     single, _ = fit("single", 1)
     dp, _ = fit("dp", 1)
     assert_same_weights(dp, single)
+
+
+def test_parallel_backward_on_cuda_is_refused_before_the_module_moves():
+    strategy = DataParallelStrategy(accelerator="cuda", devices=[torch.device("cuda", 0)] * 2,
+                                    parallel_backward=True)
+    module = MLP()
+    with pytest.raises(ValueError, match=r"parallel_backward=True .* on cuda:0 it would deadlock"):
+        strategy.setup(None, module)
+    assert module.device.type == "cpu"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ember.parallel.parallel_apply import attach_replica_graphs, parallel_apply
+from ember.parallel.parallel_apply import attach_replica_graphs, check_parallel_backward_devices, parallel_apply
 from ember.parallel.replicate import DeviceMismatchError, Replicator
 from ember.parallel.scatter_gather import DeviceLike, as_device, flatten, gather, scatter_kwargs, unflatten
 
@@ -164,8 +164,9 @@ class DataParallel(nn.Module):
         dim: the batch dimension of inputs and outputs.
         parallel_backward: give each replica its own autograd graph and run the replicas'
             backward passes in parallel threads. Default: on when every device is a CPU
-            (PyTorch's engine already runs each GPU's backward on its own thread). Higher-order
-            gradients (``create_graph=True``) need it off.
+            (PyTorch's engine already runs each GPU's backward on its own thread); refused on
+            CUDA devices, where it would deadlock. Higher-order gradients (``create_graph=True``)
+            need it off.
         threads_per_replica: intra-op threads for each replica's thread. Default: for CPU
             devices, the caller's ``torch.get_num_threads()`` divided among the replicas.
 
@@ -194,6 +195,8 @@ class DataParallel(nn.Module):
         self.output_device = as_device(output_device) if output_device is not None else devices[0]
         self.src_device_obj = devices[0]
         self.dim = dim
+        if parallel_backward:
+            check_parallel_backward_devices(devices)
         self.parallel_backward = (all(d.type == "cpu" for d in devices)
                                   if parallel_backward is None else parallel_backward)
         self.threads_per_replica = threads_per_replica

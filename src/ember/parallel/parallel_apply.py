@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ember.parallel.scatter_gather import DeviceLike, as_device, flatten, unflatten
 
-__all__ = ["attach_replica_graphs", "parallel_apply"]
+__all__ = ["attach_replica_graphs", "check_parallel_backward_devices", "parallel_apply"]
 
 
 class _CallerState:
@@ -271,6 +271,22 @@ def _replica_backward(pairs: list[tuple[Tensor, Tensor]], targets: list[Tensor],
     return run
 
 
+def check_parallel_backward_devices(devices: Sequence[torch.device]) -> None:
+    """Raise if the parallel backward cannot run on ``devices`` (it is for CPU replicas only).
+
+    On CUDA it would deadlock: the joint node's backward runs on the device's autograd worker
+    thread and joins the replicas' backward threads, whose CUDA work is queued for that very
+    worker thread. PyTorch's engine already runs each GPU's backward on its own thread anyway.
+    """
+    on_gpu = sorted({str(d) for d in devices if d.type != "cpu"})
+    if on_gpu:
+        raise ValueError(
+            f"parallel_backward=True runs the replicas' backward passes in threads, which is for "
+            f"CPU replicas only; on {', '.join(on_gpu)} it would deadlock (each GPU's backward "
+            "already runs on its own autograd thread). Leave parallel_backward unset (it is on for "
+            "CPU devices and off otherwise) or set it to False.")
+
+
 def attach_replica_graphs(
     outputs: list[Any],
     sources: list[Tensor],
@@ -297,6 +313,8 @@ def attach_replica_graphs(
         When the caller's backward reaches them, each replica's backward runs on its own thread,
         and every source receives the sum of its leaves' gradients.
     """
+    devs = [as_device(d) if d is not None else None for d in devices]
+    check_parallel_backward_devices([d for d in devs if d is not None])
     flat = [flatten(out) for out in outputs]
     diff = [[t for t in leaves_ if isinstance(t, Tensor) and t.requires_grad]
             for leaves_, _ in flat]
@@ -304,9 +322,7 @@ def attach_replica_graphs(
         return outputs
     if check_leaves:
         _check_no_foreign_leaves(diff, leaves)
-    graphs = _ReplicaGraphs(list(sources), leaves, diff,
-                            [as_device(d) if d is not None else None for d in devices],
-                            threads_per_replica)
+    graphs = _ReplicaGraphs(list(sources), leaves, diff, devs, threads_per_replica)
     # An anchor that requires grad keeps the node in the caller's graph even with no sources.
     anchor = torch.empty(0, requires_grad=True)
     joined = iter(_JoinReplicaGraphs.apply(graphs, *sources, anchor))

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from ember.module import TrainModule
 from ember.parallel.data_parallel import run_replicas
+from ember.parallel.parallel_apply import check_parallel_backward_devices
 from ember.parallel.replicate import Replicator
 from ember.parallel.scatter_gather import flatten, gather, scatter_kwargs
 from ember.strategies.strategy import Strategy
@@ -112,7 +113,8 @@ class DataParallelStrategy(Strategy):
         accelerator: "cpu" or "cuda"; filled in by the Trainer when not given.
         devices: the devices, one replica each; filled in by the Trainer (``devices=N``).
         parallel_backward: run each replica's backward on its own thread. Default: on when all
-            devices are CPUs (each GPU's backward already runs on its own engine thread).
+            devices are CPUs (each GPU's backward already runs on its own engine thread); refused
+            on CUDA devices, where it would deadlock.
         threads_per_replica: intra-op threads for each replica's thread. Default on CPU: this
             process's ``torch.get_num_threads()`` divided among the replicas.
     """
@@ -130,8 +132,10 @@ class DataParallelStrategy(Strategy):
         self._cpu_only = False
 
     def setup(self, trainer: Any, module: Any) -> None:
-        super().setup(trainer, module)
         devices = self.parallel_devices or [self.root_device]
+        if self.parallel_backward:  # before the module moves: a refused setting changes nothing
+            check_parallel_backward_devices(devices)
+        super().setup(trainer, module)
         self._cpu_only = all(d.type == "cpu" for d in devices)
         if self.parallel_backward is None:
             self.parallel_backward = self._cpu_only
