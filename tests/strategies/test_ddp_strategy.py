@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.strategies.ddp import DDPStrategy
+from ember.strategies.launcher import World
 from tests.helpers.dist import run_ranks
 
 B, STEPS, TOL, N = 4, 20, 1e-5, 48
@@ -284,3 +285,29 @@ def lbfgs_with_a_rank_whose_loss_never_changes(rank: int, world: int) -> list[fl
 def test_lbfgs_ranks_decide_from_the_same_loss():
     weights = run_ranks(lbfgs_with_a_rank_whose_loss_never_changes, 2, timeout=40)
     assert weights[0] == weights[1] and weights[0][0] > 0.5  # trained together, towards y = 5x on rank 1's half
+
+
+def _cuda_rank(local_rank: int, devices: list[int], **kwargs) -> DDPStrategy:
+    # Only device objects: nothing here touches CUDA, so it runs on any machine.
+    strategy = DDPStrategy(accelerator="cuda", devices=[torch.device("cuda", i) for i in devices], **kwargs)
+    strategy._world = World(rank=local_rank, world_size=2, local_rank=local_rank, local_world_size=2,
+                            node_rank=0, master_addr="127.0.0.1", master_port=1, source="torchrun")
+    return strategy
+
+
+def test_each_local_rank_takes_its_own_listed_device():
+    assert _cuda_rank(0, [1, 3]).root_device == torch.device("cuda", 1)
+    assert _cuda_rank(1, [1, 3]).root_device == torch.device("cuda", 3)
+
+
+def test_a_local_rank_beyond_the_listed_devices_is_an_error_not_a_shared_gpu():
+    strategy = _cuda_rank(1, [1])
+    with pytest.raises(ValueError, match=r"local rank 1 of a ddp job with 2 process\(es\) per machine, but "
+                                         r"devices=\[1\] lists only 1 CUDA device.*devices=2"):
+        _ = strategy.root_device
+
+
+def test_nccl_is_bound_to_the_rank_device_and_gloo_to_none():
+    assert _cuda_rank(1, [1, 3])._nccl_device == torch.device("cuda", 3)
+    assert _cuda_rank(1, [1, 3], process_group_backend="gloo")._nccl_device is None
+    assert DDPStrategy(accelerator="cpu", devices=[torch.device("cpu")] * 2)._nccl_device is None

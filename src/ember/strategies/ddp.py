@@ -167,8 +167,19 @@ class DDPStrategy(Strategy):
         if self.accelerator != "cuda":
             return torch.device("cpu")
         devices = self.parallel_devices
-        return devices[self.local_rank] if self.local_rank < len(devices) else \
-            torch.device("cuda", self.local_rank)
+        if self.local_rank < len(devices):
+            return devices[self.local_rank]
+        if not devices:  # not connected to a Trainer yet: nothing to choose from
+            return torch.device("cuda", self.local_rank)
+        # Falling back to cuda:<local_rank> would put this rank on a GPU outside ``devices``, or
+        # on one that another rank already uses.
+        per_machine = self._world.local_world_size if self._world else len(devices)
+        raise ValueError(
+            f"This process is local rank {self.local_rank} of a ddp job with {per_machine} "
+            f"process(es) per machine, but devices={[d.index for d in devices]} lists only "
+            f"{len(devices)} CUDA device(s), so it has no device of its own. Give one device per "
+            f"process on each machine: devices={per_machine} (or a list of {per_machine} indices), "
+            "or start as many processes per machine as devices (torchrun --nproc-per-node).")
 
     @property
     def backend(self) -> str:
@@ -196,21 +207,32 @@ class DDPStrategy(Strategy):
     def setup_environment(self) -> None:
         if self._world is None:
             self._world = detect_world()  # a spawned worker: its rank is in the environment
+        # First, and also into a group that already exists: NCCL and every CUDA call that names
+        # no device use the current one, which would otherwise be cuda:0 on every rank.
+        self.set_current_device()
         if not dist.is_initialized():
             self._init_group()
         self._start_watchdog()
 
+    @property
+    def _nccl_device(self) -> torch.device | None:
+        """The CUDA device to bind NCCL to (None without NCCL): bound at init, NCCL never guesses
+        one from the rank, which with ``devices=[1, 3]`` would touch GPU 0 and share GPU 1."""
+        device = self.root_device
+        return device if device.type == "cuda" and "nccl" in self.backend else None
+
     def _init_group(self) -> None:
+        device = self._nccl_device
         if self._world is None:  # one process: a private 1-rank group, released at teardown
-            dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
+            # A store of its own: no MASTER_ADDR/MASTER_PORT needed, NCCL included.
+            bind: dict[str, Any] = {"device_id": device} if device is not None else {}
+            dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
             self._owns_group = True
         else:
             if self._launcher is None:
                 self._launcher = Launcher(self._world, self.timeout)
-            self._launcher.init_process_group(self.backend)
+            self._launcher.init_process_group(self.backend, device)
             self._share_cpu_threads(self._world.local_world_size)
-        if self.root_device.type == "cuda":
-            torch.cuda.set_device(self.root_device)
 
     # ------------------------------------------------------------------ hangs (watchdog.py)
     def _start_watchdog(self) -> None:
@@ -451,7 +473,11 @@ class DDPStrategy(Strategy):
 
     def barrier(self, name: str | None = None) -> None:
         if self.world_size > 1 and dist.is_initialized():
-            self._waiting(f"a barrier ({name})" if name else "a barrier", dist.barrier)
+            device = self.root_device
+            # Named for a group made elsewhere, with no device bound at its init (gloo takes none).
+            nccl = device.type == "cuda" and device.index is not None and "nccl" in str(dist.get_backend())
+            ids = {"device_ids": [device.index]} if nccl else {}
+            self._waiting(f"a barrier ({name})" if name else "a barrier", dist.barrier, **ids)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if self.world_size == 1 or not dist.is_initialized():

@@ -91,7 +91,19 @@ class Strategy:
         return fn(*args, **kwargs)
 
     def setup_environment(self) -> None:
-        """Prepare the process (e.g. join a process group). Called before ``setup``."""
+        """Prepare the process (e.g. join a process group). Called before ``setup``.
+
+        On CUDA this makes the root device the current one, so that work which names no device
+        (``torch.cuda.*`` calls, a ``"cuda"`` tensor in a hook, NCCL) lands on it, not on GPU 0.
+        """
+        self.set_current_device()
+
+    def set_current_device(self) -> None:
+        """Make the root device CUDA's current device (nothing on other devices, or for a bare
+        ``"cuda"``, which means the current device already)."""
+        device = self.root_device
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
 
     def setup(self, trainer: Trainer, module: TrainModule) -> None:
         """Move ``module`` to the root device and prepare it for this strategy."""
