@@ -1,13 +1,19 @@
-"""How ModelCheckpoint puts files in place beside ``trainer.save_checkpoint``: ``last`` as a hard or
-symbolic link to the file just written (each made atomically), and the checkpoints written when fit
-raises (``save_on_exception``, ``OnExceptionCheckpoint``)."""
+"""How ModelCheckpoint puts files in place beside ``trainer.save_checkpoint``: the save point's file,
+``last`` as a hard or symbolic link to the file just written (each made atomically), the removal of
+files that left the top k (``CheckpointFiles``), all of it on a background thread with
+``async_save``; and the checkpoints written when fit raises (``save_on_exception``,
+``OnExceptionCheckpoint``)."""
 from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from ember.callbacks.callback import Callback
+from ember.callbacks.checkpoint_writer import BackgroundWriter
 from ember.checkpoint_io import fsync_dir, temporary_prefix
 from ember.exceptions import Preempted
 
@@ -39,6 +45,136 @@ def link_atomic(src: str, dst: str, symbolic: bool = False) -> bool:
         return False
     fsync_dir(os.path.dirname(os.path.abspath(dst)))
     return True
+
+
+def remove_checkpoint(path: str, dirpath: str | None, protected: set[str]) -> None:
+    """Delete ``path`` unless it is outside ``dirpath`` (never delete another run's file) or ``protected``."""
+    if not path:
+        return
+    path = os.path.abspath(path)
+    if dirpath is None or os.path.dirname(path) != os.path.abspath(dirpath) or path in protected:
+        return
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+# What names ModelCheckpoint's files: with async_save, the values after a save are published once its
+# files exist (until then, those of the previous save point).
+_LISTING = ("best_k_models", "kth_best_model_path", "kth_value", "best_model_path", "best_model_score",
+            "current_score", "last_model_path", "_last_checkpoint_saved")
+
+
+class CheckpointFiles:
+    """ModelCheckpoint's file operations (a mixin): write a save point's top-k file and ``last``, then
+    remove the previous ``last`` and the files that left the top k; with a ``background_writer``, all
+    of that on its thread, in that order, after one copy of the state."""
+
+    # Set by ModelCheckpoint.
+    dirpath: str | None
+    verbose: bool
+    save_last: bool | str
+    save_top_k: int
+    save_weights_only: bool
+    best_k_models: dict[str, torch.Tensor]
+    best_model_path: str
+    last_model_path: str
+    _last_checkpoint_saved: str
+    _replaced: list[str]
+    background_writer: BackgroundWriter | None
+
+    def _listing(self) -> dict[str, Any]:
+        state = {name: getattr(self, name) for name in _LISTING}
+        state["best_k_models"] = dict(state["best_k_models"])
+        return state
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, dict(value) if name == "best_k_models" else value)
+
+    def _protected(self, trainer: Trainer) -> set[str]:
+        return {os.path.abspath(p) for p in (trainer.ckpt_path, self.last_model_path, self.best_model_path) if p}
+
+    def _say(self, trainer: Trainer, path: str, epoch: int | None = None, step: int | None = None) -> None:
+        if self.verbose and trainer.is_global_zero:
+            epoch = trainer.current_epoch if epoch is None else epoch
+            step = trainer.global_step if step is None else step
+            print(f"ModelCheckpoint: epoch {epoch}, step {step}: saved {path}")
+
+    def _put_files(self, trainer: Trainer, written: str | None, previous_last: str, before: dict[str, Any]) -> None:
+        """Write this save point's files: the top-k file ``written`` (None: none) and ``last_model_path``
+        (named by ``_next_last``, when ``save_last``), then remove ``previous_last`` and ``_replaced``.
+        ``before`` is ``_listing()`` from before this save's decisions."""
+        if written is not None:
+            self._last_checkpoint_saved = written
+        last = self.last_model_path if self.save_last else None
+        link: tuple[str, bool] | None = None  # (source, symbolic): ``last`` as a link, not a second write
+        if last is not None:
+            if self.save_last == "link" and self._last_checkpoint_saved and self.save_top_k != 0:
+                link = (self._last_checkpoint_saved, True)
+            elif written is not None:
+                link = (written, False)
+        primary = written if written is not None else (last if link is None else None)
+        writer = self.background_writer
+        if writer is None or primary is None:  # (only a link to make: nothing to write in the background)
+            self._put_files_now(trainer, written, previous_last)
+            return
+        # Decided here, with this save's lists; done on the background thread once ``primary`` is complete,
+        # so a file is never linked or rotated out before the one replacing it exists.
+        protected, dirpath = self._protected(trainer), self.dirpath
+        gone = list(self._replaced)
+        if last is not None and previous_last and previous_last != last and previous_last not in self.best_k_models:
+            gone.insert(0, previous_last)
+
+        def after(write: Callable[[str], None]) -> None:
+            if last is not None and last != primary:
+                if link is None or not link_atomic(link[0], last, symbolic=link[1]):
+                    write(last)
+            for path in gone:
+                remove_checkpoint(path, dirpath, protected)
+
+        published = self._listing()
+        epoch, step = trainer.current_epoch, trainer.global_step
+
+        def on_done() -> None:  # in the training thread, once the files exist
+            self._restore(published)
+            for path in dict.fromkeys(p for p in (primary, last) if p is not None):
+                self._say(trainer, path, epoch, step)
+
+        with writer.claim(primary, after, on_done):
+            trainer.save_checkpoint(primary, weights_only=self.save_weights_only)
+        if writer.pending:  # rank zero: until the write completes, the lists name the files that exist
+            self._restore(before)
+
+    def _put_files_now(self, trainer: Trainer, written: str | None, previous_last: str) -> None:
+        if written is not None:
+            trainer.save_checkpoint(written, weights_only=self.save_weights_only)
+            self._say(trainer, written)
+        if self.save_last:
+            self._write_last(trainer, written, previous_last)
+        # Files that left the top k go only now, once ``last`` no longer names (or links to) them.
+        for path in self._replaced:
+            self._remove(trainer, path)
+
+    def _write_last(self, trainer: Trainer, written: str | None, previous: str) -> None:
+        """Put ``last_model_path`` (named by ``_next_last``) in place, then remove this run's previous one."""
+        last = self.last_model_path
+        linked = False
+        if trainer.is_global_zero:
+            if self.save_last == "link" and self._last_checkpoint_saved and self.save_top_k != 0:
+                linked = link_atomic(self._last_checkpoint_saved, last, symbolic=True)
+            elif written is not None:
+                linked = link_atomic(written, last)
+        if not trainer.strategy.broadcast(linked):
+            trainer.save_checkpoint(last, weights_only=self.save_weights_only)
+        self._say(trainer, last)
+        if previous and previous != last and previous not in self.best_k_models:
+            self._remove(trainer, previous)
+
+    def _remove(self, trainer: Trainer, path: str) -> None:
+        if trainer.is_global_zero:
+            remove_checkpoint(path, self.dirpath, self._protected(trainer))
 
 
 def save_on_exception(trainer: Trainer, dirpath: str, name: str, exception: BaseException) -> None:

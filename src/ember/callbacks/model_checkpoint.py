@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.callback import Callback
-from ember.callbacks.checkpoint_files import OnExceptionCheckpoint, link_atomic, save_on_exception
+from ember.callbacks.checkpoint_files import CheckpointFiles, OnExceptionCheckpoint, save_on_exception
+from ember.callbacks.checkpoint_writer import BackgroundWriter
 from ember.checkpoint_io import DirectoryLock, remove_stale_temporaries
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ __all__ = ["ModelCheckpoint", "OnExceptionCheckpoint"]
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 
 
-class ModelCheckpoint(Callback):
+class ModelCheckpoint(CheckpointFiles, Callback):
     """Save checkpoints during ``fit``.
 
     Args:
@@ -75,6 +76,16 @@ class ModelCheckpoint(Callback):
         save_on_exception: also write ``on_exception.ckpt`` when fit raises (Ctrl-C included).
         enable_version_counter: add ``-v1``, ``-v2``... when a file name is already taken (by an earlier
             run in the same directory, or by a checkpoint of this run that is kept), as Lightning does.
+        async_save: write the files on a background thread: at the save point the state is copied (to
+            pinned CPU memory from CUDA) and training continues during the write; at most one write is in
+            flight. ``best_model_path``, ``last_model_path`` and the top-k list name a new file only once
+            it is on disk, and a replaced file is deleted only then. A failed write is raised at the next
+            step boundary or save, or at the end of fit. Off by default because it is not free of
+            trade-offs: a copy of the whole checkpoint (weights and optimizer state) stays in host memory
+            (pinned, on CUDA) for the rest of the fit; code that reads a checkpoint file or
+            ``best_model_path`` right after a save point sees the previous one until the write completes;
+            a failing write (a full disk) is reported some steps later; and the write competes with data
+            loading for CPU and disk.
     """
 
     monitors_metrics = True
@@ -91,7 +102,7 @@ class ModelCheckpoint(Callback):
                  mode: str = "min", auto_insert_metric_name: bool = True, every_n_train_steps: int | None = None,
                  train_time_interval: datetime.timedelta | float | None = None, every_n_epochs: int | None = None,
                  save_on_train_epoch_end: bool | None = None, save_on_exception: bool = False,
-                 enable_version_counter: bool = True) -> None:
+                 enable_version_counter: bool = True, async_save: bool = False) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint mode must be 'min' or 'max', got {mode!r}.")
         if not isinstance(save_top_k, int) or isinstance(save_top_k, bool) or save_top_k < -1:
@@ -109,6 +120,8 @@ class ModelCheckpoint(Callback):
                                                 or train_time_interval.total_seconds() <= 0):
             raise ValueError(f"ModelCheckpoint train_time_interval must be a positive timedelta or number of seconds, "
                              f"got {train_time_interval!r}.")
+        if not isinstance(async_save, bool):
+            raise ValueError(f"ModelCheckpoint async_save must be True or False, got {async_save!r}.")
         if save_last not in (True, False, None, "link"):
             raise ValueError(f"ModelCheckpoint save_last must be True, False or 'link', got {save_last!r}.")
         given = [n for n, v in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs),
@@ -132,6 +145,9 @@ class ModelCheckpoint(Callback):
         self.save_on_train_epoch_end = save_on_train_epoch_end
         self.save_on_exception = save_on_exception
         self.enable_version_counter = enable_version_counter
+        self.async_save = async_save
+        #: Writes this callback's files when ``async_save``; ``trainer.save_checkpoint`` waits for it.
+        self.background_writer = BackgroundWriter() if async_save else None
 
         self.best_k_models: dict[str, torch.Tensor] = {}  # path -> score, tensors as Lightning's
         self.kth_best_model_path = ""
@@ -220,14 +236,20 @@ class ModelCheckpoint(Callback):
                 "ModelCheckpoint(dirpath=...), or a logger version of its own.")
 
     def teardown(self, trainer: Trainer, module: TrainModule, stage: Stage) -> None:
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        try:
+            if self.background_writer is not None:  # no thread outlives the fit, and the buffers are freed
+                self._warn_failed(self.background_writer.close())
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._last_time = time.monotonic()
 
     def on_train_step_boundary(self, trainer: Trainer, module: TrainModule) -> None:
+        if self.background_writer is not None:
+            self.background_writer.collect()  # publish a finished write's files, or raise its error
         step = trainer.global_step
         if step == self._last_global_step_saved:
             return
@@ -255,10 +277,26 @@ class ModelCheckpoint(Callback):
         # still leaves a ``last`` checkpoint of its final state.
         if self.save_last and not self._saved_in_fit and trainer.global_step != self._last_global_step_saved:
             self._save_last_only(trainer)
+        self._finish_write()  # what fit wrote is on disk (or its failure raised) when fit returns
+
+    def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
+        self._finish_write()
 
     def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
+        if self.background_writer is not None:  # the exception is what fit raises; a failed write is a warning
+            self._warn_failed(self.background_writer.wait(raise_errors=False))
         if self.save_on_exception:
             save_on_exception(trainer, self.dirpath or self._resolve_dirpath(trainer), "on_exception", exception)
+
+    def _finish_write(self) -> None:
+        """Wait for the background write in flight (if any), publish its files, raise its error."""
+        if self.background_writer is not None:
+            self.background_writer.wait()
+
+    def _warn_failed(self, error: BaseException | None) -> None:
+        if error is not None:
+            warnings.warn(f"ModelCheckpoint: a checkpoint written in the background failed ({type(error).__name__}: "
+                          f"{error}); the previous files under its names are intact.", RuntimeWarning)
 
     # ------------------------------------------------------------------ when
     def _epoch_due(self, trainer: Trainer) -> bool:
@@ -292,7 +330,10 @@ class ModelCheckpoint(Callback):
 
     def _save(self, trainer: Trainer, at_epoch_end: bool) -> None:
         # This callback's state is updated *before* each write: the checkpoint holds it, and must
-        # already list the file it is written to (or a resumed run would orphan that file).
+        # already list the file it is written to (or a resumed run would orphan that file). With
+        # async_save, the previous write completes first, so these decisions see its files.
+        self._finish_write()
+        before = self._listing()
         metrics = self._candidates(trainer)
         self._last_global_step_saved = trainer.global_step
         self._last_time = time.monotonic()
@@ -302,23 +343,22 @@ class ModelCheckpoint(Callback):
         self._replaced = []
         if self.save_top_k != 0:
             written = self._save_top_k(trainer, metrics, at_epoch_end)
-        if self.save_last:
-            self._write_last(trainer, written, previous_last)
-        # Files that left the top k go only now, once ``last`` no longer names (or links to) them.
-        for path in self._replaced:
-            self._remove(trainer, path)
+        self._put_files(trainer, written, previous_last, before)
 
     def _save_last_only(self, trainer: Trainer) -> None:
+        self._finish_write()
+        before = self._listing()
         metrics = self._candidates(trainer)
         self._last_global_step_saved = trainer.global_step
         self._saved_in_fit = True
         previous_last = self._next_last(trainer, metrics)
-        self._write_last(trainer, None, previous_last)
+        self._put_files(trainer, None, previous_last, before)
 
     def next_last_path(self, trainer: Trainer) -> str:
         """The path this callback's next ``last`` checkpoint gets now: ``CHECKPOINT_NAME_LAST`` formatted,
         with ``-v1``... beside an earlier run's file of that name (for a checkpoint written outside the
         callback, such as on preemption). Every process must call it (rank zero's answer is broadcast)."""
+        self._finish_write()  # a last.ckpt still being written is this run's own, not an earlier run's
         return self._versioned(trainer, self._candidates(trainer), self.CHECKPOINT_NAME_LAST,
                                keep=self.last_model_path)
 
@@ -352,7 +392,6 @@ class ModelCheckpoint(Callback):
             path = self._versioned(trainer, metrics, None, keep=self.best_model_path)
             previous = self.best_model_path
             self.best_model_path = path
-            self._write(trainer, path)
             if self.save_top_k == 1 and previous and previous != path:
                 self._replaced.append(previous)
             return path
@@ -375,7 +414,6 @@ class ModelCheckpoint(Callback):
         best = pick(self.best_k_models, key=lambda k: float(self.best_k_models[k]))
         self.best_model_path = best
         self.best_model_score = self.best_k_models[best]
-        self._write(trainer, path)
         if dropped is not None and dropped != path:
             self._replaced.append(dropped)
         return path
@@ -433,42 +471,3 @@ class ModelCheckpoint(Callback):
                 path = self.format_checkpoint_name(metrics, filename, ver=version)
                 version += 1
         return trainer.strategy.broadcast(path)
-
-    # ------------------------------------------------------------------ files
-    def _write(self, trainer: Trainer, path: str) -> None:
-        """Write a top-k file (``last`` is put in place by ``_write_last``)."""
-        trainer.save_checkpoint(path, weights_only=self.save_weights_only)
-        self._last_checkpoint_saved = path
-        if self.verbose and trainer.is_global_zero:
-            print(f"ModelCheckpoint: epoch {trainer.current_epoch}, step {trainer.global_step}: saved {path}")
-
-    def _write_last(self, trainer: Trainer, written: str | None, previous: str) -> None:
-        """Put ``last_model_path`` (named by ``_next_last``) in place, then remove this run's previous one."""
-        last = self.last_model_path
-        linked = False
-        if trainer.is_global_zero:
-            if self.save_last == "link" and self._last_checkpoint_saved and self.save_top_k != 0:
-                linked = link_atomic(self._last_checkpoint_saved, last, symbolic=True)
-            elif written is not None:
-                linked = link_atomic(written, last)
-        if not trainer.strategy.broadcast(linked):
-            trainer.save_checkpoint(last, weights_only=self.save_weights_only)
-        if self.verbose and trainer.is_global_zero:
-            print(f"ModelCheckpoint: epoch {trainer.current_epoch}, step {trainer.global_step}: saved {last}")
-        if previous and previous != last and previous not in self.best_k_models:
-            self._remove(trainer, previous)
-
-    def _remove(self, trainer: Trainer, path: str) -> None:
-        if not trainer.is_global_zero or not path:
-            return
-        path = os.path.abspath(path)
-        if self.dirpath is None or os.path.dirname(path) != os.path.abspath(self.dirpath):
-            return  # never delete a file outside the directory this run writes to
-        protected = {os.path.abspath(p) for p in (trainer.ckpt_path, self.last_model_path, self.best_model_path) if p}
-        if path in protected:
-            return
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
-

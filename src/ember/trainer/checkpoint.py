@@ -27,7 +27,9 @@ own, with the same plain-data rule (checked before anything is written).
 Writes are atomic and durable: the file is written under a temporary name in the same directory,
 flushed and fsynced, then renamed over the target, and the directory is fsynced. A crash at any
 moment leaves either the previous file or the new one under the checkpoint's name, never a
-truncated one. Only global rank zero writes; the others wait at a barrier.
+truncated one. Only global rank zero writes; the others wait at a barrier. With
+``ModelCheckpoint(async_save=True)`` rank zero copies the state and a background thread writes the
+same file (``ember/callbacks/checkpoint_writer.py``); every other save waits for that write first.
 
 A resume is exact from the points where ModelCheckpoint and preemption write: a step boundary
 (after the optimizer step, step-interval schedulers and any validation of that batch; callbacks get
@@ -51,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.callback import Callback
+from ember.callbacks.checkpoint_writer import writers_of
 from ember.callbacks.file_logger import FileLogger
 from ember.checkpoint_io import (  # noqa: F401  (file-level API, re-exported here)
     FORMAT,
@@ -130,16 +133,32 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
 
 def save(trainer: Trainer, filepath: str, weights_only: bool = False,
          before_rename: Callable[[str], None] | None = None) -> str:
-    """Write ``trainer``'s checkpoint to ``filepath`` (rank zero writes, every rank returns the path)."""
+    """Write ``trainer``'s checkpoint to ``filepath`` (rank zero writes, every rank returns the path).
+
+    Waits for a checkpoint being written in the background first (raising its error, if it failed).
+    The write itself is synchronous, unless the save is one a ``BackgroundWriter`` claimed (see
+    ``ember/callbacks/checkpoint_writer.py``): then rank zero copies the tensors and returns while a
+    thread writes them.
+    """
     if trainer.module is None:
         raise RuntimeError("save_checkpoint needs a module: call it during or after trainer.fit(...).")
     strategy = trainer.strategy
     filepath = strategy.broadcast(os.path.abspath(os.fspath(filepath)))
+    # A write in flight on a background thread (ModelCheckpoint(async_save=True)) completes, and a failure of
+    # it is raised, before this save reads the state: files land in the order the saves were made, and
+    # the callbacks' lists of files (published when their write completes) are those of the files on disk.
+    background = None
+    for pending in writers_of(trainer.callbacks):
+        pending.wait()
+        background = background or pending.take(filepath)
     ckpt = dump(trainer, weights_only)
     check_plain_data(ckpt)
 
     def writer(obj: dict[str, Any], path: str) -> None:
-        write_atomic(obj, path, before_rename)
+        if background is not None:  # the callback that asked for this save writes it in the background
+            background(obj, path, before_rename)
+        else:
+            write_atomic(obj, path, before_rename)
 
     strategy.save_checkpoint(ckpt, filepath, writer)
     strategy.barrier("save_checkpoint")

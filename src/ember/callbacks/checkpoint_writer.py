@@ -1,0 +1,228 @@
+"""Checkpoints written on a background thread (``ModelCheckpoint(async_save=True)``).
+
+At the save point the checkpoint dict is made as for a synchronous save; :meth:`BackgroundWriter.submit`
+then copies its tensors off the live state (into pinned CPU memory for CUDA tensors, asynchronously
+on the current stream; a plain copy for CPU tensors) and its containers, and returns: training
+continues while a thread writes the copy with ``checkpoint_io.write_atomic`` (temporary file, fsync,
+rename) and then runs the caller's ``after`` step (links, rotation). A crash at any moment leaves
+the previous file under the checkpoint's name, as for a synchronous write.
+
+Rules that keep it exact and bounded:
+
+- At most one write is in flight: ``submit`` first waits for the previous one. The copy buffers are
+  kept and reused by the next save when the sizes match, so saving every step does not allocate the
+  model's size again each time.
+- A failure of the write is kept and raised in the training thread by the next ``collect``/``wait``
+  (the next save, a step boundary, the end of fit), never lost.
+- The caller's ``on_done`` runs in the training thread once the write is complete, never in the
+  background thread: the state that names the new files (best, last) is published only when they
+  exist.
+- Every synchronous save waits for the write in flight first (``trainer.checkpoint.save`` calls
+  :func:`writers_of` and :meth:`BackgroundWriter.wait`), so files are written in the order the saves
+  were made.
+
+Tensors are copied storage by storage, keeping their offsets, sizes and strides, so that views of
+one storage stay views of one storage and the file holds the same bytes as a synchronous save. The
+copies are CPU tensors: a checkpoint of CUDA tensors written this way loads on the CPU unless a
+``map_location`` says otherwise (ember's own loading always maps to the CPU first).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ember.checkpoint_io import write_atomic
+
+#: ``after(write)`` runs on the background thread once the checkpoint is complete on disk; ``write(path)``
+#: writes the same checkpoint atomically to another path.
+After = Callable[[Callable[[str], None]], None]
+
+
+class _Job:
+    def __init__(self, obj: Any, path: str, events: list[Any], before_rename: Callable[[str], None] | None,
+                 after: After | None, on_done: Callable[[], None] | None) -> None:
+        self.obj: Any = obj
+        self.path = path
+        self.events = events
+        self.before_rename = before_rename
+        self.after = after
+        self.on_done = on_done
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for event in self.events:  # the device -> pinned copies enqueued at the save point
+                event.synchronize()
+            write_atomic(self.obj, self.path, self.before_rename)
+            if self.after is not None:
+                self.after(lambda other: write_atomic(self.obj, other))
+        except BaseException as err:  # kept for the training thread, which raises it
+            self.error = err
+        finally:
+            self.obj = None  # the copy buffers stay with the writer, for the next save
+
+
+class BackgroundWriter:
+    """Writes one checkpoint at a time on a background thread; see the module's docstring."""
+
+    def __init__(self) -> None:
+        self._job: _Job | None = None
+        self._thread: threading.Thread | None = None
+        self._buffers: list[torch.UntypedStorage] = []
+        self._claim: tuple[str, After | None, Callable[[], None] | None] | None = None
+
+    # ------------------------------------------------------------------ routing a save here
+    @contextlib.contextmanager
+    def claim(self, path: str, after: After | None = None,
+              on_done: Callable[[], None] | None = None) -> Iterator[None]:
+        """Within this block, the save of ``path`` (``trainer.save_checkpoint``) is written by this writer,
+        with ``after`` and ``on_done`` as for :meth:`submit`."""
+        self._claim = (os.path.abspath(path), after, on_done)
+        try:
+            yield
+        finally:
+            self._claim = None
+
+    def take(self, path: str) -> Callable[[Any, str, Callable[[str], None] | None], None] | None:
+        """The submit function for a save of ``path`` claimed with :meth:`claim`, or None when none is."""
+        if self._claim is None or self._claim[0] != os.path.abspath(path):
+            return None
+        _, after, on_done = self._claim
+        self._claim = None
+
+        def submit(obj: Any, target: str, before_rename: Callable[[str], None] | None = None) -> None:
+            self.submit(obj, target, before_rename=before_rename, after=after, on_done=on_done)
+        return submit
+
+    # ------------------------------------------------------------------ writing
+    @property
+    def pending(self) -> bool:
+        """Whether a write was submitted whose outcome the training thread has not collected yet."""
+        return self._job is not None
+
+    def submit(self, obj: Any, path: str, before_rename: Callable[[str], None] | None = None,
+               after: After | None = None, on_done: Callable[[], None] | None = None) -> None:
+        """Copy ``obj`` off the live state now and write it to ``path`` on a background thread.
+
+        Args:
+            obj: the checkpoint (tensors, numbers, strings, lists and dicts).
+            path: the file to write, atomically.
+            before_rename: passed to ``write_atomic`` (tests use it to stop at the worst moment).
+            after: run on the background thread once ``path`` is complete, with a function that writes the
+                same checkpoint to another path.
+            on_done: run in the training thread when the write (and ``after``) is collected successfully.
+        """
+        self.wait()  # never two writes in flight; the buffers below are free again
+        events: list[Any] = []
+        copy = self._copy(obj, events)
+        self._job = job = _Job(copy, os.path.abspath(path), events, before_rename, after, on_done)
+        # Not a daemon: an interpreter that exits while a write is in flight finishes the write first.
+        self._thread = threading.Thread(target=job.run, name="ember-checkpoint-writer")
+        self._thread.start()
+
+    def collect(self, raise_errors: bool = True) -> BaseException | None:
+        """If the write in flight has finished: run its ``on_done``, or raise its error (return it instead
+        with ``raise_errors=False``). Does not wait."""
+        if self._job is None or (self._thread is not None and self._thread.is_alive()):
+            return None
+        job, self._job = self._job, None
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if job.error is not None:
+            if not raise_errors:
+                return job.error
+            if hasattr(job.error, "add_note"):
+                job.error.add_note(f"(raised by the background write of the checkpoint {job.path}; the previous "
+                                   "file under that name, if any, is intact)")
+            raise job.error
+        if job.on_done is not None:
+            job.on_done()
+        return None
+
+    def wait(self, raise_errors: bool = True) -> BaseException | None:
+        """Wait for the write in flight, then :meth:`collect` it."""
+        if self._thread is not None:
+            self._thread.join()
+        return self.collect(raise_errors)
+
+    def close(self, raise_errors: bool = False) -> BaseException | None:
+        """Wait for the write in flight and free the copy buffers (the end of a fit)."""
+        try:
+            return self.wait(raise_errors)
+        finally:
+            self._buffers = []
+
+    # ------------------------------------------------------------------ copying
+    def _copy(self, obj: Any, events: list[Any]) -> Any:
+        memo: dict[tuple[Any, ...], torch.UntypedStorage] = {}
+        slot = itertools.count()
+        devices: set[torch.device] = set()
+
+        def storage_copy(src: torch.UntypedStorage, device: torch.device) -> torch.UntypedStorage:
+            key = (device, src.data_ptr(), src.nbytes())
+            found = memo.get(key) if src.nbytes() else None
+            if found is not None:
+                return found  # another view of a storage copied already: stays a view of the same copy
+            i, n, pin = next(slot), src.nbytes(), device.type == "cuda"
+            if i < len(self._buffers) and self._buffers[i].nbytes() == n and self._buffers[i].is_pinned() == pin:
+                buf = self._buffers[i]
+            else:
+                buf = _allocate(n, pin)
+                if i < len(self._buffers):
+                    self._buffers[i] = buf
+                else:
+                    self._buffers.append(buf)
+            buf.copy_(src, non_blocking=pin and buf.is_pinned())
+            if pin:
+                devices.add(device)
+            memo[key] = buf
+            return buf
+
+        def walk(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return _copy_tensor(x, storage_copy)
+            if isinstance(x, dict):
+                return type(x)({k: walk(v) for k, v in x.items()})
+            if isinstance(x, (list, tuple)):
+                return type(x)(walk(v) for v in x)
+            return x  # numbers, strings, dtypes, devices, sizes: immutable
+
+        out = walk(obj)
+        for device in devices:  # the background thread waits for these before reading the buffers
+            events.append(torch.cuda.current_stream(device).record_event())
+        return out
+
+
+def _allocate(nbytes: int, pin: bool) -> torch.UntypedStorage:
+    if pin:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+        except RuntimeError:  # pinning refused (limits, no driver): a pageable copy, synchronous
+            pass
+    return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+
+
+def _copy_tensor(t: torch.Tensor, storage_copy: Callable[[torch.UntypedStorage, torch.device],
+                                                         torch.UntypedStorage]) -> torch.Tensor:
+    if t.device.type == "meta":
+        return t  # no data to change under the writer
+    if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_quantized
+            or t.device.type not in ("cpu", "cuda")):
+        return t.detach().to("cpu", copy=True)  # no plain storage to copy: a copy of the values
+    buf = storage_copy(t.untyped_storage(), t.device)
+    out = torch.empty(0, dtype=t.dtype).set_(buf, t.storage_offset(), t.size(), t.stride())
+    if type(t) is torch.nn.Parameter:
+        return torch.nn.Parameter(out, requires_grad=t.requires_grad)
+    return out.requires_grad_(t.requires_grad)
+
+
+def writers_of(callbacks: Iterable[Any]) -> list[BackgroundWriter]:
+    """The background writers of ``callbacks`` (their ``background_writer`` attribute)."""
+    return [w for cb in callbacks if isinstance(w := getattr(cb, "background_writer", None), BackgroundWriter)]
