@@ -9,11 +9,19 @@ from typing import Any
 import torch
 
 
-def move_to_device(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+def move_to_device(batch: Any, device: torch.device | str, dtype: torch.dtype | None = None) -> Any:
     """Return ``batch`` with every tensor moved to ``device`` (and floats cast to ``dtype``).
 
     Walks tuples, lists, dicts, namedtuples and dataclasses; other leaves are returned as they are.
+    Copies towards an accelerator are asynchronous (from pinned memory they overlap the device's
+    work); copies towards the CPU are not, because the caller may read (or pickle) the result at
+    once, before an asynchronous copy would have landed.
     """
+    device = torch.device(device)
+    return _move(batch, device, dtype, device.type != "cpu")
+
+
+def _move(batch: Any, device: torch.device, dtype: torch.dtype | None, non_blocking: bool) -> Any:
     # Own walker, not lightning-utilities' ``apply_to_collection``, because the results differ
     # (speed is no reason: on CPU, a (x, y) tuple takes 2.6 us here vs 2.7 us there, a dict of
     # three tensors 2.7 vs 3.1 us). Dataclasses are rebuilt with ``dataclasses.replace``, so a
@@ -23,20 +31,20 @@ def move_to_device(batch: Any, device: torch.device, dtype: torch.dtype | None =
     # Sequence and fails to rebuild some (a ``range`` leaf raises TypeError).
     if isinstance(batch, torch.Tensor):
         if dtype is not None and batch.is_floating_point():
-            return batch.to(device=device, dtype=dtype, non_blocking=True)
-        return batch.to(device, non_blocking=True)
+            return batch.to(device=device, dtype=dtype, non_blocking=non_blocking)
+        return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, (list, tuple)):
-        moved = [move_to_device(b, device, dtype) for b in batch]
+        moved = [_move(b, device, dtype, non_blocking) for b in batch]
         if isinstance(batch, tuple) and hasattr(batch, "_fields"):
             return type(batch)(*moved)
         return moved if type(batch) is list else type(batch)(moved)
     if isinstance(batch, dict):
-        items = [(k, move_to_device(v, device, dtype)) for k, v in batch.items()]
+        items = [(k, _move(v, device, dtype, non_blocking)) for k, v in batch.items()]
         if isinstance(batch, collections.defaultdict):  # its first constructor argument is the factory
             return type(batch)(batch.default_factory, items)
         return type(batch)(items)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        changes = {f.name: move_to_device(getattr(batch, f.name), device, dtype)
+        changes = {f.name: _move(getattr(batch, f.name), device, dtype, non_blocking)
                    for f in dataclasses.fields(batch) if f.init}
         return dataclasses.replace(batch, **changes)
     return batch

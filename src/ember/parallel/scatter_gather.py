@@ -201,16 +201,20 @@ def _background_stream(device: torch.device) -> Any:
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
     if t.device == device:
         return t
-    if device.type == "cuda":
+    if device.type == "cuda" and t.device.type == "cpu":
+        # A CPU source has no GPU work to wait for, so the copy goes on a side stream without
+        # waiting for the current one: a pinned chunk then lands while the GPU still computes.
+        # Only the current stream waits for the copy (PyTorch's Scatter does the same).
         stream = _background_stream(device)
-        main = torch.cuda.current_stream(device)
-        stream.wait_stream(main)  # the copy must not overtake work that produced ``t``
         with torch.cuda.stream(stream):
             out = t.to(device, non_blocking=True)
+        main = torch.cuda.current_stream(device)
         main.wait_stream(stream)
         out.record_stream(main)  # the allocator must not reuse it before ``main`` is done
         return out
-    return t.to(device)
+    # GPU to GPU: on the current streams, which orders the copy after the work producing ``t``.
+    # Towards the CPU: blocking, since the caller reads the result at once.
+    return t.to(device, non_blocking=device.type == "cuda")
 
 
 class Scatter(torch.autograd.Function):

@@ -1,0 +1,134 @@
+"""ddp on CUDA: NCCL at world size 1, two gloo ranks sharing GPU 0, ember's DDP against PyTorch's.
+
+NCCL refuses two ranks on one GPU, so with one GPU the multi-rank tests use gloo with CUDA tensors
+(the reducer's async all-reduce and the broadcasts run on GPU memory all the same).
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import ember
+from ember.callbacks import Callback
+from ember.strategies.ddp import DDPStrategy
+from tests.cuda.cuda_helpers import BATCH, MLP, assert_close_modules, loader, needs_cuda, needs_two_gpus, trainer
+from tests.helpers.dist import run_ranks
+
+pytestmark = [needs_cuda, pytest.mark.timeout(180)]
+CUDA0 = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def loopback(monkeypatch):
+    # NCCL's bootstrap needs a network interface even for one rank; a bare container may have
+    # only the loopback one.
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", os.environ.get("NCCL_SOCKET_IFNAME", "lo"))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+
+
+class GroupSpy(Callback):
+    def on_train_start(self, trainer, module):
+        group = dist.group.WORLD
+        self.backend = dist.get_backend()
+        self.bound = getattr(group, "bound_device_id", None)
+        self.current = torch.cuda.current_device()
+
+
+def test_ddp_with_nccl_at_world_size_1_equals_the_single_device_fit(loopback):
+    spy = GroupSpy()
+    module = MLP()
+    t = trainer(strategy="ddp", callbacks=[spy])
+    t.fit(module, loader())
+    assert spy.backend == "nccl" and spy.bound == CUDA0 and spy.current == 0
+    assert not dist.is_initialized()  # its private group is released at teardown
+    single = MLP()
+    trainer().fit(single, loader())
+    assert_close_modules(module, single)
+
+
+def _rank_env(rank: int, world: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+
+
+def gloo_ranks_on_gpu_0(rank: int, world: int) -> dict:
+    _rank_env(rank, world)
+    module = MLP()
+    strategy = DDPStrategy(devices=[CUDA0] * world, process_group_backend="gloo")
+    t = trainer(strategy=strategy, max_epochs=2)
+    t.fit(module, loader(batch_size=BATCH))
+    out = {"device": str(module.device), "steps": t.global_step,
+           "weights": [v.detach().cpu() for v in module.state_dict().values()],
+           "loss": float(t.callback_metrics["loss"])}
+    if rank == 0:  # one process on the global batch, on the same GPU
+        alone = MLP()
+        trainer(max_epochs=2).fit(alone, loader(batch_size=BATCH * world))
+        out["single"] = [v.detach().cpu() for v in alone.state_dict().values()]
+    return out
+
+
+def test_two_gloo_ranks_sharing_gpu_0_train_like_one_process_on_the_global_batch(loopback):
+    results = run_ranks(gloo_ranks_on_gpu_0, 2, timeout=150)
+    assert [r["device"] for r in results] == ["cuda:0", "cuda:0"]
+    assert [r["steps"] for r in results] == [4, 4]  # 64 samples, 2 ranks of batch 16, 2 epochs
+    for a, b, c in zip(results[0]["weights"], results[1]["weights"], results[0]["single"]):
+        assert torch.equal(a, b)  # the ranks agree exactly
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
+    assert results[0]["loss"] == results[1]["loss"]
+
+
+def ember_and_torch_ddp(rank: int, world: int) -> dict:
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).cuda()
+    ours = ember.parallel.DistributedDataParallel(copy.deepcopy(base), device_ids=[CUDA0], bucket_cap_mb=0.01)
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=0.01)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        x, y = torch.randn(32, 8, generator=g).cuda(), torch.randn(32, 1, generator=g).cuda()
+        for model, opt in zip((ours, theirs), opts):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    torch.cuda.synchronize()
+    return {"ours": [p.detach().cpu() for p in ours.module.parameters()],
+            "theirs": [p.detach().cpu() for p in theirs.module.parameters()]}
+
+
+def test_embers_distributed_data_parallel_matches_pytorchs_on_cuda(loopback):
+    results = run_ranks(ember_and_torch_ddp, 2, timeout=120)
+    for r in results:
+        for a, b in zip(r["ours"], r["theirs"]):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    for a, b in zip(results[0]["ours"], results[1]["ours"]):
+        assert torch.equal(a, b)
+
+
+def rank_on_its_listed_device(rank: int, world: int) -> dict:
+    # Issue 15 items 3 and 5: a group that already exists (made by the harness) still gets the
+    # rank's device set, so each rank works on devices[local_rank], not on cuda:0.
+    _rank_env(rank, world)
+    seen: list[int] = []
+
+    class Spy(MLP):
+        def training_step(self, batch, batch_idx):
+            seen.append(torch.cuda.current_device())
+            return super().training_step(batch, batch_idx)
+
+    module = Spy()
+    strategy = DDPStrategy(devices=[torch.device("cuda", 1), torch.device("cuda", 0)], process_group_backend="gloo")
+    trainer(strategy=strategy, max_epochs=1).fit(module, loader())
+    return {"current": sorted(set(seen)), "device": str(module.device)}
+
+
+@needs_two_gpus
+def test_each_rank_uses_its_listed_gpu_in_an_existing_group(loopback):
+    results = run_ranks(rank_on_its_listed_device, 2, timeout=120)
+    assert results == [{"current": [1], "device": "cuda:1"}, {"current": [0], "device": "cuda:0"}]
