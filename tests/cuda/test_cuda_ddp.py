@@ -64,8 +64,7 @@ def gloo_ranks_on_gpu_0(rank: int, world: int) -> dict:
     t = trainer(strategy=strategy, max_epochs=2)
     t.fit(module, loader(batch_size=BATCH))
     out = {"device": str(module.device), "steps": t.global_step,
-           "weights": [v.detach().cpu() for v in module.state_dict().values()],
-           "loss": float(t.callback_metrics["loss"])}
+           "weights": [v.detach().cpu() for v in module.state_dict().values()]}
     if rank == 0:  # one process on the global batch, on the same GPU
         alone = MLP()
         trainer(max_epochs=2).fit(alone, loader(batch_size=BATCH * world))
@@ -80,7 +79,6 @@ def test_two_gloo_ranks_sharing_gpu_0_train_like_one_process_on_the_global_batch
     for a, b, c in zip(results[0]["weights"], results[1]["weights"], results[0]["single"]):
         assert torch.equal(a, b)  # the ranks agree exactly
         torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
-    assert results[0]["loss"] == results[1]["loss"]
 
 
 def ember_and_torch_ddp(rank: int, world: int) -> dict:
@@ -125,7 +123,7 @@ def rank_on_its_listed_device(rank: int, world: int) -> dict:
     module = Spy()
     strategy = DDPStrategy(devices=[torch.device("cuda", 1), torch.device("cuda", 0)], process_group_backend="gloo")
     trainer(strategy=strategy, max_epochs=1).fit(module, loader())
-    return {"current": sorted(set(seen)), "device": str(module.device)}
+    return {"current": sorted(set(seen)), "device": str(module.device)}  # (a process of its own: no reset)
 
 
 @needs_two_gpus

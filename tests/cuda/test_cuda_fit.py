@@ -69,7 +69,7 @@ def test_pinned_batches_are_moved_to_the_gpu_without_blocking_and_arrive_intact(
     t.fit(Spy(), loader(pin_memory=True))
     assert pinned and all(pinned)
     expected = [float(x.sum()) for x, _ in loader()]
-    assert values == pytest.approx(expected, rel=1e-5)
+    assert values == pytest.approx(expected, abs=1e-4)
 
 
 def test_moving_to_the_cpu_never_copies_asynchronously():
@@ -102,7 +102,10 @@ def test_devices_1_makes_gpu_1_the_current_device(strategy):
             assert torch.ones(1, device="cuda").device == torch.device("cuda", 1)
             return super().training_step(batch, batch_idx)
 
-    trainer(strategy=strategy, devices=[1], max_epochs=1).fit(Spy(), loader())
+    try:
+        trainer(strategy=strategy, devices=[1], max_epochs=1).fit(Spy(), loader())
+    finally:
+        torch.cuda.set_device(0)  # the fit leaves GPU 1 current, as Lightning does; later tests expect 0
     assert set(current) == {1}
 
 

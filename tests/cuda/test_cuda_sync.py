@@ -85,7 +85,7 @@ def test_each_step_synchronises_at_most_once_per_log_write_and_per_redraw(tmp_pa
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         counter = CountSyncs(caught, stream)
-        t = trainer(max_epochs=1, log_every_n_steps=LOG_EVERY, default_root_dir=tmp_path,
+        t = trainer(max_epochs=1, log_every_n_steps=LOG_EVERY, default_root_dir=tmp_path, enable_checkpointing=True,
                     logger=TensorBoardLogger(save_dir=tmp_path), enable_progress_bar=True,
                     callbacks=[counter, ProgressBar(mode="bar", stream=stream)])
         torch.cuda.set_sync_debug_mode("warn")
