@@ -19,6 +19,7 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so it
 ``callback_metrics``   the latest logged values (what monitors compare against)
 ``rng``                torch / CUDA / Python / NumPy generator states, one entry per rank
 ``strategy``           strategy name, world size
+``job``                the torchrun or SLURM job that wrote it, or None (a restart resumes its own job's only)
 =====================  ==================================================================
 
 ``TrainModule.on_save_checkpoint`` and callbacks' ``on_save_checkpoint`` may add keys of their
@@ -68,6 +69,7 @@ from ember.checkpoint_io import (  # noqa: F401  (file-level API, re-exported he
 )
 from ember.rng import apply_rng, capture_rng, rng_from_tensor, rng_to_tensor  # noqa: F401 (re-exported)
 from ember.strategies.resumable import resumable_sampler_of
+from ember.trainer import auto_resume
 from ember.version import __version__
 
 if TYPE_CHECKING:
@@ -108,6 +110,7 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
         "epoch": trainer.progress.current_epoch,
         "global_step": trainer.progress.global_step,
         "strategy": {"name": strategy.strategy_name, "world_size": strategy.world_size},
+        "job": auto_resume.job_key(),
     }
     if not weights_only:
         ckpt["optimizer_states"] = [opt.state_dict() for opt in trainer._optim.optimizers]
@@ -232,12 +235,11 @@ def default_dir(trainer: Trainer) -> str:
     return os.path.join(trainer.default_root_dir, "checkpoints")
 
 
-def find_last(trainer: Trainer) -> tuple[str | None, list[str]]:
-    """The most recently written ``last*.ckpt`` where this Trainer's checkpoints go, and the
-    directories searched (with the default logger: every ``version_N`` of ``default_root_dir``)."""
+def search_dirs(trainer: Trainer) -> list[str]:
+    """Where this Trainer's checkpoints go (with the default logger: every run directory of
+    ``default_root_dir``), absolute, without repeats."""
     dirs: list[str] = []
-    callbacks = _checkpoint_callbacks(trainer)
-    for cb in callbacks:
+    for cb in _checkpoint_callbacks(trainer):
         given = getattr(cb, "_dirpath_given", True) and cb.dirpath
         for d in ([cb.dirpath] if given else _default_dirs(trainer)):
             if os.path.abspath(d) not in dirs:
@@ -245,6 +247,14 @@ def find_last(trainer: Trainer) -> tuple[str | None, list[str]]:
     for d in _default_dirs(trainer) + [default_dir(trainer)]:
         if os.path.abspath(d) not in dirs:
             dirs.append(os.path.abspath(d))
+    return dirs
+
+
+def find_last(trainer: Trainer) -> tuple[str | None, list[str]]:
+    """The most recently written ``last*.ckpt`` where this Trainer's checkpoints go, and the
+    directories searched (with the default logger: every ``version_N`` of ``default_root_dir``)."""
+    dirs = search_dirs(trainer)
+    callbacks = _checkpoint_callbacks(trainer)
     found = [p for d in dirs for p in glob.glob(os.path.join(glob.escape(d), "last*.ckpt"))]
     if not found:
         # Say where a checkpoint would have been found, run directories that do not exist yet included.
@@ -268,13 +278,28 @@ def _continue_run(trainer: Trainer, path: str) -> None:
             lg.continue_run(os.path.dirname(checkpoints), trainer.default_root_dir)
 
 
-def resolve(trainer: Trainer, ckpt_path: str | os.PathLike, continue_run: bool = False) -> str | None:
-    """Turn ``"last"``, ``"best"`` or a path into a file path (None: start fresh).
+def resolve(trainer: Trainer, ckpt_path: str | os.PathLike | None, continue_run: bool = False) -> str | None:
+    """Turn ``"last"``, ``"best"``, ``"auto"`` or a path into a file path (None: start fresh).
 
-    With ``continue_run`` (fit), a ``"last"`` found in a logger's run directory makes the loggers
-    whose version is not chosen write into that run directory again. Call before the loggers' setup.
+    With ``continue_run`` (fit), a restarted job resumes from its own latest checkpoint whatever
+    ``ckpt_path`` says (``auto_resume.py``), and a checkpoint found in a logger's run directory
+    makes the loggers whose version is not chosen write into that run directory again. Call before
+    the loggers' setup.
     """
     strategy = trainer.strategy
+    if continue_run:  # fit: a restarted job, or ckpt_path="auto" (auto_resume.py)
+        chosen, found_here = auto_resume.choose(trainer, ckpt_path, search_dirs(trainer)) \
+            if strategy.is_global_zero else (None, False)
+        chosen, found_here = strategy.broadcast((chosen, found_here))
+        if found_here:
+            if chosen is not None:
+                _continue_run(trainer, chosen)
+            return chosen
+        if ckpt_path is None:
+            return None
+    elif ckpt_path == auto_resume.AUTO:
+        raise ValueError("ckpt_path='auto' applies to fit (resume when a checkpoint exists); for validate, "
+                         "test and predict pass 'last', 'best' or a path.")
     if ckpt_path == "last":
         found, dirs = find_last(trainer) if strategy.is_global_zero else (None, [])
         found = strategy.broadcast(found)
@@ -292,4 +317,4 @@ def resolve(trainer: Trainer, ckpt_path: str | os.PathLike, continue_run: bool =
             raise CheckpointError("ckpt_path='best' but no ModelCheckpoint of this Trainer has saved a best "
                                   "checkpoint yet. Pass a path, or 'last'.")
         return best[0]
-    return os.fspath(ckpt_path)
+    return None if ckpt_path is None else os.fspath(ckpt_path)

@@ -14,7 +14,11 @@ so schedulers treat the job as preempted rather than finished. ``fit(..., ckpt_p
 continues it exactly.
 
 Which signals: SIGTERM, plus SIGUSR1 under SLURM (``SLURM_JOB_ID`` set), SLURM's usual
-``--signal`` for requeueing. Set ``trainer.preemption_signals`` to a tuple of signals before
+``--signal`` for requeueing. On SIGUSR1 under SLURM, once the checkpoint is written, global rank zero
+asks SLURM to requeue the job (``scontrol requeue $SLURM_JOB_ID``) and every rank exits with status
+0; the requeued job (``SLURM_RESTART_COUNT`` > 0) resumes from its checkpoint on its own
+(``auto_resume.py``). When the requeue cannot be done, a warning says why and the exit status is
+138 as for any other stop signal. Set ``trainer.preemption_signals`` to a tuple of signals before
 ``fit`` to choose others, or to ``()`` to leave every handler alone. Handlers can only be
 installed from the main thread; elsewhere preemption is not handled. The previous handlers are
 put back when ``fit`` returns.
@@ -35,8 +39,10 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
 import signal
 import socket
+import subprocess
 import threading
 import time
 import warnings
@@ -160,10 +166,36 @@ class PreemptionHandler:
                 cb.last_model_path = os.path.abspath(target)
         path = checkpoint.save(t, target)
         signum = self.received if self.received is not None else signal.SIGTERM
-        exc = Preempted(signum, path)
+        requeued = None
+        if signum == getattr(signal, "SIGUSR1", None) and os.environ.get("SLURM_JOB_ID"):
+            requeued = t.strategy.broadcast(requeue_slurm_job(os.environ["SLURM_JOB_ID"]) if t.is_global_zero else None)
+        exc = Preempted(signum, path, requeued)
         if t.is_global_zero:
             warnings.warn(str(exc), UserWarning, stacklevel=2)
         raise exc
+
+
+def requeue_slurm_job(job_id: str) -> str | None:
+    """Ask SLURM to requeue ``job_id`` (``scontrol requeue``); returns what was done, or None (with a
+    warning saying why) when it could not be done."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        warnings.warn("SIGUSR1 under SLURM: the checkpoint is written, but `scontrol` is not on PATH, so the job "
+                      "was not requeued. Resubmit it; fit resumes from the checkpoint with ckpt_path='last'.",
+                      UserWarning, stacklevel=3)
+        return None
+    try:
+        done = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        failure = str(err)
+    else:
+        if done.returncode == 0:
+            return f"requeued SLURM job {job_id} (scontrol requeue {job_id})"
+        failure = (done.stderr or done.stdout).strip() or f"status {done.returncode}"
+    warnings.warn(f"SIGUSR1 under SLURM: the checkpoint is written, but `scontrol requeue {job_id}` failed "
+                  f"({failure}). Resubmit the job; fit resumes from the checkpoint with ckpt_path='last'.",
+                  UserWarning, stacklevel=3)
+    return None
 
 
 @contextlib.contextmanager

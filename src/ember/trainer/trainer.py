@@ -252,7 +252,8 @@ class Trainer(TrainerProperties):
         self.strategy.barrier("prepare_data")
         # "last" is resolved before the loggers' and callbacks' setup: a fit continuing a run's
         # last.ckpt continues writing into that run's directory.
-        path = checkpoint.resolve(self, ckpt_path, continue_run=stage == "fit") if ckpt_path is not None else None
+        path = checkpoint.resolve(self, ckpt_path, continue_run=True) if stage == "fit" else \
+            checkpoint.resolve(self, ckpt_path) if ckpt_path is not None else None
         if datamodule is not None:
             datamodule.setup(stage=stage)
         # By keyword, as Lightning: ``def setup(self, stage)`` and ``(self, stage=None)`` both work.
@@ -380,7 +381,9 @@ class Trainer(TrainerProperties):
             train_dataloaders: a DataLoader (or any iterable of batches).
             val_dataloaders: one loader or a list of them.
             datamodule: a DataModule providing the loaders instead.
-            ckpt_path: resume from this checkpoint, or "last" / "best".
+            ckpt_path: resume from this checkpoint, or "last" / "best"; "auto": resume from the most
+                recent checkpoint when one exists, else start fresh. A restart of a torchrun or SLURM
+                job resumes from the job's own latest checkpoint on its own (``auto_resume.py``).
         """
         self._check_module(module)
         if isinstance(train_dataloaders, DataModule) and datamodule is None:  # Lightning's fit(model, dm)

@@ -1,0 +1,129 @@
+"""Automatic resume: a restarted job continues from its own most recent checkpoint.
+
+Two ways in:
+
+- **A restart.** Under ``torchrun --max-restarts N`` (``TORCHELASTIC_RESTART_COUNT > 0``) or a
+  requeued SLURM job (``SLURM_RESTART_COUNT > 0``), ``fit`` resumes from the most recent complete
+  checkpoint *this job* wrote, whatever ``ckpt_path`` says (that path was where the first attempt
+  started; the job's own checkpoint is later). "This job" is recorded in every checkpoint
+  (``"job"``, see :func:`job_key`), so a restart never picks up a checkpoint another job left in the
+  same directory; when the job has none yet, ``fit`` starts as the first attempt did.
+- **``fit(ckpt_path="auto")``**, for restarts that no launcher reports (a shell loop around
+  ``python train.py``): resume from the most recent complete checkpoint in this Trainer's
+  checkpoint directories (with the default logger, in any of its runs, and the run continues in
+  that run's directory), or start fresh, without a warning, when there is none.
+
+Either way global rank zero prints one line saying which file and step it resumes from. Complete
+means a file ModelCheckpoint or preemption wrote (writes are atomic: a file under a ``.ckpt`` name
+is whole) with the training state (not ``save_weights_only``), readable; ``on_exception.ckpt`` is
+never chosen, since it records the moment of a failure rather than a step boundary. The most
+recent is the newest by modification time, ``last*.ckpt`` first among equals.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import sys
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from ember.trainer.trainer import Trainer
+
+#: ``fit(ckpt_path=AUTO)``: resume when a checkpoint exists, else start fresh.
+AUTO = "auto"
+
+
+def restart(env: Any = None) -> str | None:
+    """``"torchrun restart N"`` / ``"SLURM requeue N"`` when this process is a restart of a job."""
+    env = os.environ if env is None else env
+    for var, what in (("TORCHELASTIC_RESTART_COUNT", "torchrun restart"), ("SLURM_RESTART_COUNT", "SLURM requeue")):
+        count = (env.get(var) or "0").strip()
+        if count.isdigit() and int(count) > 0:
+            return f"{what} {int(count)} ({var}={count})"
+    return None
+
+
+def _agent_identity(pid: int) -> str:
+    """``pid:start time`` of a process (Linux), so a pid reused by a later process differs."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f"{pid}:{f.read().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return str(pid)
+
+
+def job_key(env: Any = None) -> str | None:
+    """Who wrote a checkpoint: the same for every attempt of one job, different between jobs.
+
+    SLURM: the job id (array job and task for arrays), kept across requeues. torchrun: the run id and
+    the agent process (its host, pid and start time): the agent outlives the workers it restarts, and
+    ``--rdzv-id`` defaults to the same "none" for every job. None outside those launchers.
+    """
+    env = os.environ if env is None else env
+    if env.get("SLURM_JOB_ID"):
+        array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+        return f"slurm:{array}_{task}" if array and task else f"slurm:{env['SLURM_JOB_ID']}"
+    if "TORCHELASTIC_RESTART_COUNT" in env:
+        return f"torchrun:{env.get('TORCHELASTIC_RUN_ID', '')}:{socket.gethostname()}:{_agent_identity(os.getppid())}"
+    return None
+
+
+def _peek(path: str) -> dict[str, Any] | None:
+    """The small entries of a checkpoint (tensors stay on disk: mmap), or None when unreadable."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    if not isinstance(ckpt, dict):
+        return None
+    return {k: ckpt.get(k) for k in ("job", "weights_only", "epoch", "global_step", "format")}
+
+
+def find_resumable(dirs: list[str], job: str | None) -> tuple[str, dict[str, Any]] | None:
+    """The most recent complete checkpoint in ``dirs`` (of job ``job`` when given) and its entries."""
+    files = {os.path.abspath(p) for d in dirs for p in glob.glob(os.path.join(glob.escape(d), "*.ckpt"))
+             if not os.path.basename(p).startswith("on_exception")}
+
+    def recency(p: str) -> tuple[float, bool]:
+        try:
+            return os.path.getmtime(p), os.path.basename(p).startswith("last")
+        except OSError:  # removed meanwhile
+            return -1.0, False
+
+    for path in sorted(files, key=recency, reverse=True):
+        meta = _peek(path)
+        if meta is None:
+            warnings.warn(f"Skipping {path} while looking for a checkpoint to resume from: it cannot be read.",
+                          UserWarning, stacklevel=3)
+            continue
+        if meta["weights_only"] is not False or (job is not None and meta["job"] != job):
+            continue
+        return path, meta
+    return None
+
+
+def choose(trainer: Trainer, ckpt_path: Any, dirs: list[str]) -> tuple[str | None, bool]:
+    """What ``fit`` resumes from: ``(path or None, whether it was found here)``. Runs on global rank
+    zero; ``ckpt_path`` is returned unchanged (not found here) when no automatic resume applies."""
+    again = restart()
+    if again is None and ckpt_path != AUTO:
+        return ckpt_path, False
+    found = find_resumable(dirs, job_key() if again is not None else None)
+    if found is None:
+        if again is not None:
+            start = f"from {ckpt_path}" if ckpt_path not in (None, AUTO) else "from scratch"
+            _say(f"{again}: no checkpoint of this job yet; starting {start}.")
+            return (None if ckpt_path == AUTO else ckpt_path), False
+        return None, True
+    path, meta = found
+    why = again if again is not None else "ckpt_path='auto'"
+    _say(f"{why}: resuming from {path} (epoch {meta['epoch']}, global step {meta['global_step']}).")
+    return path, True
+
+
+def _say(line: str) -> None:
+    print(f"[ember] {line}", file=sys.stderr, flush=True)
