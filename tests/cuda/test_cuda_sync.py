@@ -8,7 +8,8 @@ synchronise, at most once each (``ember.utils.to_floats`` copies all values in o
 Two checks: the step itself (``on_train_batch_start`` up to the callbacks' ``on_train_batch_end``)
 runs under ``torch.cuda.set_sync_debug_mode("error")``, so a synchronising call raises where it
 happens; and a whole fit under ``"warn"`` counts the synchronisations between two batch starts
-(transfer of the batch, step, bar, step-metric writes), step by step.
+(transfer of the batch, step, bar, step-metric writes), step by step. ``16-mixed`` is left out:
+torch's GradScaler reads its inf/NaN flag on the host in every ``step`` (by design, in Lightning too).
 """
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ from tests.cuda.cuda_helpers import MLP, loader, needs_cuda, trainer
 pytestmark = [needs_cuda, pytest.mark.timeout(120)]
 LOG_EVERY = 5
 SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+class EpochLogging(MLP):
+    """Also logs an epoch-level mean (accumulated on the device every step)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss_epoch_mean", loss.detach(), on_step=False, on_epoch=True)
+        return loss
 
 
 def _restore_sync_mode():
@@ -59,7 +69,7 @@ def test_non_logging_steps_do_not_synchronise(tmp_path, precision):
                 logger=TensorBoardLogger(save_dir=tmp_path), enable_progress_bar=True,
                 callbacks=[guard, ProgressBar(mode="bar", stream=stream)])
     try:
-        t.fit(MLP(), loader(n=256))
+        t.fit(EpochLogging(), loader(n=256))
     finally:
         _restore_sync_mode()
     assert t.global_step == 32 and guard.strict_steps >= 20
@@ -90,7 +100,7 @@ def test_each_step_synchronises_at_most_once_per_log_write_and_per_redraw(tmp_pa
                     callbacks=[counter, ProgressBar(mode="bar", stream=stream)])
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            t.fit(MLP(), loader(n=256))
+            t.fit(EpochLogging(), loader(n=256))
         finally:
             _restore_sync_mode()
     marks = counter.marks
