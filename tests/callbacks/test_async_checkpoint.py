@@ -288,6 +288,18 @@ def test_only_rank_zero_writes(tmp_path, monkeypatch):
     assert os.path.basename(cb.best_model_path) == "epoch=0-step=3.ckpt"
 
 
+def test_a_save_that_bypasses_ember_save_is_an_error(tmp_path):
+    class Custom(ember.Trainer):
+        def save_checkpoint(self, filepath: str, weights_only: bool = False) -> None:
+            torch.save({"x": torch.zeros(1)}, filepath)
+
+    cb = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1, async_save=True)
+    trainer = Custom(max_steps=2, enable_progress_bar=False, logger=False, callbacks=[cb])
+    with pytest.raises(RuntimeError, match="did not go through ember's Trainer.save_checkpoint"):
+        trainer.fit(Net(), loader())
+    assert not writer_threads()
+
+
 def test_async_save_must_be_a_bool():
     with pytest.raises(ValueError, match="async_save must be True or False"):
         ModelCheckpoint(async_save="yes")  # type: ignore[arg-type]

@@ -82,10 +82,16 @@ class BackgroundWriter:
     def claim(self, path: str, after: After | None = None,
               on_done: Callable[[], None] | None = None) -> Iterator[None]:
         """Within this block, the save of ``path`` (``trainer.save_checkpoint``) is written by this writer,
-        with ``after`` and ``on_done`` as for :meth:`submit`."""
+        with ``after`` and ``on_done`` as for :meth:`submit`. Raises if the block saved without asking
+        ``trainer.checkpoint.save`` (every rank asks, rank zero submits)."""
         self._claim = (os.path.abspath(path), after, on_done)
         try:
             yield
+            if self._claim is not None:
+                raise RuntimeError(
+                    f"ModelCheckpoint(async_save=True): the save of {path} did not go through ember's "
+                    "Trainer.save_checkpoint (is it overridden?), so it was written synchronously and last.ckpt "
+                    "and top-k rotation were not updated. Keep Trainer.save_checkpoint, or use async_save=False.")
         finally:
             self._claim = None
 
