@@ -1,18 +1,36 @@
-"""Checkpoint save time: ember's atomic, fsynced save of a ~100 MB model vs a bare ``torch.save``.
+"""Checkpoint save time: ember's atomic, fsynced save of a ~100 MB model vs a bare ``torch.save``;
+and (``--mode background``) what ``ModelCheckpoint(async_save=True)`` saves of training time.
 
-    python benchmarks/checkpoint.py [--mb 100] [--repeats 5] [--dir DIR]
+    python benchmarks/checkpoint.py [--mb 100] [--repeats 11] [--dir DIR]
+    python benchmarks/checkpoint.py --mode background [--mb 100] [--rounds 7] [--steps 6] [--step-ms 1000]
+                                    [--step cpu|sleep]
 
-Measured in one run, interleaved; medians and minima reported (minima are the least noisy).
-"bare" is ``torch.save(model.state_dict(), path)``
+``--mode save`` (default). Measured in one run, interleaved; medians and minima reported (minima are
+the least noisy). "bare" is ``torch.save(model.state_dict(), path)``
 (no fsync: the data may still be in the page cache when it returns). "ember" is
 ``trainer.save_checkpoint(path)``: the full training state (SGD without momentum holds no
 optimizer tensors, so the bytes written are the same) to a temporary file, fsync, rename, fsync of
 the directory. "bare+fsync" shows what durability alone costs. Target: ember <= 1.5x bare.
+
+``--mode background``. Paired rounds, each running three fits of ``--steps`` steps of the same
+~100 MiB module in an order that alternates between rounds: no checkpoints; ``ModelCheckpoint(
+every_n_train_steps=1)``; the same with ``async_save=True``. The stall is the time a save keeps the
+training thread at the step boundary (ModelCheckpoint's hook: for a synchronous save the whole
+write, for a background one the copy of the state; the first save of a fit, which allocates the
+copy buffers, is left out). A step is ``--step-ms`` of CPU work on one thread (``--step cpu``:
+the other core is left to the writer; the work is a fixed number of matrix products, so a step
+that loses CPU time to the writer takes longer) or a sleep (``--step sleep``: a host waiting for
+device compute), chosen longer than one write so a save never waits for the previous one.
+Targets: background stall <= 10% of the synchronous stall (median over rounds of the per-round
+median ratio), and fit time with a background save every step <= 1.2x the fit time without saves.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -51,11 +69,20 @@ def timed(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("save", "background"), default="save")
     parser.add_argument("--mb", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--rounds", type=int, default=7, help="background: paired rounds")
+    parser.add_argument("--steps", type=int, default=6, help="background: timed steps per fit")
+    parser.add_argument("--step-ms", type=float, default=1000.0, help="background: the length of a step")
+    parser.add_argument("--step", choices=("cpu", "sleep"), default="cpu",
+                        help="background: a step is CPU work on one thread, or a sleep (device compute)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    if args.mode == "background":
+        background(args)
+        return
     module = Big(args.mb)
     nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
     trainer = ember.Trainer(max_steps=1, enable_progress_bar=False, logger=False, enable_checkpointing=False)
@@ -91,6 +118,107 @@ def main() -> None:
         med, low = statistics.median(times), min(times)
         print(f"  {name:24s} median {med * 1000:7.1f} ms ({med / base:4.2f}x bare)   "
               f"min {low * 1000:7.1f} ms ({low / best:4.2f}x bare)   {nbytes / 2**20 / med:6.0f} MiB/s")
+
+
+# ---------------------------------------------------------------------------------------------- background
+class Stepping(Big):
+    """``Big`` whose training step does a fixed amount of CPU work (``calibrate`` sizes it), or sleeps
+    ``sleep_s`` (the host waiting for device compute)."""
+
+    def __init__(self, mb: int, iterations: int, sleep_s: float = 0.0) -> None:
+        super().__init__(mb)
+        self.iterations, self.sleep_s = iterations, sleep_s
+        self.work = torch.randn(192, 192)  # a plain attribute, not state: not in the checkpoint
+
+    def training_step(self, batch, batch_idx):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        else:
+            busy(self.work, self.iterations)
+        return super().training_step(batch, batch_idx)
+
+
+def busy(work: torch.Tensor, iterations: int) -> None:
+    x = work
+    for _ in range(iterations):
+        x = torch.tanh(x @ work)
+
+
+def calibrate(step_ms: float) -> int:
+    """Iterations of ``busy`` taking about ``step_ms`` on this machine now (the fastest of a few tries)."""
+    work = torch.randn(192, 192)
+    per = min(timed(lambda: busy(work, 200)) for _ in range(5)) / 200
+    return max(1, round(step_ms / 1000 / per))
+
+
+class TimedCheckpoint(ember.callbacks.ModelCheckpoint):
+    """Records how long each step-boundary save holds the training thread."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.stalls: list[float] = []
+
+    def on_train_step_boundary(self, trainer, module) -> None:
+        t0 = time.perf_counter()
+        super().on_train_step_boundary(trainer, module)
+        self.stalls.append(time.perf_counter() - t0)
+
+
+def background(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)  # the training thread's work on one core; the other core writes
+    iterations = calibrate(args.step_ms) if args.step == "cpu" else 0
+    steps = args.steps + 1  # the first save of each fit (it allocates the copy buffers) is not timed
+    data = DataLoader(TensorDataset(torch.randn(2 * steps, 2), torch.randn(2 * steps, 1)), batch_size=2)
+    module = Stepping(args.mb, iterations, args.step_ms / 1000 if args.step == "sleep" else 0.0)
+    nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
+
+    def fit(kind: str, root: str) -> tuple[float, list[float]]:
+        directory = tempfile.mkdtemp(dir=root)  # each fit writes into a directory of its own
+        cb = None if kind == "none" else TimedCheckpoint(dirpath=directory, every_n_train_steps=1,
+                                                         async_save=kind == "background")
+        trainer = ember.Trainer(max_steps=steps, enable_progress_bar=False, logger=False, num_sanity_val_steps=0,
+                                default_root_dir=directory, enable_checkpointing=cb is not None,
+                                callbacks=[cb] if cb is not None else None, enable_model_summary=False)
+        with contextlib.redirect_stdout(io.StringIO()):  # the fit's summary line
+            t0 = time.perf_counter()
+            trainer.fit(module, data)
+            elapsed = time.perf_counter() - t0
+        shutil.rmtree(directory)
+        return elapsed, (cb.stalls[1:] if cb is not None else [])
+
+    kinds = ["none", "synchronous", "background"]
+    fits: dict[str, list[float]] = {k: [] for k in kinds}
+    stalls: dict[str, list[float]] = {k: [] for k in kinds[1:]}
+    stall_ratio, time_ratio = [], []
+    with tempfile.TemporaryDirectory(dir=args.dir) as root:
+        for kind in kinds:  # warm up: files exist, pages are faulted in
+            fit(kind, root)
+        for r in range(args.rounds):
+            order = kinds if r % 2 == 0 else kinds[::-1]
+            got = {kind: fit(kind, root) for kind in order}
+            for kind in kinds:
+                fits[kind].append(got[kind][0])
+            for kind in kinds[1:]:
+                stalls[kind].append(statistics.median(got[kind][1]))
+            stall_ratio.append(stalls["background"][-1] / stalls["synchronous"][-1])
+            time_ratio.append(fits["background"][-1] / fits["none"][-1])
+            print(f"  round {r}: stall sync {stalls['synchronous'][-1] * 1000:6.1f} ms, background "
+                  f"{stalls['background'][-1] * 1000:5.1f} ms ({stall_ratio[-1]:.3f}x); fit none "
+                  f"{fits['none'][-1]:5.2f} s, sync {fits['synchronous'][-1]:5.2f} s, background "
+                  f"{fits['background'][-1]:5.2f} s ({time_ratio[-1]:.3f}x)", flush=True)
+    med = statistics.median
+    step_s = med(fits["none"]) / steps
+    print(f"model: {nbytes / 2**20:.1f} MiB of parameters; {args.rounds} paired rounds of {steps} steps "
+          f"({args.steps} saves timed per fit), a step = {step_s * 1000:.0f} ms of "
+          f"{'CPU work on one thread' if args.step == 'cpu' else 'sleep'}")
+    print(f"  stall per save       synchronous {med(stalls['synchronous']) * 1000:7.1f} ms   "
+          f"background {med(stalls['background']) * 1000:6.1f} ms   ratio (median of rounds) {med(stall_ratio):.3f}"
+          f"   target <= 0.10")
+    print(f"  fit of {steps} steps      no saves {med(fits['none']):6.2f} s   save every step: synchronous "
+          f"{med(fits['synchronous']):6.2f} s, background {med(fits['background']):6.2f} s   "
+          f"background / no saves (median of rounds) {med(time_ratio):.3f}   target <= 1.2")
+    print(f"  the write ({med(stalls['synchronous']) * 1000:.0f} ms, the synchronous stall) is "
+          f"{'shorter' if med(stalls['synchronous']) < step_s else 'LONGER'} than a step ({step_s * 1000:.0f} ms)")
 
 
 if __name__ == "__main__":
