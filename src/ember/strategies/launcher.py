@@ -35,6 +35,7 @@ import os
 import re
 import signal
 import socket
+import stat as statmod
 import subprocess
 import sys
 import threading
@@ -245,9 +246,11 @@ class Launcher:
         # attempt gets keys of its own.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         extra: dict[str, Any] = {"device_id": device} if device is not None and device.type == "cuda" else {}
+        before = socket_fds()
         dist.init_process_group(backend, store=dist.PrefixStore(f"ember/attempt{attempt}", self.store),
                                 rank=self.world.rank, world_size=self.world.world_size,
                                 timeout=self.timeout, **extra)
+        _group_sockets.update({fd: ino for fd, ino in socket_fds().items() if before.get(fd) != ino})
         # Left to interpreter shutdown, the group's threads can abort the process ("terminate
         # called without an active exception") after a perfectly good run.
         atexit.register(destroy_group)
@@ -293,12 +296,58 @@ class Launcher:
         return 1 if own is None else own
 
 
+# ---------------------------------------------------------------------------------------------- forks
+# A process forked after the group exists (a DataLoader worker, say) holds copies of the group's
+# connections. When this rank is killed, its peers see the connection close only once every copy is
+# closed: the orphaned loader workers notice their parent's death after up to 5 s, and until then the
+# peers wait, so a restart (torchrun) comes seconds later. A forked child never uses its parent's
+# group, so it drops its copies at once (pointing the descriptors at /dev/null, so that nothing in the
+# child can close or reuse a number the parent's objects still name).
+_group_sockets: dict[int, int] = {}  # descriptor -> inode of the sockets the process group opened
+
+
+def socket_fds() -> dict[int, int]:
+    """This process's socket descriptors and their inodes (Linux; empty where /proc is missing)."""
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            st = os.fstat(int(name))
+        except (OSError, ValueError):
+            continue
+        if statmod.S_ISSOCK(st.st_mode):
+            out[int(name)] = st.st_ino
+    return out
+
+
+def _drop_group_sockets_in_child() -> None:
+    if not _group_sockets:
+        return
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd, ino in _group_sockets.items():
+            with contextlib.suppress(OSError):
+                if os.fstat(fd).st_ino == ino:
+                    os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+    _group_sockets.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_group_sockets_in_child)
+
+
 def destroy_group() -> None:
     # Cycles (module <-> trainer, ...) can hold the group; freed by the interpreter's last
     # collection, gloo's threads would need the GIL after it is gone and abort the process.
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _group_sockets.clear()
     gc.collect()
 
 
