@@ -177,3 +177,16 @@ def test_ddp_spawn_explains_what_could_not_be_pickled():
                                        enable_checkpointing=False, enable_progress_bar=False)
     with pytest.raises(RuntimeError, match="ddp_spawn.*pickling.*strategy='ddp'"):
         trainer.fit(ddp_script.Net(), unpicklable)
+
+
+def test_ddp_spawn_of_a_script_read_from_stdin_says_to_save_it(tmp_path):
+    # Its workers would re-import the main module from a file that does not exist and die at start-up.
+    script = ("import torch, ember\nfrom tests.helpers.models import BoringModel, regression_loader\n"
+              "t = ember.Trainer(strategy='ddp_spawn', devices=2, max_epochs=1, logger=False, "
+              "enable_checkpointing=False, enable_progress_bar=False)\n"
+              "t.fit(BoringModel(), regression_loader())\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-"], input=script, cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1
+    assert "'<stdin>' is not a file (a script read from stdin?). Save the script to a file" in done.stderr

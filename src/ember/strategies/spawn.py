@@ -82,6 +82,12 @@ class SpawnLauncher:
         self.forward_signals = tuple(forward_signals)
 
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+        if main_file is not None and not os.path.exists(main_file):
+            # The spawned workers re-run the main module from its file; each would die at start-up.
+            raise RuntimeError(f"ddp_spawn starts each rank by re-importing the main module from its file, and "
+                               f"{main_file!r} is not a file (a script read from stdin?). Save the script to a "
+                               f"file and run that.")
         payload = self.dumps((fn, args, kwargs))
         store = loopback_store(self.timeout)
         env = {**local_env(self.num_processes, store.port), HOSTED_ENV: "1"}
