@@ -300,6 +300,42 @@ def test_a_save_that_bypasses_ember_save_is_an_error(tmp_path):
     assert not writer_threads()
 
 
+def _ddp_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    """On each of 2 gloo ranks: a reference fit, a fit with background saves stopped by an exception,
+    and its resume (ember's ``ddp`` joins the process group ``run_ranks`` made)."""
+    import warnings
+    warnings.simplefilter("ignore")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    from tests.trainer.test_checkpoint_resume import StopAt, fit
+
+    ref, _ = fit(os.path.join(root, "ref"), strategy="ddp", devices=world, max_epochs=1)
+    run = os.path.join(root, "async")
+
+    def background() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=os.path.join(run, "ckpts"), every_n_train_steps=2, async_save=True)
+    with pytest.raises(RuntimeError, match="stop at step 5"):
+        fit(run, 0, [StopAt(5)], checkpoint=background(), strategy="ddp", devices=world, max_epochs=1)
+    # Rank zero waited for its write in flight before fit raised (another rank's fit does not wait for it).
+    files = sorted(os.listdir(os.path.join(run, "ckpts"))) if rank == 0 else None
+    resumed, trainer = fit(run, 0, checkpoint=background(), ckpt_path="last", strategy="ddp", devices=world,
+                           max_epochs=1)
+    # Every rank's fit returns once rank zero's last write is complete.
+    last = torch.load(os.path.join(run, "ckpts", "last.ckpt"), weights_only=True)["global_step"]
+    a, b = ref.state_dict(), resumed.state_dict()
+    return {"same": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "files": files,
+            "steps": (trainer.global_step, last), "threads": [t.name for t in writer_threads()]}
+
+
+@pytest.mark.timeout(120)
+def test_ddp_background_saves_resume_exactly_on_two_ranks(tmp_path):
+    from tests.helpers.dist import run_ranks
+    results = run_ranks(_ddp_ranks, 2, str(tmp_path), timeout=90)
+    # 6 steps an epoch on 2 ranks; saves at steps 2 and 4 before the stop; rank zero alone writes.
+    assert results[0] == {"same": True, "files": ["epoch=0-step=4.ckpt", "last.ckpt"], "steps": (6, 6), "threads": []}
+    assert results[1] == {**results[0], "files": None}
+
+
 def test_async_save_must_be_a_bool():
     with pytest.raises(ValueError, match="async_save must be True or False"):
         ModelCheckpoint(async_save="yes")  # type: ignore[arg-type]

@@ -277,7 +277,9 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         # still leaves a ``last`` checkpoint of its final state.
         if self.save_last and not self._saved_in_fit and trainer.global_step != self._last_global_step_saved:
             self._save_last_only(trainer)
-        self._finish_write()  # what fit wrote is on disk (or its failure raised) when fit returns
+        if self.background_writer is not None:
+            self._finish_write()  # what fit wrote is on disk (or its failure raised) when fit returns,
+            trainer.strategy.barrier("async checkpoint")  # on every rank, as after a synchronous save
 
     def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
         self._finish_write()
