@@ -1,7 +1,13 @@
 """ember DDP vs torch.nn.parallel.DistributedDataParallel: step time and peak memory per rank.
 
-Model: MLP 256 -> 4 x 1024 -> 10 (3.4 M parameters), per-rank batch 256, SGD, gloo on CPU,
-one compute thread per rank. Each step is zero_grad / forward / cross-entropy / backward / step.
+Models (``--model``), each mapping a (batch, 256) input to 10 classes, SGD, gloo on CPU, one compute
+thread per rank; each step is zero_grad / forward / cross-entropy / backward / step:
+
+- ``mlp``: 256 -> 4 x 1024 -> 10 (10 parameter tensors, 3.4 M parameters), per-rank batch 256.
+- ``transformer``: an 8-layer ``nn.TransformerEncoder`` (d=256, 8 heads, ff=1024) reading the batch
+  as one sequence of tokens, then a linear head (98 tensors, 6.3 M parameters), per-rank batch 128.
+- ``many-small``: 256 -> 128, 150 x (Linear 128-128 + LayerNorm), -> 10 (604 tensors, 2.5 M
+  parameters), per-rank batch 64: where per-parameter overhead shows.
 
 Step time: all variants live in the same ranks and run in interleaved blocks (the order flips
 every round), so machine noise hits them alike; reported: the median block time per variant
@@ -10,9 +16,12 @@ ember/torch ratio as the median of per-round ratios (robust to load from other p
 memory: each variant runs alone in a fresh pair of ranks (ru_maxrss is a high-water mark),
 ``--memory-repeats`` times in alternating order; reported as the mean over repeats of the larger
 rank's peak RSS, and of its growth over the RSS after building the model and data, just before
-wrapping (imports the wrapper needs count).
+wrapping (imports the wrapper needs count). It is measured twice: with glibc's default malloc,
+whose heap keeps freed blocks and so adds fragmentation that depends on the order of frees, and
+with ``MALLOC_MMAP_THRESHOLD_`` fixed at 128 KiB (every block that large is mapped on its own and
+returned on free), where the high-water mark follows the live tensors.
 
-Run: ``python benchmarks/ddp.py`` (``--help`` for options).
+Run: ``python benchmarks/ddp.py --model many-small`` (``--help`` for options).
 """
 from __future__ import annotations
 
@@ -36,8 +45,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from
 VARIANTS = ("torch", "ember", "torch+bf16", "ember+bf16")
 
 
-def make_model() -> nn.Module:
+BATCH = {"mlp": 256, "transformer": 128, "many-small": 64}  # per-rank batch per model
+
+
+def make_model(name: str) -> nn.Module:
     torch.manual_seed(0)
+    if name == "transformer":
+        layer = nn.TransformerEncoderLayer(256, 8, dim_feedforward=1024)
+        encoder = nn.TransformerEncoder(layer, 8, enable_nested_tensor=False)
+        return nn.Sequential(encoder, nn.Linear(256, 10))
+    if name == "many-small":
+        layers: list[nn.Module] = [nn.Linear(256, 128)]
+        for _ in range(150):
+            layers += [nn.Linear(128, 128), nn.LayerNorm(128)]
+        return nn.Sequential(*layers, nn.Linear(128, 10))
     layers, width = [nn.Linear(256, 1024), nn.ReLU()], 1024
     for _ in range(3):
         layers += [nn.Linear(width, width), nn.ReLU()]
@@ -64,11 +85,11 @@ def wrap(variant: str, model: nn.Module) -> nn.Module:
 
 
 class Runner:
-    def __init__(self, variant: str, batch: int, rank: int) -> None:
+    def __init__(self, variant: str, model_name: str, batch: int, rank: int) -> None:
         g = torch.Generator().manual_seed(rank)
         self.x = torch.randn(batch, 256, generator=g)
         self.y = torch.randint(0, 10, (batch,), generator=g)
-        model = make_model()
+        model = make_model(model_name)
         self.rss_before_wrap = rss_mib()
         self.model = wrap(variant, model)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
@@ -88,7 +109,7 @@ def rss_mib() -> float:
 
 def time_worker(rank: int, args: argparse.Namespace) -> dict[str, list[float]]:
     """Per variant: the median step time (ms) of each round's block."""
-    runners = {v: Runner(v, args.batch, rank) for v in ("single", *VARIANTS)}
+    runners = {v: Runner(v, args.model, args.batch, rank) for v in ("single", *VARIANTS)}
     blocks: dict[str, list[float]] = {v: [] for v in runners}
     for runner in runners.values():
         for _ in range(args.warmup):
@@ -102,7 +123,7 @@ def time_worker(rank: int, args: argparse.Namespace) -> dict[str, list[float]]:
 
 
 def memory_worker(rank: int, args: argparse.Namespace, variant: str) -> dict[str, float]:
-    runner = Runner(variant, args.batch, rank)
+    runner = Runner(variant, args.model, args.batch, rank)
     for _ in range(args.memory_steps):
         runner.step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -124,14 +145,27 @@ def _entry(rank: int, world: int, port: int, fn_name: str, args: argparse.Namesp
         dist.destroy_process_group()
 
 
-def launch(fn_name: str, args: argparse.Namespace, *extra: object) -> list[dict[str, float]]:
+MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+
+
+def launch(fn_name: str, args: argparse.Namespace, *extra: object,
+           env: dict[str, str] | None = None) -> list[dict[str, float]]:
     ctx = multiprocessing.get_context("spawn")
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})  # read by the ranks' C library when they start
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     results = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(r, args.world_size, store.port, fn_name, args,
                                               extra, results)) for r in range(args.world_size)]
-    for p in procs:
-        p.start()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = old
     try:
         out = dict(results.get(timeout=1800) for _ in procs)
         failed = {r: v for r, v in out.items() if isinstance(v, str)}
@@ -148,22 +182,31 @@ def launch(fn_name: str, args: argparse.Namespace, *extra: object) -> list[dict[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=256, help="per-rank batch")
+    parser.add_argument("--model", choices=sorted(BATCH), default="mlp")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="per-rank batch (default: the model's, see above)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--block", type=int, default=5, help="steps per variant per round")
     parser.add_argument("--memory-steps", type=int, default=30)
     parser.add_argument("--memory-repeats", type=int, default=2)
     args = parser.parse_args()
+    if args.batch is None:
+        args.batch = BATCH[args.model]
 
-    print(f"torch {torch.__version__}, {args.world_size} ranks over gloo, 1 thread each, "
+    tensors = sum(1 for p in make_model(args.model).parameters())
+    print(f"model {args.model} ({tensors} parameter tensors), "
+          f"torch {torch.__version__}, {args.world_size} ranks over gloo, 1 thread each, "
           f"per-rank batch {args.batch}, {args.rounds * args.block} timed steps per variant")
     timing = launch("time_worker", args)
     memory: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     for repeat in range(args.memory_repeats):
         for v in (VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]):
-            ranks = launch("memory_worker", args, v)
-            memory[v].append({k: max(r[k] for r in ranks) for k in ("peak", "growth")})
+            result: dict[str, float] = {}
+            for suffix, env in (("", None), (" mmap", MMAP_ENV)):
+                ranks = launch("memory_worker", args, v, env=env)
+                result.update({k + suffix: max(r[k] for r in ranks) for k in ("peak", "growth")})
+            memory[v].append(result)
 
     # The slower rank sets the pace of each round.
     rounds = {v: [max(r[v][i] for r in timing) for i in range(args.rounds)] for v in timing[0]}
@@ -179,13 +222,17 @@ def main() -> None:
         return statistics.mean(m[key] for m in memory[v])
 
     print(f"\nno communication (one process, per-rank batch): {ms('single'):.1f} ms/step")
-    print(f"{'variant':<12}{'step ms':>10}{'peak RSS MiB':>15}{'RSS growth MiB':>16}")
+    print(f"{'':<22}{'default malloc':>30}{'large blocks mmapped':>30}")
+    print(f"{'variant':<12}{'step ms':>10}" + f"{'peak RSS MiB':>15}{'RSS growth MiB':>15}" * 2)
     for v in VARIANTS:
-        print(f"{v:<12}{ms(v):>10.1f}{mib(v, 'peak'):>15.1f}{mib(v, 'growth'):>16.1f}")
+        print(f"{v:<12}{ms(v):>10.1f}" + "".join(
+            f"{mib(v, 'peak' + s):>15.1f}{mib(v, 'growth' + s):>15.1f}" for s in ("", " mmap")))
     for hook in ("", "+bf16"):
         t = paired("ember" + hook, "torch" + hook)
-        m = mib("ember" + hook, "peak") / mib("torch" + hook, "peak")
-        print(f"ember/torch{hook or ' fp32'}: step time {t:.3f}, peak memory {m:.3f}")
+        m, mm = (mib("ember" + hook, "peak" + s) / mib("torch" + hook, "peak" + s)
+                 for s in ("", " mmap"))
+        print(f"ember/torch{hook or ' fp32'}: step time {t:.3f}, peak memory {m:.3f} "
+              f"(large blocks mmapped: {mm:.3f})")
 
 
 if __name__ == "__main__":

@@ -7,13 +7,14 @@ How a bucket is reduced across ranks is in ``comm_hooks.py``.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["FlatBucket", "compute_bucket_assignment", "sole_owner", "DEFAULT_FIRST_BUCKET_BYTES", "MiB"]
+__all__ = ["FlatBucket", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES", "MiB"]
 
 MiB = 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
@@ -29,11 +30,7 @@ def _users(tensor: Tensor) -> int:
 
 
 _SOLE_OWNER = _users(torch.empty(1))  # the count of a tensor nobody else shares
-
-
-def sole_owner(buffer: Tensor) -> bool:
-    """Whether no other tensor shares ``buffer``'s memory (so it may be overwritten)."""
-    return _users(buffer) <= _SOLE_OWNER
+_VIEW_REFS = 2  # sys.getrefcount(views[k]) of a view only its bucket's list holds
 
 
 def compute_bucket_assignment(params: Sequence[Tensor], order: Iterable[int],
@@ -71,9 +68,13 @@ def compute_bucket_assignment(params: Sequence[Tensor], order: Iterable[int],
 
 
 class FlatBucket:
-    """One flat buffer and the parameters whose gradients live in it (the Reducer's storage)."""
+    """One flat buffer and the parameters whose gradients live in it (the Reducer's storage).
 
-    __slots__ = ("indices", "params", "numel", "buffer", "views", "pending", "work", "lent")
+    The views are made once per buffer and kept: the gradients are set to them and accumulate
+    there in place, so no step pays for slicing the buffer again.
+    """
+
+    __slots__ = ("indices", "params", "numel", "buffer", "views", "pending", "work")
 
     def __init__(self, indices: list[int], params: Sequence[Tensor]) -> None:
         self.indices = indices
@@ -81,19 +82,13 @@ class FlatBucket:
         self.numel = sum(p.numel() for p in self.params)
         self.pending = len(indices)
         self.work: Any = None  # a Work (plain all-reduce) or a Future (comm hook)
-        self.lent = False  # gradients currently point into `buffer`
-        # Allocated at the first gradient of a backward: every slot is written before the
-        # all-reduce (a gradient, or zeros), so no zero-fill is needed.
-        self.buffer: Tensor | None = None
+        self.buffer: Tensor | None = None  # allocated at the first backward that needs it
         self.views: list[Tensor] = []
 
-    def release(self) -> None:
-        self.buffer, self.views, self.lent = None, [], False
-
-    def allocate(self, buffer: Tensor | None = None) -> None:
+    def allocate(self) -> None:
+        """Gives the bucket a fresh (uninitialised) buffer and views of it."""
         first = self.params[0]
-        self.buffer = buffer if buffer is not None else \
-            torch.empty(self.numel, dtype=first.dtype, device=first.device)
+        self.buffer = torch.empty(self.numel, dtype=first.dtype, device=first.device)
         self.views, offset = [], 0
         for p in self.params:
             flat = self.buffer[offset:offset + p.numel()]
@@ -103,3 +98,20 @@ class FlatBucket:
             else:
                 self.views.append(flat.as_strided(p.shape, p.stride()))
             offset += p.numel()
+
+    def shared(self, dropped: Iterable[int]) -> bool:
+        """Whether memory of the buffer is held outside the bucket and its parameters' gradients.
+
+        Args:
+            dropped: Slots whose parameter no longer has its view as gradient.
+        """
+        if self.buffer is None:
+            return False
+        # Each of our views holds the storage once; anything more (a tensor derived from a
+        # gradient, say) is someone else's.
+        if _users(self.buffer) > _SOLE_OWNER + len(self.views):
+            return True
+        # A dropped view still referenced (from Python, or from C++, which keeps its Python
+        # object alive with one reference) would see its values overwritten.
+        views = self.views
+        return any(sys.getrefcount(views[k]) > _VIEW_REFS for k in dropped)

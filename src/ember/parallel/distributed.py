@@ -13,9 +13,12 @@ Differences from PyTorch worth knowing:
   first synchronised forward after the window broadcasts instead.
 - A parameter that got no gradient raises at the end of that backward (naming it), not at the
   next forward.
-- After the first synchronised backward, ``param.grad`` is a view into a flat bucket buffer (one
-  copy fewer per step). Without ``gradient_as_bucket_view`` a fresh buffer is used whenever you
-  dropped the gradients (``zero_grad()``), so an old ``.grad`` reference is never overwritten.
+- From the first synchronised backward on, ``param.grad`` is a view into a flat bucket buffer
+  and autograd accumulates into it directly: no copy per parameter, and one gradient-sized buffer
+  where PyTorch keeps two. After ``zero_grad()`` drops the gradients the buffer is reused, unless
+  (without ``gradient_as_bucket_view``) an old ``.grad`` or a tensor sharing its memory is still
+  held: then the bucket gets a fresh buffer, so a held reference is never overwritten.
+- Sparse gradients (``nn.Embedding(sparse=True)``) are refused when wrapping.
 - ``call(name, ...)`` / ``pre_forward`` / ``post_forward`` run any method of the module through
   the same synchronisation as ``forward`` (the Trainer calls ``training_step``).
 """
@@ -95,6 +98,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise ValueError(
                 "DistributedDataParallel got a module with no parameter that requires grad; "
                 "there is nothing to synchronise. Wrap a module with trainable parameters.")
+        self._check_dense(module)
         self.device = self._check_devices(module, device_ids)
         self.device_ids = None if device_ids is None else [self.device]
         self._rank = dist.get_rank(self.process_group)
@@ -115,6 +119,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._warned_all_used = False
 
     # ----------------------------------------------------------------------- checks
+    @staticmethod
+    def _check_dense(module: nn.Module) -> None:
+        # Gradients accumulate into dense buckets, which would silently densify a sparse one.
+        sparse = [name or type(m).__name__ for name, m in module.named_modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+                  and m.weight.requires_grad]
+        if sparse:
+            raise ValueError(
+                f"DistributedDataParallel reduces dense gradient buckets only, but {sparse} "
+                "use sparse=True. Construct them with sparse=False (the default).")
+
     @staticmethod
     def _check_devices(module: nn.Module, device_ids: Sequence | None) -> torch.device:
         devices = {p.device for p in module.parameters()}

@@ -1,19 +1,28 @@
 """Gradient buckets, per-parameter hooks and the all-reduce that overlaps backward.
 
 Parameters are grouped into buckets in reverse registration order (their gradients tend to be
-ready first), each bucket owning one flat buffer. A post-accumulate-grad hook copies a ready
-gradient into its bucket slot, pre-divided by the world size, and points ``param.grad`` at that
-slot, so after the step the gradients *are* the bucket (one copy per step instead of two, and one
-gradient-sized buffer instead of two). A full bucket's all-reduce is launched asynchronously, in
-strict bucket order so every rank issues the same collectives in the same order, while backward
-keeps computing. One callback queued on the autograd engine waits for everything at the end of
-backward. Buckets are rebuilt once from the order gradients actually became ready in the first
-iteration, using rank 0's order so all ranks agree.
+ready first), each bucket owning one flat buffer. At the start of a synchronised backward (its first
+gradient hook) every parameter's ``.grad`` is pointed at its slot in the buffer, so autograd
+accumulates straight into the bucket: no copy per parameter, and the gradients *are* the bucket
+(one gradient-sized buffer instead of PyTorch's two). A post-accumulate-grad hook per parameter
+only counts: when a bucket's last gradient is in, the bucket is divided by the world size in one
+op and its all-reduce launched asynchronously, in strict bucket order so every rank issues the
+same collectives in the same order, while backward keeps computing. One callback queued on the
+autograd engine waits for everything at the end of backward. So the per-step tensor work is per
+bucket; per parameter there is one cheap Python call. Buckets are rebuilt once from the order
+gradients actually became ready in the first iteration, using rank 0's order so all ranks agree.
+
+A gradient that is not its slot when its hook fires (a first backward, a gradient replaced or
+dropped mid-backward, the first iteration of a static graph) is copied into the slot instead.
 
 Without ``gradient_as_bucket_view`` the gradients must stay independent tensors: when the user has
 dropped them (``zero_grad(set_to_none=True)``), the buffer is only reused if no tensor outside the
-reducer still shares its memory; otherwise the bucket gets a fresh buffer, so an old ``.grad``
+reducer still holds its memory; otherwise the bucket gets a fresh buffer, so an old ``.grad``
 reference never sees its values overwritten.
+
+``torch.autograd.graph.register_multi_grad_hook`` would not save anything here: it registers one
+Python hook per tensor too (with a lock and dictionaries per call), and it sees the gradients
+before they are accumulated into ``.grad``.
 """
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ember.parallel.buckets import DEFAULT_FIRST_BUCKET_BYTES, FlatBucket, MiB, compute_bucket_assignment, sole_owner
+from ember.parallel.buckets import DEFAULT_FIRST_BUCKET_BYTES, FlatBucket, MiB, compute_bucket_assignment
 from ember.parallel.comm_hooks import CommHook, GradBucket
 
 __all__ = ["Reducer", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES", "MiB"]
@@ -83,6 +92,7 @@ class Reducer:
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.comm_hook: CommHook | None = None
+        self._one_device = len({p.device for p in self.params}) == 1
         self.buckets: list[FlatBucket] = []
         self._locate: list[tuple[int, int]] = []
         self._build(reversed(range(len(self.params))))
@@ -101,6 +111,7 @@ class Reducer:
         self._used_work = None
         self._used_map: Tensor | None = None
         self.div_factor: float = float(self.world_size)
+        self._scale: float | None = None  # what the reducer multiplies each bucket by
 
         # Learned once.
         self.synced_iterations = 0
@@ -218,13 +229,72 @@ class Reducer:
         self._mark_ready(index, from_hook=True)
 
     def _start_backward(self) -> None:
+        """First gradient hook of a synchronised backward: point the gradients at the buckets."""
         self._started = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-        if self.static_graph and self._static_counts is None:
+        hook = self.comm_hook
+        prescale = hook is None or getattr(hook, "accepts_prescaled", False)
+        self._scale = 1 / self.div_factor if prescale and self.div_factor != 1 else None
+        first_static = self.static_graph and self._static_counts is None
+        # Only the gradient whose hook is running has been accumulated so far, so from here on
+        # autograd adds the others into their slots. Not in a static graph's first iteration
+        # (its unused parameters, not known yet, must keep .grad as it is), nor across devices
+        # (each device's gradients are accumulated on a thread of its own, concurrently).
+        attach = self._one_device and not first_static
+        skip = set(self._unused)  # unused: .grad stays as it is unless another rank used them
+        for bucket in self.buckets:
+            detached = self._claim(bucket)
+            if attach and detached:
+                self._attach(bucket, detached, skip)
+        if first_static:
             self._first_counts = [0] * len(self.params)
             return
         for i in self._unused:
             self._mark_ready(i, from_hook=False)
+
+    def _claim(self, bucket: FlatBucket) -> list[int]:
+        """Makes the bucket's buffer safe to write; returns the slots not holding their gradient."""
+        params, views = bucket.params, bucket.views
+        detached = [k for k, (p, v) in enumerate(zip(params, views)) if p.grad is not v]
+        if bucket.buffer is None or (detached and not self.gradient_as_bucket_view
+                                     and bucket.shared(detached)):
+            # Some dropped gradient (or a view of one) is still held: leave the old memory to
+            # its holder. Attached gradients are copied over by _attach / _mark_ready.
+            bucket.allocate()
+            return list(range(len(params)))
+        return detached
+
+    def _attach(self, bucket: FlatBucket, detached: list[int], skip: set[int]) -> None:
+        """Writes the current gradients of ``detached`` slots into them and points .grad there."""
+        params, views, buffer = bucket.params, bucket.views, bucket.buffer
+        assert buffer is not None  # claimed
+        grads = [params[k].grad for k in detached]
+        if self.gradient_as_bucket_view:
+            # A gradient replaced by another view of the buffer (else _claim gave a fresh one)
+            # must be read before the buffer is zeroed.
+            here = buffer.untyped_storage().data_ptr()
+            grads = [g.clone() if g is not None and g.untyped_storage().data_ptr() == here
+                     else g for g in grads]
+        if len(detached) == len(params) and any(g is None for g in grads):
+            buffer.zero_()  # one op for the whole bucket (the usual case: all were dropped)
+        else:
+            for k, grad in zip(detached, grads):
+                if grad is None:
+                    views[k].zero_()
+        copies = [(k, g) for k, g in zip(detached, grads) if g is not None]
+        if copies:
+            for k, g in copies:
+                self._check_dense(bucket.indices[k], g)
+            torch._foreach_copy_([views[k] for k, _ in copies], [g.detach() for _, g in copies])
+        for k in detached:
+            if bucket.indices[k] not in skip:
+                params[k].grad = views[k]
+
+    def _check_dense(self, index: int, grad: Tensor) -> None:
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"Parameter '{self.names[index]}' has a sparse gradient; ember's "
+                "DistributedDataParallel reduces dense buckets only. Use sparse=False.")
 
     def _mark_ready(self, index: int, from_hook: bool) -> None:
         if self._ready[index]:
@@ -239,54 +309,20 @@ class Reducer:
             self._order.append(index)
         b, slot = self._locate[index]
         bucket = self.buckets[b]
-        if bucket.pending == len(bucket.indices):
-            if bucket.buffer is None:
-                bucket.allocate()
-            elif bucket.lent:
-                self._reclaim(bucket)
         view = bucket.views[slot]
         param = self.params[index]
         grad = param.grad
-        hook = self.comm_hook
-        prescale = hook is None or getattr(hook, "accepts_prescaled", False)
-        scale = 1 / self.div_factor if prescale and self.div_factor != 1 else None
-        if grad is None:
-            view.zero_()
-        elif grad is view:
-            if scale is not None:
-                view.mul_(scale)
-        else:
-            if grad.is_sparse:
-                raise RuntimeError(
-                    f"Parameter '{self.names[index]}' has a sparse gradient; ember's "
-                    "DistributedDataParallel reduces dense buckets only. Use sparse=False.")
-            grad = grad.detach()
-            if scale is not None:
-                torch.mul(grad, scale, out=view)  # divide while copying: one pass
+        if grad is not view:  # not accumulated into its slot (see the module docstring)
+            if grad is None:
+                view.zero_()
             else:
-                view.copy_(grad)
-            if from_hook:
-                param.grad = view  # frees the autograd-produced gradient right away
+                self._check_dense(index, grad)
+                view.copy_(grad.detach())
+                if from_hook:
+                    param.grad = view  # frees the autograd-produced gradient right away
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready()
-
-    def _reclaim(self, bucket: FlatBucket) -> None:
-        """First gradient of a bucket this iteration: may the buffer be overwritten?"""
-        bucket.lent = False
-        if self.gradient_as_bucket_view or \
-                all(p.grad is v for p, v in zip(bucket.params, bucket.views)):
-            return  # gradients accumulate in place, as PyTorch's do
-        # Some gradient was dropped or replaced. Reuse the memory only if no old gradient (or
-        # a view of one) is still held anywhere; otherwise leave it to its holder.
-        buffer = bucket.buffer
-        assert buffer is not None  # allocated at this backward's first gradient
-        bucket.release()
-        if sole_owner(buffer):
-            bucket.allocate(buffer)
-        else:
-            del buffer
-            bucket.allocate()
 
     def _launch_ready(self) -> None:
         buckets = self.buckets
@@ -302,12 +338,14 @@ class Reducer:
 
     def _launch(self, b: int, buffer: Tensor) -> None:
         bucket = self.buckets[b]
+        if self._scale is not None:
+            buffer.mul_(self._scale)  # the division by the world size, once per bucket
         if self.comm_hook is None:
             bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
         else:
             grad_bucket = GradBucket(b, buffer, bucket.params, bucket.views,
                                      b == len(self.buckets) - 1)
-            # Built-in hooks let the copy into the bucket divide: one pass over it fewer.
+            # Built-in hooks let the reducer divide: saves them a pass of their own.
             grad_bucket.prescaled = getattr(self.comm_hook, "accepts_prescaled", False)
             bucket.work = self.comm_hook(grad_bucket)
 
@@ -327,7 +365,6 @@ class Reducer:
                         and result.data_ptr() != bucket.buffer.data_ptr():
                     bucket.buffer.copy_(result.reshape(-1))
                 bucket.work = None
-                bucket.lent = True
             if self._used_work is not None:
                 self._used_work.wait()
                 self._used_work = None
