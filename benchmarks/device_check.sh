@@ -113,7 +113,7 @@ FAILURES=$(grep -E '^(FAILED|ERROR) ' "$LOG_DIR/tests.log" | cut -c1-220)
 BENCH_ARGS=()
 [ "$(left 0)" -lt 100 ] && BENCH_ARGS=(--quick)
 say "python benchmarks/gpu.py ${BENCH_ARGS[*]:-} (log: $LOG_DIR/gpu_benchmark.log)"
-timeout "$(left 5)" "$PY" benchmarks/gpu.py "${BENCH_ARGS[@]}" >"$LOG_DIR/gpu_benchmark.log" 2>&1
+timeout "$(left 5)" "$PY" benchmarks/gpu.py ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} >"$LOG_DIR/gpu_benchmark.log" 2>&1
 BENCH_RC=$?
 
 # 5. Summary.
