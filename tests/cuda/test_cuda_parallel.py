@@ -11,7 +11,7 @@ from torch import nn
 
 from ember.parallel import DataParallel
 from ember.parallel.replicate import _copy_to, replicate
-from ember.parallel.scatter_gather import _background_stream, scatter
+from ember.parallel.scatter_gather import _background_stream, gather, scatter
 from ember.strategies.dp import DataParallelStrategy
 from tests.cuda.cuda_helpers import MLP, assert_close_modules, loader, needs_cuda, plain_cuda_loop, trainer
 
@@ -75,6 +75,14 @@ def test_scatter_from_the_cpu_does_not_wait_for_the_gpu_queue():
     torch.cuda.synchronize()
     assert still_busy, "the side stream waited for the current stream's queue"
     assert torch.equal(torch.cat([c.cpu() for c in chunks]), x)
+
+
+def test_gather_to_the_cpu_returns_values_that_have_landed():
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(200_000_000)  # the fill below waits behind ~0.1 s of GPU time
+    x.fill_(3.0)
+    out = gather([x[: 1 << 19], x[1 << 19:]], "cpu")
+    assert out.device.type == "cpu" and bool((out == 3.0).all())
 
 
 def test_two_replicas_on_one_gpu_match_one_device():
