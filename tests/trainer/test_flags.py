@@ -4,6 +4,7 @@ observed on Lightning 2.6.6 first with the same module and data (32 samples, bat
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 
@@ -283,6 +284,22 @@ def test_benchmark_sets_cudnn_benchmark_and_deterministic_turns_it_off(monkeypat
         torch.use_deterministic_algorithms(False)
     with pytest.raises(ValueError, match=r"benchmark must be True, False or None, got 'yes'"):
         fast_trainer(benchmark="yes")
+
+
+def test_deterministic_sets_the_cublas_workspace_unless_already_set(monkeypatch):
+    # cuBLAS is deterministic only with a fixed workspace; without it, a CUDA matmul under
+    # deterministic=True raises. Lightning 2.6.6 sets ":4096:8"; a value the user set is kept here.
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        fast_trainer(deterministic=False)
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        fast_trainer(deterministic="warn")
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        fast_trainer(deterministic=True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_detect_anomaly_runs_training_under_anomaly_detection():

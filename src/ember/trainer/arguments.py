@@ -14,6 +14,7 @@ import torch
 import ember.callbacks as cbs
 from ember.callbacks.callback import Callback
 from ember.callbacks.logger import Logger
+from ember.strategies.launcher import detect_world
 from ember.strategies.registry import get_strategy
 from ember.strategies.strategy import Strategy
 
@@ -81,6 +82,8 @@ def set_backend_flags(deterministic: bool | str | None, benchmark: bool | None) 
         if deterministic not in (True, False, "warn"):
             raise ValueError(f"deterministic must be True, False or 'warn', got {deterministic!r}.")
         torch.use_deterministic_algorithms(bool(deterministic), warn_only=deterministic == "warn")
+        if deterministic:  # cuBLAS is deterministic only with this workspace setting (as Lightning sets it)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if benchmark not in (None, True, False):
         raise ValueError(f"benchmark must be True, False or None, got {benchmark!r}.")
     if deterministic is True:
@@ -156,7 +159,10 @@ def resolve_devices(accelerator: str, devices: Any) -> tuple[str, list[torch.dev
                            "Use accelerator='cpu' (or 'auto').")
     available = torch.cuda.device_count() if accelerator == "cuda" else None
     if devices == "auto":
-        devices = 1
+        # One device, except for GPUs under torchrun or SLURM: then the processes started on this
+        # machine, one GPU each (each process taking the first GPU would share it).
+        world = detect_world() if accelerator == "cuda" else None
+        devices = world.local_world_size if world is not None else 1
     if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
         raise ValueError(f"devices must be a positive int, a list of device indices or 'auto', got {devices!r}.")
     if isinstance(devices, int):
