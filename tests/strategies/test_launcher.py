@@ -190,3 +190,19 @@ def test_ddp_spawn_of_a_script_read_from_stdin_says_to_save_it(tmp_path):
                           text=True, timeout=60)
     assert done.returncode == 1
     assert "'<stdin>' is not a file (a script read from stdin?). Save the script to a file" in done.stderr
+
+
+def test_after_a_stop_signal_no_failure_record_is_waited_for(monkeypatch):
+    # Under torchrun, the agent's SIGTERM means it saw a process end: a rank that raised recorded its
+    # failure before ending, so a record that is missing now (a rank killed by SIGKILL) never comes.
+    monkeypatch.setattr(launcher, "_stop_signal", None)
+    record = launcher.FailureRecord(torch.distributed.HashStore())
+    began = time.monotonic()
+    assert record.wait(timeout=0.3) is None
+    assert time.monotonic() - began >= 0.3  # no signal: waits the whole timeout
+    launcher.note_stop_signal(signal.SIGTERM)
+    began = time.monotonic()
+    assert record.wait(timeout=30) is None
+    assert time.monotonic() - began < 5
+    assert record.claim("rank 1: ValueError: boom")
+    assert record.wait(timeout=30) == "rank 1: ValueError: boom"  # a record that is there is still read

@@ -184,14 +184,27 @@ class FailureRecord:
         return True
 
     def wait(self, timeout: float) -> str | None:
-        """The recorded failure, waiting up to ``timeout`` seconds for one to appear."""
+        """The recorded failure, waiting up to ``timeout`` seconds for one to appear (not at all once a
+        stop signal has arrived: see :func:`note_stop_signal`)."""
         deadline = time.monotonic() + timeout
         while True:
             if self.store.check([self.prefix + "/summary"]):
                 return self.store.get(self.prefix + "/summary").decode()
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or _stop_signal is not None:
                 return None
             time.sleep(0.05)
+
+
+_stop_signal: int | None = None
+
+
+def note_stop_signal(signum: int) -> None:
+    """Called when a stop signal reaches this process. Under torchrun it is the agent stopping the job
+    because a process ended; a rank that raised has recorded its failure before it ended, so a record
+    that is not there yet never comes (a rank killed by SIGKILL writes none): waiting for one only
+    delays the restart."""
+    global _stop_signal
+    _stop_signal = signum
 
 
 def classify_failure(record: FailureRecord | None, rank: int, exc: BaseException) -> bool:

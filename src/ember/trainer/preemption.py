@@ -51,6 +51,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from ember.exceptions import Preempted, exit_code
+from ember.strategies.launcher import note_stop_signal
 from ember.strategies.watchdog import exit_with_stacks
 from ember.trainer import checkpoint
 
@@ -94,6 +95,7 @@ class PreemptionHandler:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
+        note_stop_signal(signum)
 
     def install(self) -> bool:
         if not self.signals or threading.current_thread() is not threading.main_thread():
