@@ -56,7 +56,8 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def write_atomic(obj: Any, path: str, before_rename: Callable[[str], None] | None = None) -> None:
+def write_atomic(obj: Any, path: str, before_rename: Callable[[str], None] | None = None,
+                 background: bool = False) -> None:
     """``torch.save(obj)`` to ``path`` so that a crash never leaves a partial file under ``path``.
 
     Args:
@@ -64,6 +65,9 @@ def write_atomic(obj: Any, path: str, before_rename: Callable[[str], None] | Non
         path: the final file name.
         before_rename: called with the temporary file's name after it is durable and before the
             rename (tests use it to simulate a crash at the worst moment).
+        background: the caller is a background thread beside a training thread: write through a
+            Python file object, whose writes release the GIL (torch's writer for a path holds it
+            while it copies each tensor's bytes, which stops every other Python thread).
     """
     path = os.path.abspath(path)
     directory = os.path.dirname(path)
@@ -77,7 +81,11 @@ def write_atomic(obj: Any, path: str, before_rename: Callable[[str], None] | Non
         flusher = threading.Thread(target=_flush_until, args=(fd, done), name="ember-ckpt-flush", daemon=True)
         flusher.start()
         try:
-            torch.save(obj, tmp)
+            if background:
+                with open(fd, "wb", closefd=False) as fh:
+                    torch.save(obj, fh)
+            else:
+                torch.save(obj, tmp)
         finally:
             done.set()
             flusher.join()

@@ -95,7 +95,7 @@ class Gate:
         self.most_busy = 0
         monkeypatch.setattr(checkpoint_writer, "write_atomic", self.write)
 
-    def write(self, obj: Any, path: str, before_rename: Any = None) -> None:
+    def write(self, obj: Any, path: str, before_rename: Any = None, background: bool = False) -> None:
         name = os.path.basename(path)
         self.busy += 1
         self.most_busy = max(self.most_busy, self.busy)
@@ -106,7 +106,8 @@ class Gate:
             time.sleep(self.delay)
             if self.fail and self.fail in name:
                 raise OSError(28, f"No space left on device (simulated) writing {path}")
-            self.original(obj, path, before_rename)
+            assert background  # through a Python file object, releasing the GIL
+            self.original(obj, path, before_rename, background)
         finally:
             self.busy -= 1
             self.log.append(("end", name, time.monotonic()))
@@ -351,13 +352,13 @@ CRASHING = textwrap.dedent("""
     root = sys.argv[1]
     original = checkpoint_writer.write_atomic
 
-    def write(obj, path, before_rename=None):
+    def write(obj, path, before_rename=None, background=False):
         if "step=2" in path:  # step 2's file is durable under its temporary name: now wait to be killed
             def hang(tmp):
                 open(os.path.join(root, "..", "in-flight"), "w").close()
                 time.sleep(60)
             before_rename = hang
-        original(obj, path, before_rename)
+        original(obj, path, before_rename, background)
 
     checkpoint_writer.write_atomic = write
 

@@ -5,7 +5,9 @@ then copies its tensors off the live state (into pinned CPU memory for CUDA tens
 on the current stream; a plain copy for CPU tensors) and its containers, and returns: training
 continues while a thread writes the copy with ``checkpoint_io.write_atomic`` (temporary file, fsync,
 rename) and then runs the caller's ``after`` step (links, rotation). A crash at any moment leaves
-the previous file under the checkpoint's name, as for a synchronous write.
+the previous file under the checkpoint's name, as for a synchronous write. The thread writes
+through a Python file object: torch's writer for a path holds the GIL while it copies each
+tensor's bytes, which would stop the training thread for most of the write.
 
 Rules that keep it exact and bounded:
 
@@ -59,9 +61,9 @@ class _Job:
         try:
             for event in self.events:  # the device -> pinned copies enqueued at the save point
                 event.synchronize()
-            write_atomic(self.obj, self.path, self.before_rename)
+            write_atomic(self.obj, self.path, self.before_rename, background=True)
             if self.after is not None:
-                self.after(lambda other: write_atomic(self.obj, other))
+                self.after(lambda other: write_atomic(self.obj, other, background=True))
         except BaseException as err:  # kept for the training thread, which raises it
             self.error = err
         finally:
