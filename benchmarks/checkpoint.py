@@ -141,9 +141,13 @@ class Stepping(Big):
 
 
 def busy(work: torch.Tensor, iterations: int) -> None:
-    x = work
+    # Into preallocated tensors: a step's time then does not depend on how fast the allocator gets
+    # fresh pages while the kernel is busy with 100 MiB files (that would slow the steps after a
+    # synchronous save as much as those during a background one).
+    x, y = work.clone(), torch.empty_like(work)
     for _ in range(iterations):
-        x = torch.tanh(x @ work)
+        torch.matmul(x, work, out=y)
+        torch.tanh(y, out=x)
 
 
 def calibrate(step_ms: float) -> int:
