@@ -129,6 +129,24 @@ def test_async_writes_the_same_files_and_contents_as_synchronous_saves(tmp_path)
     assert not writer_threads()
 
 
+def test_epoch_end_saves_after_validation_match_synchronous_ones(tmp_path):
+    from tests.callbacks.test_model_checkpoint import Scored, data
+    results = {}
+    for mode in (False, True):
+        root = tmp_path / str(mode)
+        cb = ModelCheckpoint(dirpath=str(root), monitor="val/acc", mode="max", save_top_k=2, async_save=mode,
+                             filename="{epoch}-{val/acc:.1f}")
+        trainer = ember.Trainer(max_epochs=4, enable_progress_bar=False, logger=False, default_root_dir=str(root),
+                                num_sanity_val_steps=0, callbacks=[cb])
+        trainer.fit(Scored([0.3, 0.1, 0.5, 0.4]), data(), data(2))
+        results[mode] = (sorted(os.listdir(root)), os.path.basename(cb.best_model_path), float(cb.best_model_score),
+                         sorted(os.path.basename(p) for p in cb.best_k_models))
+    assert results[True] == results[False] == (
+        ["epoch=2-val_acc=0.5.ckpt", "epoch=3-val_acc=0.4.ckpt", "last.ckpt"], "epoch=2-val_acc=0.5.ckpt",
+        pytest.approx(0.5), ["epoch=2-val_acc=0.5.ckpt", "epoch=3-val_acc=0.4.ckpt"])
+    assert torch.load(tmp_path / "True" / "last.ckpt", weights_only=True)["epoch"] == 3
+
+
 def test_resume_from_an_async_checkpoint_is_bitwise_equal_to_a_synchronous_one(tmp_path):
     finals = {}
     for mode in (False, True):
