@@ -45,6 +45,13 @@ class Tied(nn.Module):
         return self.dec(torch.tanh(self.mid(torch.tanh(self.enc(x)))))[:, :3]
 
 
+def wide() -> nn.Module:
+    """A 256x256 layer: large enough for the reducer's copy-in path (LARGE_NUMEL)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
+                         nn.Linear(256, 3))
+
+
 def batchnorm() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
@@ -79,7 +86,7 @@ def data(world: int, steps: int = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(model: nn.Module, wrap: Callable | None, rank: int, world: int, steps: int = STEPS,
-          micro: int = 1) -> dict:
+          micro: int = 1, set_to_none: bool = True) -> dict:
     """SGD on this rank's shard (or the whole batch when ``wrap`` is None)."""
     xs, ys = data(world, steps)
     net = wrap(model) if wrap else model
@@ -87,7 +94,7 @@ def train(model: nn.Module, wrap: Callable | None, rank: int, world: int, steps:
     out: dict = {"counts": []}
     for s in range(steps):
         lo, hi = (rank * B, (rank + 1) * B) if wrap else (0, world * B)
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         with count_collectives() as counts:
             F.mse_loss(net(xs[s, lo:hi]), ys[s, lo:hi]).backward()
         out["counts"].append(counts["all_reduce"] + counts["broadcast"])
@@ -105,13 +112,15 @@ def diff(a: list, b: list) -> float:
 
 
 def compare(model_fn: Callable[[], nn.Module], rank: int, world: int, single: bool = True,
-            **kwargs) -> dict:
-    ours = train(model_fn(), lambda m: EmberDDP(m, **kwargs), rank, world)
-    theirs = train(model_fn(), lambda m: TorchDDP(m, **kwargs), rank, world)
+            set_to_none: bool = True, **kwargs) -> dict:
+    ours = train(model_fn(), lambda m: EmberDDP(m, **kwargs), rank, world,
+                 set_to_none=set_to_none)
+    theirs = train(model_fn(), lambda m: TorchDDP(m, **kwargs), rank, world,
+                   set_to_none=set_to_none)
     out = {"grads": diff(ours["grads"], theirs["grads"]),
            "weights": diff(ours["weights"], theirs["weights"]), "counts": ours["counts"][:3]}
     if single:
-        alone = train(model_fn(), None, rank, world)
+        alone = train(model_fn(), None, rank, world, set_to_none=set_to_none)
         out["single"] = max(diff(ours["grads"], alone["grads"]),
                             diff(ours["weights"], alone["weights"]))
     return out
@@ -231,6 +240,10 @@ CHECKS = {
     "static_graph": lambda r, w: compare(Unused, r, w, single=False, static_graph=True),
     "bucket_view": lambda r, w: compare(mlp, r, w, gradient_as_bucket_view=True,
                                         bucket_cap_mb=SMALL_BUCKETS),
+    # Large gradients are copied in by their hooks when dropped, divided in place when kept.
+    "large": lambda r, w: compare(wide, r, w, bucket_cap_mb=SMALL_BUCKETS),
+    "large_kept": lambda r, w: compare(wide, r, w, set_to_none=False,
+                                       bucket_cap_mb=SMALL_BUCKETS),
     "unused_error": check_unused_error,
     "no_sync": check_no_sync,
     "hooks": check_hooks,
@@ -262,7 +275,7 @@ def results(ranks: list[dict], name: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", ["mlp", "tied", "batchnorm", "unused", "static_graph",
-                                  "bucket_view"])
+                                  "bucket_view", "large", "large_kept"])
 def test_matches_torch_ddp_after_one_step_and_twenty(ranks, name):
     for r in results(ranks, name):
         assert r["grads"] <= TOL and r["weights"] <= TOL, r

@@ -73,7 +73,9 @@ def test_reducer_ops_per_step_scale_with_buckets_not_parameters(group):
         for accumulation in ("add_", "detach", "add"):
             extra.pop(accumulation, None)
         assert extra["allreduce_"] == buckets
-        assert sum(extra.values()) <= 3 * buckets, extra
+        # Per bucket: zeroing its slots (a slice and a zero_) and the all-reduce; once: the copy
+        # of the gradient whose hook starts the backward. Never one op per parameter.
+        assert sum(extra.values()) <= 3 * buckets + 1 < len(ddp.reducer.params), extra
     for p in model.parameters():
         assert p.grad.untyped_storage().data_ptr() in {
             b.buffer.untyped_storage().data_ptr() for b in ddp.reducer.buckets}

@@ -31,6 +31,7 @@ def _users(tensor: Tensor) -> int:
 
 _SOLE_OWNER = _users(torch.empty(1))  # the count of a tensor nobody else shares
 _VIEW_REFS = 2  # sys.getrefcount(views[k]) of a view only its bucket's list holds
+LARGE_NUMEL = 1 << 16  # 256 KiB of fp32: an op's fixed cost is small next to a pass over it
 
 
 def compute_bucket_assignment(params: Sequence[Tensor], order: Iterable[int],
@@ -71,15 +72,22 @@ class FlatBucket:
     """One flat buffer and the parameters whose gradients live in it (the Reducer's storage).
 
     The views are made once per buffer and kept: the gradients are set to them and accumulate
-    there in place, so no step pays for slicing the buffer again.
+    there in place, so no step pays for slicing the buffer again. Parameters of at least
+    :data:`LARGE_NUMEL` elements are marked ``large``: for them one op per step costs nothing next
+    to the data, so the Reducer copies their gradients in (dividing while copying, one pass)
+    rather than pre-zeroing and accumulating in place (three passes). The small slots come first
+    in the buffer, so they are zeroed and divided as one contiguous prefix.
     """
 
-    __slots__ = ("indices", "params", "numel", "buffer", "views", "pending", "work")
+    __slots__ = ("indices", "params", "numel", "large", "small_numel", "buffer", "views",
+                 "pending", "work")
 
     def __init__(self, indices: list[int], params: Sequence[Tensor]) -> None:
         self.indices = indices
         self.params = [params[i] for i in indices]
         self.numel = sum(p.numel() for p in self.params)
+        self.large = bytearray(p.numel() >= LARGE_NUMEL for p in self.params)
+        self.small_numel = sum(p.numel() for p in self.params if p.numel() < LARGE_NUMEL)
         self.pending = len(indices)
         self.work: Any = None  # a Work (plain all-reduce) or a Future (comm hook)
         self.buffer: Tensor | None = None  # allocated at the first backward that needs it
@@ -89,15 +97,19 @@ class FlatBucket:
         """Gives the bucket a fresh (uninitialised) buffer and views of it."""
         first = self.params[0]
         self.buffer = torch.empty(self.numel, dtype=first.dtype, device=first.device)
-        self.views, offset = [], 0
-        for p in self.params:
-            flat = self.buffer[offset:offset + p.numel()]
-            # Match the parameter's layout (e.g. channels_last) so gradients keep their strides.
-            if p.is_contiguous() or p.dim() < 2:
-                self.views.append(flat.view(p.shape))
-            else:
-                self.views.append(flat.as_strided(p.shape, p.stride()))
-            offset += p.numel()
+        self.views = [first] * len(self.params)  # placeholders, all replaced below
+        offset = 0
+        for large in (0, 1):  # small slots first: a contiguous prefix
+            for k, p in enumerate(self.params):
+                if self.large[k] != large:
+                    continue
+                flat = self.buffer[offset:offset + p.numel()]
+                # Match the parameter's layout (e.g. channels_last) so gradients keep strides.
+                if p.is_contiguous() or p.dim() < 2:
+                    self.views[k] = flat.view(p.shape)
+                else:
+                    self.views[k] = flat.as_strided(p.shape, p.stride())
+                offset += p.numel()
 
     def shared(self, dropped: Iterable[int]) -> bool:
         """Whether memory of the buffer is held outside the bucket and its parameters' gradients.

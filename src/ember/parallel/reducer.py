@@ -12,8 +12,9 @@ autograd engine waits for everything at the end of backward. So the per-step ten
 bucket; per parameter there is one cheap Python call. Buckets are rebuilt once from the order
 gradients actually became ready in the first iteration, using rank 0's order so all ranks agree.
 
-A gradient that is not its slot when its hook fires (a first backward, a gradient replaced or
-dropped mid-backward, the first iteration of a static graph) is copied into the slot instead.
+A gradient that is not its slot when its hook fires (the one whose hook starts the backward, one
+replaced or dropped mid-backward, the first iteration of a static graph, a module spread over
+several devices) is copied into the slot instead.
 
 Without ``gradient_as_bucket_view`` the gradients must stay independent tensors: when the user has
 dropped them (``zero_grad(set_to_none=True)``), the buffer is only reused if no tensor outside the
@@ -265,28 +266,35 @@ class Reducer:
         return detached
 
     def _attach(self, bucket: FlatBucket, detached: list[int], skip: set[int]) -> None:
-        """Writes the current gradients of ``detached`` slots into them and points .grad there."""
+        """Writes the current gradients of small ``detached`` slots into them, points .grad there.
+
+        Large slots are left to autograd and copied in by their hooks (see ``FlatBucket``).
+        """
+        large = bucket.large
+        small = [k for k in detached if not large[k]]
+        if not small:
+            return
         params, views, buffer = bucket.params, bucket.views, bucket.buffer
         assert buffer is not None  # claimed
-        grads = [params[k].grad for k in detached]
+        grads = [params[k].grad for k in small]
         if self.gradient_as_bucket_view:
             # A gradient replaced by another view of the buffer (else _claim gave a fresh one)
             # must be read before the buffer is zeroed.
             here = buffer.untyped_storage().data_ptr()
             grads = [g.clone() if g is not None and g.untyped_storage().data_ptr() == here
                      else g for g in grads]
-        if len(detached) == len(params) and any(g is None for g in grads):
-            buffer.zero_()  # one op for the whole bucket (the usual case: all were dropped)
+        if len(small) == len(params) - sum(large) and any(g is None for g in grads):
+            buffer[:bucket.small_numel].zero_()  # one op (the usual case: all were dropped)
         else:
-            for k, grad in zip(detached, grads):
+            for k, grad in zip(small, grads):
                 if grad is None:
                     views[k].zero_()
-        copies = [(k, g) for k, g in zip(detached, grads) if g is not None]
+        copies = [(k, g) for k, g in zip(small, grads) if g is not None]
         if copies:
             for k, g in copies:
                 self._check_dense(bucket.indices[k], g)
             torch._foreach_copy_([views[k] for k, _ in copies], [g.detach() for _, g in copies])
-        for k in detached:
+        for k in small:
             if bucket.indices[k] not in skip:
                 params[k].grad = views[k]
 
@@ -312,14 +320,21 @@ class Reducer:
         view = bucket.views[slot]
         param = self.params[index]
         grad = param.grad
+        # Small slots are divided with their bucket at launch, large ones here.
+        scale = self._scale if bucket.large[slot] else None
         if grad is not view:  # not accumulated into its slot (see the module docstring)
             if grad is None:
                 view.zero_()
             else:
                 self._check_dense(index, grad)
-                view.copy_(grad.detach())
+                if scale is not None:
+                    torch.mul(grad.detach(), scale, out=view)  # divide while copying
+                else:
+                    view.copy_(grad.detach())
                 if from_hook:
                     param.grad = view  # frees the autograd-produced gradient right away
+        elif scale is not None:
+            view.mul_(scale)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready()
@@ -338,8 +353,9 @@ class Reducer:
 
     def _launch(self, b: int, buffer: Tensor) -> None:
         bucket = self.buckets[b]
-        if self._scale is not None:
-            buffer.mul_(self._scale)  # the division by the world size, once per bucket
+        if self._scale is not None and bucket.small_numel:
+            # The division by the world size, one op for all the small slots.
+            buffer[:bucket.small_numel].mul_(self._scale)
         if self.comm_hook is None:
             bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
         else:
