@@ -175,6 +175,24 @@ def test_views_of_one_storage_stay_shared_and_buffers_are_reused_between_saves(t
     assert loaded["b"].untyped_storage().data_ptr() == loaded["a"].untyped_storage().data_ptr()
 
 
+def test_copies_keep_what_torch_save_keeps(tmp_path):
+    """Conjugate and negative views, parameters, requires_grad, dtypes: the file written from the copy
+    loads the same as one written from the live tensors."""
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    live = {"conj": z.conj(), "neg": torch.tensor([1 + 2j]).conj().imag, "param": torch.nn.Parameter(torch.ones(2)),
+            "grad": torch.ones(2, requires_grad=True), "half": torch.arange(3, dtype=torch.float16),
+            "flags": torch.tensor([True, False]), "empty": torch.empty(0), "t": torch.arange(6.0).view(2, 3).t()}
+    direct, background = str(tmp_path / "direct.ckpt"), str(tmp_path / "background.ckpt")
+    torch.save(live, direct)
+    writer = BackgroundWriter()
+    writer.submit(live, background)
+    writer.close(raise_errors=True)
+    a, b = torch.load(direct, weights_only=True), torch.load(background, weights_only=True)
+    for k in live:
+        assert type(a[k]) is type(b[k]) and a[k].dtype == b[k].dtype and a[k].requires_grad == b[k].requires_grad, k
+        assert a[k].stride() == b[k].stride() and a[k].is_conj() == b[k].is_conj() and torch.equal(a[k], b[k]), k
+
+
 def test_copy_buffers_survive_from_one_save_to_the_next_during_fit(tmp_path, monkeypatch):
     seen: list[list[int]] = []
     original = BackgroundWriter.submit

@@ -77,6 +77,7 @@ class BackgroundWriter:
         self._job: _Job | None = None
         self._thread: threading.Thread | None = None
         self._buffers: list[torch.UntypedStorage] = []
+        self._pin_failed = False  # pinned memory refused once: pageable buffers are reused, not retried
         self._claim: tuple[str, After | None, Callable[[], None] | None] | None = None
 
     # ------------------------------------------------------------------ routing a save here
@@ -179,10 +180,12 @@ class BackgroundWriter:
             if found is not None:
                 return found  # another view of a storage copied already: stays a view of the same copy
             i, n, pin = next(slot), src.nbytes(), device.type == "cuda"
-            if i < len(self._buffers) and self._buffers[i].nbytes() == n and self._buffers[i].is_pinned() == pin:
+            if i < len(self._buffers) and self._buffers[i].nbytes() == n and (
+                    not pin or self._pin_failed or self._buffers[i].is_pinned()):
                 buf = self._buffers[i]
             else:
                 buf = _allocate(n, pin)
+                self._pin_failed = self._pin_failed or (pin and not buf.is_pinned())
                 if i < len(self._buffers):
                     self._buffers[i] = buf
                 else:
@@ -226,6 +229,11 @@ def _copy_tensor(t: torch.Tensor, storage_copy: Callable[[torch.UntypedStorage, 
         return t.detach().to("cpu", copy=True)  # no plain storage to copy: a copy of the values
     buf = storage_copy(t.untyped_storage(), t.device)
     out = torch.empty(0, dtype=t.dtype).set_(buf, t.storage_offset(), t.size(), t.stride())
+    # Lazy conjugate and negative views keep their bit over the raw storage, as torch.save keeps it.
+    if t.is_conj():
+        out = out.conj()
+    if t.is_neg():
+        out = out._neg_view()
     if type(t) is torch.nn.Parameter:
         return torch.nn.Parameter(out, requires_grad=t.requires_grad)
     return out.requires_grad_(t.requires_grad)
