@@ -168,8 +168,10 @@ def test_views_of_one_storage_stay_shared_and_buffers_are_reused_between_saves(t
     first = [b.data_ptr() for b in writer._buffers]
     base.add_(1)  # the live state moves on; the next save copies it into the same buffers
     writer.submit({"a": base, "b": base[4:8].view(2, 2), "n": [1, "s", (2.5,)]}, path)
-    writer.close()
-    assert [b.data_ptr() for b in writer._buffers] == [] and len(first) == 1  # one storage, one buffer
+    second = [b.data_ptr() for b in writer._buffers]
+    writer.close(raise_errors=True)
+    assert len(first) == 1 and second == first  # one storage, one buffer, the same one both times
+    assert writer._buffers == []  # freed at the end of the fit
     loaded = torch.load(path, weights_only=True)
     assert torch.equal(loaded["a"], base) and loaded["n"] == [1, "s", (2.5,)]
     assert loaded["b"].untyped_storage().data_ptr() == loaded["a"].untyped_storage().data_ptr()
