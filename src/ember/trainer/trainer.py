@@ -368,7 +368,10 @@ class Trainer(TrainerProperties):
             self.state = "finished"
 
     def save_checkpoint(self, filepath: str, weights_only: bool = False) -> None:
-        """Save the full training state (or only the weights) to ``filepath``, atomically, on rank zero."""
+        """Save the full training state (or only the weights) to ``filepath``, atomically, on rank zero.
+
+        A checkpoint being written in the background (``ModelCheckpoint(async_save=True)``) is waited for
+        first; if that write failed, its error is raised here."""
         checkpoint.save(self, filepath, weights_only=weights_only)
 
     # ------------------------------------------------------------------ entry points
