@@ -136,7 +136,39 @@ def test_no_sync_accumulation_is_carried_into_the_buckets(group):
         reference(x).sum().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
-        assert p.grad._base is ddp.reducer.buckets[0].buffer
+        assert p.grad.untyped_storage().data_ptr() == \
+            ddp.reducer.buckets[0].buffer.untyped_storage().data_ptr()
+
+
+class Backwards(nn.Module):
+    """Uses its layers in the reverse of registration order: the buckets are rebuilt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.a(self.b(self.c(x)))
+
+
+def test_a_rebuild_lays_the_new_buckets_over_the_dropped_memory(group):
+    model = Backwards()
+    reference = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=272 * 4 / MiB)  # one Linear per bucket
+    x = torch.randn(4, 16)
+
+    def memory() -> set[int]:
+        return {b.buffer.untyped_storage().data_ptr() for b in ddp.reducer.buckets}
+
+    ddp(x).sum().backward()
+    before, order = memory(), ddp.reducer.bucket_indices
+    assert len(before) == 1  # one allocation for all buckets
+    model.zero_grad()
+    ddp(x).sum().backward()  # rebuilt at this forward
+    assert ddp.reducer.bucket_indices != order and memory() == before
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 def test_a_dropped_gradient_held_from_cpp_is_not_overwritten(group):

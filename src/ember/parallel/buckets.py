@@ -2,7 +2,8 @@
 
 ``compute_bucket_assignment`` groups parameters into buckets (the order gradients are expected to
 become ready, a small first bucket so communication starts early, then up to the cap); each
-bucket owns one flat buffer (:class:`FlatBucket`) whose views are the parameters' gradients.
+bucket owns one flat buffer (:class:`FlatBucket`) whose views are the parameters' gradients. The
+buffers are slices of one allocation per dtype and device (``allocate_missing``).
 How a bucket is reduced across ranks is in ``comm_hooks.py``.
 """
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FlatBucket", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES", "MiB"]
+__all__ = ["FlatBucket", "compute_bucket_assignment", "allocate_missing",
+           "DEFAULT_FIRST_BUCKET_BYTES", "MiB", "LARGE_NUMEL"]
 
 MiB = 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
@@ -93,10 +95,16 @@ class FlatBucket:
         self.buffer: Tensor | None = None  # allocated at the first backward that needs it
         self.views: list[Tensor] = []
 
-    def allocate(self) -> None:
-        """Gives the bucket a fresh (uninitialised) buffer and views of it."""
+    def allocate(self, buffer: Tensor | None = None) -> None:
+        """Gives the bucket a buffer and views of it.
+
+        Args:
+            buffer: ``numel`` uninitialised elements (a slice of a larger allocation), or
+                ``None`` for a fresh allocation of its own.
+        """
         first = self.params[0]
-        self.buffer = torch.empty(self.numel, dtype=first.dtype, device=first.device)
+        self.buffer = buffer if buffer is not None else \
+            torch.empty(self.numel, dtype=first.dtype, device=first.device)
         self.views = [first] * len(self.params)  # placeholders, all replaced below
         offset = 0
         for large in (0, 1):  # small slots first: a contiguous prefix
@@ -111,19 +119,53 @@ class FlatBucket:
                     self.views[k] = flat.as_strided(p.shape, p.stride())
                 offset += p.numel()
 
-    def shared(self, dropped: Iterable[int]) -> bool:
-        """Whether memory of the buffer is held outside the bucket and its parameters' gradients.
+    def shared(self, dropped: Iterable[int], buckets: Sequence[FlatBucket]) -> bool:
+        """Whether memory of the buffer is held outside the reducer and the gradients.
 
         Args:
             dropped: Slots whose parameter no longer has its view as gradient.
+            buckets: All the reducer's buckets (some may be slices of the same allocation).
         """
-        if self.buffer is None:
+        buffer = self.buffer
+        if buffer is None:
             return False
-        # Each of our views holds the storage once; anything more (a tensor derived from a
-        # gradient, say) is someone else's.
-        if _users(self.buffer) > _SOLE_OWNER + len(self.views):
+        # Our tensors on this memory: the allocation the buffers are slices of, and each
+        # bucket's buffer and views. Anything more (a tensor derived from a gradient, say) is
+        # someone else's.
+        here = buffer.untyped_storage().data_ptr()
+        ours = int(buffer._base is not None)
+        for b in buckets:
+            if b.buffer is not None and b.buffer.untyped_storage().data_ptr() == here:
+                ours += 1 + len(b.views)
+        if _users(buffer) > _SOLE_OWNER - 1 + ours:
             return True
         # A dropped view still referenced (from Python, or from C++, which keeps its Python
         # object alive with one reference) would see its values overwritten.
         views = self.views
         return any(sys.getrefcount(views[k]) > _VIEW_REFS for k in dropped)
+
+
+def allocate_missing(buckets: Sequence[FlatBucket], spare: Sequence[Tensor]) -> None:
+    """Gives the buckets without a buffer one: one allocation per dtype and device.
+
+    Args:
+        buckets: All the reducer's buckets.
+        spare: Allocations from before a bucket rebuild; one of the right size that nothing
+            holds any more (the gradients were dropped) is reused, so the rebuild costs no
+            memory and leaves no hole in the heap.
+    """
+    groups: dict[tuple, list[FlatBucket]] = {}
+    for b in buckets:
+        if b.buffer is None:
+            first = b.params[0]
+            groups.setdefault((first.dtype, first.device), []).append(b)
+    for (dtype, device), group in groups.items():
+        total = sum(b.numel for b in group)
+        arena = next((t for t in spare if t.dtype == dtype and t.device == device
+                      and t.numel() == total and _users(t) <= _SOLE_OWNER), None)
+        if arena is None:
+            arena = torch.empty(total, dtype=dtype, device=device)
+        offset = 0
+        for b in group:
+            b.allocate(arena[offset:offset + b.numel])
+            offset += b.numel

@@ -14,10 +14,11 @@ Differences from PyTorch worth knowing:
 - A parameter that got no gradient raises at the end of that backward (naming it), not at the
   next forward.
 - From the first synchronised backward on, ``param.grad`` is a view into a flat bucket buffer
-  and autograd accumulates into it directly: no copy per parameter, and one gradient-sized buffer
-  where PyTorch keeps two. After ``zero_grad()`` drops the gradients the buffer is reused, unless
-  (without ``gradient_as_bucket_view``) an old ``.grad`` or a tensor sharing its memory is still
-  held: then the bucket gets a fresh buffer, so a held reference is never overwritten.
+  and autograd accumulates small gradients into it directly (large ones are copied in once): one
+  gradient-sized buffer where PyTorch keeps two. After ``zero_grad()`` drops the gradients the
+  buffer is reused, unless (without ``gradient_as_bucket_view``) an old ``.grad`` or a tensor
+  sharing its memory is still held: then the bucket gets a fresh buffer, so a held reference is
+  never overwritten.
 - Sparse gradients (``nn.Embedding(sparse=True)``) are refused when wrapping.
 - ``call(name, ...)`` / ``pre_forward`` / ``post_forward`` run any method of the module through
   the same synchronisation as ``forward`` (the Trainer calls ``training_step``).

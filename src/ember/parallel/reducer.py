@@ -2,15 +2,18 @@
 
 Parameters are grouped into buckets in reverse registration order (their gradients tend to be
 ready first), each bucket owning one flat buffer. At the start of a synchronised backward (its first
-gradient hook) every parameter's ``.grad`` is pointed at its slot in the buffer, so autograd
+gradient hook) every small parameter's ``.grad`` is pointed at its slot in the buffer, so autograd
 accumulates straight into the bucket: no copy per parameter, and the gradients *are* the bucket
 (one gradient-sized buffer instead of PyTorch's two). A post-accumulate-grad hook per parameter
-only counts: when a bucket's last gradient is in, the bucket is divided by the world size in one
-op and its all-reduce launched asynchronously, in strict bucket order so every rank issues the
-same collectives in the same order, while backward keeps computing. One callback queued on the
-autograd engine waits for everything at the end of backward. So the per-step tensor work is per
-bucket; per parameter there is one cheap Python call. Buckets are rebuilt once from the order
-gradients actually became ready in the first iteration, using rank 0's order so all ranks agree.
+then only counts: when a bucket's last gradient is in, its small slots are divided by the world
+size in one op and its all-reduce launched asynchronously, in strict bucket order so every rank
+issues the same collectives in the same order, while backward keeps computing. Large parameters
+(``buckets.LARGE_NUMEL``) are left to autograd and copied into their slot by their hook, divided
+while copying: one op each, cheap next to their data, and fewer bytes moved than zeroing and
+accumulating in place. One callback queued on the autograd engine waits for everything at the
+end of backward. So the per-step tensor work is per bucket plus per large parameter; per small
+parameter there is one cheap Python call. Buckets are rebuilt once from the order gradients
+actually became ready in the first iteration, using rank 0's order so all ranks agree.
 
 A gradient that is not its slot when its hook fires (the one whose hook starts the backward, one
 replaced or dropped mid-backward, the first iteration of a static graph, a module spread over
@@ -34,7 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ember.parallel.buckets import DEFAULT_FIRST_BUCKET_BYTES, FlatBucket, MiB, compute_bucket_assignment
+from ember.parallel.buckets import (
+    DEFAULT_FIRST_BUCKET_BYTES,
+    FlatBucket,
+    MiB,
+    allocate_missing,
+    compute_bucket_assignment,
+)
 from ember.parallel.comm_hooks import CommHook, GradBucket
 
 __all__ = ["Reducer", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES", "MiB"]
@@ -96,6 +105,7 @@ class Reducer:
         self._one_device = len({p.device for p in self.params}) == 1
         self.buckets: list[FlatBucket] = []
         self._locate: list[tuple[int, int]] = []
+        self._spare: list[Tensor] = []  # the buffers' memory before a rebuild, for reuse
         self._build(reversed(range(len(self.params))))
 
         ref = weakref.ref(self)
@@ -163,7 +173,10 @@ class Reducer:
         assignment = compute_bucket_assignment(self.params, tensor.tolist(), self.limits)
         if assignment == self.bucket_indices:
             return False
-        # Gradients still point into the old buffers; the next backward copies them over.
+        # Gradients still point into the old buffers; the next backward copies them over, or
+        # lays the new buckets over the old memory if nothing holds it by then.
+        self._spare = [b.buffer if b.buffer._base is None else b.buffer._base
+                       for b in self.buckets if b.buffer is not None]
         self._build(tensor.tolist())
         return True
 
@@ -256,9 +269,13 @@ class Reducer:
     def _claim(self, bucket: FlatBucket) -> list[int]:
         """Makes the bucket's buffer safe to write; returns the slots not holding their gradient."""
         params, views = bucket.params, bucket.views
+        if bucket.buffer is None:
+            allocate_missing(self.buckets, self._spare)
+            self._spare = []
+            return list(range(len(params)))
         detached = [k for k, (p, v) in enumerate(zip(params, views)) if p.grad is not v]
-        if bucket.buffer is None or (detached and not self.gradient_as_bucket_view
-                                     and bucket.shared(detached)):
+        if detached and not self.gradient_as_bucket_view and \
+                bucket.shared(detached, self.buckets):
             # Some dropped gradient (or a view of one) is still held: leave the old memory to
             # its holder. Attached gradients are copied over by _attach / _mark_ready.
             bucket.allocate()
