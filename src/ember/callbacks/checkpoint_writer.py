@@ -19,6 +19,11 @@ Rules that keep it exact and bounded:
 - The caller's ``on_done`` runs in the training thread once the write is complete, never in the
   background thread: the state that names the new files (best, last) is published only when they
   exist.
+- CPU storages that only an optimizer's ``step`` changes (``defer``: parameters, optimizer states) are
+  copied by the background thread, as byte tensors (whose ``copy_`` lets go of the GIL), while the
+  training thread runs the next forward and backward; a global optimizer step pre-hook makes every
+  optimizer's next ``step`` wait for them. Their versions (``Tensor._version``) are checked after the
+  copy: a tensor changed in place meanwhile fails the save instead of writing a torn file.
 - Every synchronous save waits for the write in flight first (``trainer.checkpoint.save`` calls
   :func:`writers_of` and :meth:`BackgroundWriter.wait`), so files are written in the order the saves
   were made.
@@ -38,6 +43,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ember.checkpoint_io import write_atomic
 
@@ -48,7 +54,9 @@ After = Callable[[Callable[[str], None]], None]
 
 class _Job:
     def __init__(self, obj: Any, path: str, events: list[Any], before_rename: Callable[[str], None] | None,
-                 after: After | None, on_done: Callable[[], None] | None) -> None:
+                 after: After | None, on_done: Callable[[], None] | None,
+                 deferred: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] | None = None,
+                 watched: list[tuple[torch.Tensor, int]] | None = None) -> None:
         self.obj: Any = obj
         self.path = path
         self.events = events
@@ -56,9 +64,20 @@ class _Job:
         self.after = after
         self.on_done = on_done
         self.error: BaseException | None = None
+        self.deferred = deferred or []  # (copy buffer, live storage) pairs this thread copies first
+        self.watched = watched or []  # (live tensor, its version at the save point)
+        self.copied = threading.Event()
 
     def run(self) -> None:
         try:
+            try:
+                for buf, src in self.deferred:
+                    # As byte tensors: a tensor's copy_ lets go of the GIL while it copies (a storage's does
+                    # not), so the training thread runs on meanwhile.
+                    _bytes(buf).copy_(_bytes(src))
+            finally:
+                self.copied.set()
+            self._check_unchanged()
             for event in self.events:  # the device -> pinned copies enqueued at the save point
                 event.synchronize()
             write_atomic(self.obj, self.path, self.before_rename, background=True)
@@ -68,6 +87,22 @@ class _Job:
             self.error = err
         finally:
             self.obj = None  # the copy buffers stay with the writer, for the next save
+            self.deferred, self.watched = [], []
+
+    def _check_unchanged(self) -> None:
+        """The deferred copies hold the state of the save point only if nothing changed those tensors in
+        place before they were copied (the optimizer's step waits for the copies; anything else that
+        writes into a parameter or an optimizer state in the meantime is caught here, as far as it
+        finished before this check)."""
+        changed = [t for t, version in self.watched if t._version != version]
+        if changed:
+            t = changed[0]
+            raise RuntimeError(
+                f"ModelCheckpoint(async_save=True): {len(changed)} parameter or optimizer-state tensor(s) "
+                f"(the first of shape {tuple(t.shape)}) were changed in place after the save point, before the "
+                f"background copy of them was complete, so {self.path} was not written (the previous file under "
+                "that name is intact). Change parameters and optimizer states only in the optimizer's step, or "
+                "use async_save=False.")
 
 
 class BackgroundWriter:
@@ -79,6 +114,7 @@ class BackgroundWriter:
         self._buffers: list[torch.UntypedStorage] = []
         self._pin_failed = False  # pinned memory refused once: pageable buffers are reused, not retried
         self._claim: tuple[str, After | None, Callable[[], None] | None] | None = None
+        self._step_hook: Any = None  # an optimizer step pre-hook waiting for deferred copies
 
     # ------------------------------------------------------------------ routing a save here
     @contextlib.contextmanager
@@ -98,15 +134,16 @@ class BackgroundWriter:
         finally:
             self._claim = None
 
-    def take(self, path: str) -> Callable[[Any, str, Callable[[str], None] | None], None] | None:
+    def take(self, path: str) -> Callable[..., None] | None:
         """The submit function for a save of ``path`` claimed with :meth:`claim`, or None when none is."""
         if self._claim is None or self._claim[0] != os.path.abspath(path):
             return None
         _, after, on_done = self._claim
         self._claim = None
 
-        def submit(obj: Any, target: str, before_rename: Callable[[str], None] | None = None) -> None:
-            self.submit(obj, target, before_rename=before_rename, after=after, on_done=on_done)
+        def submit(obj: Any, target: str, before_rename: Callable[[str], None] | None = None,
+                   defer: frozenset[int] = frozenset()) -> None:
+            self.submit(obj, target, before_rename=before_rename, after=after, on_done=on_done, defer=defer)
         return submit
 
     # ------------------------------------------------------------------ writing
@@ -116,8 +153,9 @@ class BackgroundWriter:
         return self._job is not None
 
     def submit(self, obj: Any, path: str, before_rename: Callable[[str], None] | None = None,
-               after: After | None = None, on_done: Callable[[], None] | None = None) -> None:
-        """Copy ``obj`` off the live state now and write it to ``path`` on a background thread.
+               after: After | None = None, on_done: Callable[[], None] | None = None,
+               defer: frozenset[int] = frozenset()) -> None:
+        """Copy ``obj`` off the live state and write it to ``path`` on a background thread.
 
         Args:
             obj: the checkpoint (tensors, numbers, strings, lists and dicts).
@@ -126,11 +164,20 @@ class BackgroundWriter:
             after: run on the background thread once ``path`` is complete, with a function that writes the
                 same checkpoint to another path.
             on_done: run in the training thread when the write (and ``after``) is collected successfully.
+            defer: ``data_ptr()`` of CPU storages that only an optimizer's ``step`` changes (parameters,
+                optimizer states): the background thread copies them, while training goes on, and every
+                optimizer's next ``step`` first waits for those copies. Everything else is copied now.
         """
         self.wait()  # never two writes in flight; the buffers below are free again
         events: list[Any] = []
-        copy = self._copy(obj, events)
-        self._job = job = _Job(copy, os.path.abspath(path), events, before_rename, after, on_done)
+        deferred: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+        watched: list[tuple[torch.Tensor, int]] = []
+        copy = self._copy(obj, events, defer, deferred, watched)
+        self._job = job = _Job(copy, os.path.abspath(path), events, before_rename, after, on_done, deferred, watched)
+        if deferred:
+            def wait_for_copies(optimizer: Any, args: Any, kwargs: Any) -> None:
+                job.copied.wait()
+            self._step_hook = register_optimizer_step_pre_hook(wait_for_copies)
         # Not a daemon: an interpreter that exits while a write is in flight finishes the write first.
         self._thread = threading.Thread(target=job.run, name="ember-checkpoint-writer")
         self._thread.start()
@@ -138,6 +185,10 @@ class BackgroundWriter:
     def collect(self, raise_errors: bool = True) -> BaseException | None:
         """If the write in flight has finished: run its ``on_done``, or raise its error (return it instead
         with ``raise_errors=False``). Does not wait."""
+        if self._step_hook is not None and self._job is not None and self._job.copied.is_set():
+            # Removed here, in the training thread, not from the hook itself (torch is iterating over them then).
+            self._step_hook.remove()
+            self._step_hook = None
         if self._job is None or (self._thread is not None and self._thread.is_alive()):
             return None
         job, self._job = self._job, None
@@ -169,7 +220,9 @@ class BackgroundWriter:
             self._buffers = []
 
     # ------------------------------------------------------------------ copying
-    def _copy(self, obj: Any, events: list[Any]) -> Any:
+    def _copy(self, obj: Any, events: list[Any], defer: frozenset[int] = frozenset(),
+              deferred: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] | None = None,
+              watched: list[tuple[torch.Tensor, int]] | None = None) -> Any:
         memo: dict[tuple[Any, ...], torch.UntypedStorage] = {}
         slot = itertools.count()
         devices: set[torch.device] = set()
@@ -190,7 +243,10 @@ class BackgroundWriter:
                     self._buffers[i] = buf
                 else:
                     self._buffers.append(buf)
-            buf.copy_(src, non_blocking=pin and buf.is_pinned())
+            if deferred is not None and device.type == "cpu" and src.data_ptr() in defer:
+                deferred.append((buf, src))  # copied by the background thread, before the next optimizer step
+            else:
+                buf.copy_(src, non_blocking=pin and buf.is_pinned())
             if pin:
                 devices.add(device)
             memo[key] = buf
@@ -198,6 +254,9 @@ class BackgroundWriter:
 
         def walk(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
+                if watched is not None and x.device.type == "cpu" and x.layout == torch.strided and \
+                        x.untyped_storage().data_ptr() in defer:
+                    watched.append((x, x._version))
                 return _copy_tensor(x, storage_copy)
             if isinstance(x, dict):
                 return type(x)({k: walk(v) for k, v in x.items()})
@@ -209,6 +268,10 @@ class BackgroundWriter:
         for device in devices:  # the background thread waits for these before reading the buffers
             events.append(torch.cuda.current_stream(device).record_event())
         return out
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def _allocate(nbytes: int, pin: bool) -> torch.UntypedStorage:
