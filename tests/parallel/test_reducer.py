@@ -9,7 +9,6 @@ import gc
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -18,13 +17,6 @@ from ember.parallel.buckets import MiB, compute_bucket_assignment
 from ember.parallel.comm_hooks import GradBucket, resolve_comm_hook
 from ember.parallel.distributed import DistributedDataParallel as DDP
 from tests.helpers.dist import count_collectives
-
-
-@pytest.fixture
-def group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _sized(*numels: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:

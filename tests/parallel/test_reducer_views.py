@@ -12,19 +12,12 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ember.parallel.buckets import MiB
 from ember.parallel.distributed import DistributedDataParallel as DDP
-
-
-@pytest.fixture
-def group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+from tests.parallel.test_reducer import Backwards
 
 
 class CountOps(TorchDispatchMode):
@@ -138,17 +131,6 @@ def test_no_sync_accumulation_is_carried_into_the_buckets(group):
         torch.testing.assert_close(p.grad, q.grad)
         assert p.grad.untyped_storage().data_ptr() == \
             ddp.reducer.buckets[0].buffer.untyped_storage().data_ptr()
-
-
-class Backwards(nn.Module):
-    """Uses its layers in the reverse of registration order: the buckets are rebuilt."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
-
-    def forward(self, x):
-        return self.a(self.b(self.c(x)))
 
 
 def test_a_rebuild_lays_the_new_buckets_over_the_dropped_memory(group):
