@@ -106,12 +106,17 @@ def find_resumable(dirs: list[str], job: str | None) -> tuple[str, dict[str, Any
     return None
 
 
+def applies(ckpt_path: Any) -> bool:
+    """Whether ``fit`` looks for a checkpoint itself: a restart, or ``ckpt_path="auto"``. The same on
+    every rank (the launcher's variables are the job's)."""
+    return ckpt_path == AUTO or restart() is not None
+
+
 def choose(trainer: Trainer, ckpt_path: Any, dirs: list[str]) -> tuple[str | None, bool]:
-    """What ``fit`` resumes from: ``(path or None, whether it was found here)``. Runs on global rank
-    zero; ``ckpt_path`` is returned unchanged (not found here) when no automatic resume applies."""
+    """What ``fit`` resumes from when :func:`applies`: ``(path or None, whether it was found here)``;
+    ``ckpt_path`` comes back, not found here, when a restarted job has no checkpoint of its own yet.
+    Runs on global rank zero."""
     again = restart()
-    if again is None and ckpt_path != AUTO:
-        return ckpt_path, False
     found = find_resumable(dirs, job_key() if again is not None else None)
     if found is None:
         if again is not None:

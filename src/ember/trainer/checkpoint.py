@@ -301,7 +301,7 @@ def resolve(trainer: Trainer, ckpt_path: str | os.PathLike | None, continue_run:
     the loggers' setup.
     """
     strategy = trainer.strategy
-    if continue_run:  # fit: a restarted job, or ckpt_path="auto" (auto_resume.py)
+    if continue_run and auto_resume.applies(ckpt_path):  # fit: a restarted job, or "auto" (auto_resume.py)
         chosen, found_here = auto_resume.choose(trainer, ckpt_path, search_dirs(trainer)) \
             if strategy.is_global_zero else (None, False)
         chosen, found_here = strategy.broadcast((chosen, found_here))
@@ -309,11 +309,11 @@ def resolve(trainer: Trainer, ckpt_path: str | os.PathLike | None, continue_run:
             if chosen is not None:
                 _continue_run(trainer, chosen)
             return chosen
-        if ckpt_path is None:
-            return None
     elif ckpt_path == auto_resume.AUTO:
         raise ValueError("ckpt_path='auto' applies to fit (resume when a checkpoint exists); for validate, "
                          "test and predict pass 'last', 'best' or a path.")
+    if ckpt_path is None:
+        return None
     if ckpt_path == "last":
         found, dirs = find_last(trainer) if strategy.is_global_zero else (None, [])
         found = strategy.broadcast(found)
@@ -331,4 +331,4 @@ def resolve(trainer: Trainer, ckpt_path: str | os.PathLike | None, continue_run:
             raise CheckpointError("ckpt_path='best' but no ModelCheckpoint of this Trainer has saved a best "
                                   "checkpoint yet. Pass a path, or 'last'.")
         return best[0]
-    return None if ckpt_path is None else os.fspath(ckpt_path)
+    return os.fspath(ckpt_path)
