@@ -169,3 +169,36 @@ def test_a_dropped_gradient_held_from_cpp_is_not_overwritten(group):
 def test_sparse_embeddings_are_refused_when_wrapping(group):
     with pytest.raises(ValueError, match=r"emb.*sparse=True.*sparse=False"):
         DDP(nn.ModuleDict({"emb": nn.Embedding(10, 4, sparse=True)}))
+
+
+class Gappy(nn.Module):
+    """Parameters whose strides leave gaps (slices of larger tensors), first and last in a bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Parameter((torch.randn(8, 16) * 0.3)[:, ::2])  # stride (16, 2)
+        self.mid = nn.Linear(8, 8)
+        self.last = nn.Parameter((torch.randn(16, 8) * 0.3).t()[:, ::2])  # transposed, sliced
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mid(x @ self.first) @ self.last
+
+
+def test_parameters_with_gaps_get_dense_gradient_slots(group):
+    # A strided view of a gappy parameter would reach past its slot into its neighbours' (or
+    # past the buffer): its gradient slot must be a dense one of the same shape.
+    model = Gappy()
+    assert not model.first.is_contiguous() and not model.last.is_contiguous()
+    ddp = DDP(model)
+    check_against_plain(ddp, model)
+    for bucket in ddp.reducer.buckets:
+        ends = sorted((v.storage_offset(), v.storage_offset() + v.numel()) for v in bucket.views)
+        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))  # slots do not overlap
+
+
+def test_dense_layouts_keep_their_strides_and_gappy_ones_are_told_apart():
+    from ember.parallel.buckets import dense
+
+    channels_last = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    assert dense(channels_last) and dense(torch.randn(3, 4).t()) and dense(torch.randn(1, 5)[:, :])
+    assert not dense(torch.randn(3, 8)[:, ::2]) and not dense(torch.randn(4, 4)[:2, :2])

@@ -36,6 +36,18 @@ _VIEW_REFS = 2  # sys.getrefcount(views[k]) of a view only its bucket's list hol
 LARGE_NUMEL = 1 << 16  # 256 KiB of fp32: an op's fixed cost is small next to a pass over it
 
 
+def dense(tensor: Tensor) -> bool:
+    """Whether the tensor's elements fill ``numel`` consecutive slots in some dimension order
+    (no gaps, no overlaps): strides sorted ascending are the running products of their sizes."""
+    expected = 1
+    for size, stride in sorted((d for d in zip(tensor.shape, tensor.stride()) if d[0] != 1),
+                               key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def compute_bucket_assignment(params: Sequence[Tensor], order: Iterable[int],
                               limits: Sequence[int]) -> list[list[int]]:
     """Groups parameter indices into buckets, walking them in ``order``.
@@ -112,8 +124,11 @@ class FlatBucket:
                 if self.large[k] != large:
                     continue
                 flat = self.buffer[offset:offset + p.numel()]
-                # Match the parameter's layout (e.g. channels_last) so gradients keep strides.
-                if p.is_contiguous() or p.dim() < 2:
+                # Match the parameter's layout (e.g. channels_last) so gradients keep strides,
+                # but only a dense one: the strides of a parameter with gaps (a slice such as
+                # ``w[:, ::2]``) would reach past its slot into its neighbours' (PyTorch's
+                # ``initialize_bucket_views`` falls back to a contiguous view the same way).
+                if p.is_contiguous() or p.dim() < 2 or not dense(p):
                     self.views[k] = flat.view(p.shape)
                 else:
                     self.views[k] = flat.as_strided(p.shape, p.stride())
