@@ -51,6 +51,7 @@ def apply_rng(state: dict[str, Any]) -> None:
 
 
 def rng_to_tensor(state: dict[str, Any]) -> torch.Tensor:
+    """Every generator state of :func:`capture_rng` as one int64 tensor (for an all_gather)."""
     py = state["python"]
     parts = [state["torch"].to(torch.int64), torch.tensor([py["version"]]), py["state"],
              torch.tensor([0 if py["gauss_next"] is None else 1]),
@@ -59,10 +60,15 @@ def rng_to_tensor(state: dict[str, Any]) -> torch.Tensor:
     if npst is not None:
         parts += [npst["keys"], torch.tensor([npst["pos"], npst["has_gauss"]]),
                   torch.tensor([npst["cached_gaussian"]], dtype=torch.float64).view(torch.int64)]
+    # Every visible GPU's generator (a few bytes each), so a multi-rank resume on GPUs keeps its
+    # dropout streams. The layout is this rank's: ranks of one job see the same number of GPUs.
+    cuda = state.get("cuda") or []
+    parts += [torch.tensor([len(cuda)])] + [c.to(torch.int64) for c in cuda]
     return torch.cat(parts)
 
 
 def rng_from_tensor(flat: torch.Tensor, like: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`rng_to_tensor`, for a tensor laid out as ``like``'s is."""
     i = 0
 
     def take(n: int) -> torch.Tensor:
@@ -83,4 +89,6 @@ def rng_from_tensor(flat: torch.Tensor, like: dict[str, Any]) -> dict[str, Any]:
         cached = float(take(1).view(torch.float64))
         out["numpy"] = {"name": like["numpy"]["name"], "keys": keys, "pos": pos, "has_gauss": hg,
                         "cached_gaussian": cached}
+    count = int(take(1))
+    out["cuda"] = [take(c.numel()).to(torch.uint8) for c in (like.get("cuda") or [])[:count]]
     return out

@@ -78,3 +78,17 @@ def test_deterministic_true_needs_no_setup_on_cuda(tmp_path, monkeypatch, determ
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     _, trainer = fit(str(tmp_path), max_epochs=1, accelerator="cuda", deterministic=True)
     assert trainer.global_step == STEPS_PER_EPOCH
+
+
+def test_multi_rank_rng_form_carries_the_real_cuda_generators():
+    # A multi-rank checkpoint exchanges every rank's states as one flat tensor: the CUDA
+    # generators must survive it, or a ddp resume on GPUs draws other dropout masks.
+    from ember.rng import apply_rng, capture_rng, rng_from_tensor, rng_to_tensor
+
+    torch.cuda.init()
+    state = capture_rng()
+    assert len(state["cuda"]) == torch.cuda.device_count()
+    expected = torch.rand(4, device="cuda")
+    back = rng_from_tensor(rng_to_tensor(state), state)
+    apply_rng(back)
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
