@@ -130,3 +130,36 @@ def rank_on_its_listed_device(rank: int, world: int) -> dict:
 def test_each_rank_uses_its_listed_gpu_in_an_existing_group(loopback):
     results = run_ranks(rank_on_its_listed_device, 2, timeout=120)
     assert results == [{"current": [1], "device": "cuda:1"}, {"current": [0], "device": "cuda:0"}]
+
+
+class TwoGPUNet(nn.Module):
+    """Half of the layers on each GPU: backward accumulates on two autograd threads at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Sequential(*(nn.Linear(64, 64) for _ in range(8))).to("cuda:0")
+        self.b = nn.Sequential(*(nn.Linear(64, 64) for _ in range(8))).to("cuda:1")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x.to("cuda:0")).to("cuda:1"))
+
+
+@needs_two_gpus
+def test_a_module_on_two_gpus_reduces_every_gradient_exactly():
+    from ember.parallel.distributed import DistributedDataParallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = TwoGPUNet()
+        reference = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=64 * 65 * 4 / 2**20)  # many buckets
+        for step in range(20):
+            x = torch.randn(32, 64, device="cuda:0")
+            for net in (ddp, reference):
+                net.zero_grad()
+                net(x).pow(2).mean().backward()
+            for p, q in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}")
+    finally:
+        dist.destroy_process_group()

@@ -256,3 +256,33 @@ def test_errors_say_what_to_do(group):
 def test_wrapping_without_a_process_group_explains_the_fix():
     with pytest.raises(RuntimeError, match="init_process_group"):
         DDP(nn.Linear(2, 2))
+
+
+def test_hooks_of_a_module_on_several_devices_never_run_concurrently():
+    # Each device's gradients are accumulated on an autograd thread of its own: the reducer's
+    # per-iteration state must change under a lock (one device: one thread, no lock needed).
+    import threading
+    import time
+    import weakref
+
+    from ember.parallel.reducer import _locked_hook
+
+    class Recording:
+        inside = peak = calls = 0
+
+        def _on_grad_ready(self, index: int) -> None:
+            self.inside += 1
+            self.peak = max(self.peak, self.inside)
+            time.sleep(0.001)  # long enough for another thread to enter, were it allowed to
+            self.calls += 1
+            self.inside -= 1
+
+    reducer = Recording()
+    lock = threading.Lock()
+    hooks = [_locked_hook(weakref.ref(reducer), i, lock) for i in range(8)]
+    threads = [threading.Thread(target=lambda h=h: [h(torch.empty(0)) for _ in range(10)]) for h in hooks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert reducer.calls == 80 and reducer.peak == 1

@@ -30,6 +30,7 @@ before they are accumulated into ``.grad``.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 
@@ -55,6 +56,19 @@ def _hook(reducer_ref: weakref.ref, index: int) -> Callable[[Tensor], None]:
         reducer = reducer_ref()
         if reducer is not None:
             reducer._on_grad_ready(index)
+    return hook
+
+
+def _locked_hook(reducer_ref: weakref.ref, index: int, lock: threading.Lock) -> Callable[[Tensor], None]:
+    # A module spread over several devices has its gradients accumulated on one autograd thread
+    # per device, concurrently: the per-iteration state (started, pending counts, the next bucket
+    # to launch) must change under a lock, or ranks launch buckets in different orders (as
+    # PyTorch's reducer holds a mutex in its autograd hook). One device needs none: one thread.
+    def hook(_param: Tensor) -> None:
+        reducer = reducer_ref()
+        if reducer is not None:
+            with lock:
+                reducer._on_grad_ready(index)
     return hook
 
 
@@ -109,8 +123,10 @@ class Reducer:
         self._build(reversed(range(len(self.params))))
 
         ref = weakref.ref(self)
-        self._handles = [p.register_post_accumulate_grad_hook(_hook(ref, i))
-                         for i, p in enumerate(self.params)]
+        lock = threading.Lock()
+        self._handles = [p.register_post_accumulate_grad_hook(
+            _hook(ref, i) if self._one_device else _locked_hook(ref, i, lock))
+            for i, p in enumerate(self.params)]
         weakref.finalize(self, _remove, self._handles)
 
         # Per-iteration state, reset by prepare_for_backward.
