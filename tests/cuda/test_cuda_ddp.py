@@ -163,3 +163,23 @@ def test_a_module_on_two_gpus_reduces_every_gradient_exactly():
                 torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}")
     finally:
         dist.destroy_process_group()
+
+
+def test_find_unused_parameters_does_not_synchronise_when_every_parameter_is_used(loopback):
+    from ember.parallel.distributed import DistributedDataParallel
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=CUDA0)
+    try:
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)).to(CUDA0)
+        ddp = DistributedDataParallel(model, device_ids=[0], find_unused_parameters=True)
+        x = torch.randn(8, 16, device=CUDA0)
+        for step in range(4):
+            if step >= 2:  # past the first iterations (buckets built, the warning given)
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                model.zero_grad()
+                ddp(x).sum().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        dist.destroy_process_group()

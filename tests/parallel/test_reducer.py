@@ -179,6 +179,26 @@ def test_find_unused_parameters_warns_when_nothing_is_unused(group):
         ddp(torch.randn(2, 4)).sum().backward()
 
 
+def test_find_unused_parameters_reads_the_used_map_back_only_when_something_was_unused(group, monkeypatch):
+    # Reading the map back is a host sync on GPUs: PyTorch does it only when a parameter was
+    # unused locally (its gradient may have to be adopted from the other ranks' average).
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or tolist(t))
+    class Sometimes(WithUnused):
+        def forward(self, x, uses_all):
+            return self.used(x) + (self.unused(x) if uses_all else 0)
+
+    model = Sometimes()
+    ddp = DDP(model, find_unused_parameters=True)
+    n = len(list(model.parameters()))
+    for uses_all in (True, False, True):
+        reads.clear()
+        ddp(torch.randn(2, 4), uses_all).sum().backward()
+        assert (n in reads) != uses_all, (uses_all, reads)
+    assert model.unused.weight.grad is not None  # used in the last step: reduced as usual
+
+
 def test_static_graph_learns_the_unused_set(group):
     model = WithUnused()
     ddp = DDP(model, static_graph=True)

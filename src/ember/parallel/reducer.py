@@ -230,9 +230,16 @@ class Reducer:
         self._used_work = None
         if self.find_unused:
             self._unused = list(unused)
-            used = torch.ones(len(self.params), dtype=torch.int32, device=self._comm_device)
-            used[self._unused] = 0
-            self._used_map = used
+            # Built on the host and sent without blocking it (indexing a GPU tensor with a list
+            # is a blocking copy of the indices); nothing to send when all were used.
+            if self._unused:
+                used = torch.ones(len(self.params), dtype=torch.int32)
+                used[self._unused] = 0
+                if self._comm_device.type == "cuda":
+                    used = used.pin_memory()
+                self._used_map = used.to(self._comm_device, non_blocking=True)
+            else:
+                self._used_map = torch.ones(len(self.params), dtype=torch.int32, device=self._comm_device)
         elif self._static_counts is not None:
             self._static_left = list(self._static_counts)
 
@@ -420,7 +427,10 @@ class Reducer:
                 if self.static_graph:
                     self._global_used = self._used_map.tolist()
                     self._used_map = None
-                self._adopt_locally_unused(self._global_used or self._used_map.tolist())
+                if self._global_used is not None:
+                    self._adopt_locally_unused(self._global_used)
+                elif self._unused:  # read back (a host sync) only when there is a gradient to adopt
+                    self._adopt_locally_unused(self._used_map.tolist())
             elif self._global_used is not None:
                 self._adopt_locally_unused(self._global_used)
             self.synced_iterations += 1
