@@ -77,6 +77,24 @@ def test_scatter_from_the_cpu_does_not_wait_for_the_gpu_queue():
     assert torch.equal(torch.cat([c.cpu() for c in chunks]), x)
 
 
+def test_one_device_data_parallel_moves_pinned_inputs_without_blocking_the_host():
+    # One device skips the scatter but not its copy: a pinned batch goes over on the side
+    # stream, so the forward never waits for the GPU's queue (a blocking .to() would).
+    net = DataParallel(nn.Linear(8, 4).to(CUDA0), device_ids=[0])
+    x = torch.randn(64, 8).pin_memory()
+    net(x)  # first call: replicas, allocations
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.cuda._sleep(1_000_000_000)  # the current stream stays busy for about half a second
+        out = net(x)
+        still_busy = not torch.cuda.current_stream().query()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert still_busy, "the forward waited for the GPU"
+    torch.testing.assert_close(out, net.module(x.to(CUDA0)))
+
+
 def test_gather_to_the_cpu_returns_values_that_have_landed():
     x = torch.zeros(1 << 20, device="cuda")
     torch.cuda._sleep(200_000_000)  # the fill below waits behind ~0.1 s of GPU time

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ember.parallel.parallel_apply import attach_replica_graphs, check_parallel_backward_devices, parallel_apply
 from ember.parallel.replicate import DeviceMismatchError, Replicator
-from ember.parallel.scatter_gather import DeviceLike, as_device, flatten, gather, scatter_kwargs, unflatten
+from ember.parallel.scatter_gather import DeviceLike, as_device, copy_to, flatten, gather, scatter_kwargs, unflatten
 
 __all__ = ["DataParallel", "data_parallel", "run_replicas"]
 
@@ -52,7 +52,9 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     leaves, spec = flatten(batch)
     if not any(isinstance(t, Tensor) and t.device != device for t in leaves):
         return batch
-    return unflatten(spec, [t.to(device) if isinstance(t, Tensor) else t for t in leaves])
+    # The scatter's copy: from the host on a side stream the current one waits for, so a
+    # one-device forward never blocks the host (as PyTorch's _to_kwargs does).
+    return unflatten(spec, [copy_to(t, device) if isinstance(t, Tensor) else t for t in leaves])
 
 
 def _leafify(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[Tensor], list[Tensor]]:

@@ -198,7 +198,8 @@ def _background_stream(device: torch.device) -> Any:
     return _background_streams[device]
 
 
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
+def copy_to(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``; host-to-GPU copies go on a side stream and never block the host."""
     if t.device == device:
         return t
     if device.type == "cuda" and t.device.type == "cpu":
@@ -225,7 +226,7 @@ class Scatter(torch.autograd.Function):
                 input: Tensor) -> tuple[Tensor, ...]:
         ctx.dim, ctx.input_device = dim, input.device
         chunks = input.split(list(sizes), dim)
-        return tuple(_to_device(c, d) for c, d in zip(chunks, devices))
+        return tuple(copy_to(c, d) for c, d in zip(chunks, devices))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
