@@ -72,13 +72,15 @@ On CPU, run the ordinary test command from README.md instead."
     fi
 fi
 
-# 2. torch, and CUDA through it.
-if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+# 2. torch, and CUDA through it (one interpreter start: importing torch takes seconds).
+TORCH=$("$PY" -c "
+import torch
+print('ok' if torch.cuda.is_available() else f'torch {torch.__version__} (built for CUDA {torch.version.cuda})')" 2>/dev/null)
+if [ -z "$TORCH" ]; then
     stop 2 "torch cannot be imported by $PY: install a CUDA build of torch (pip install torch from PyPI) first."
 fi
-if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    info=$("$PY" -c "import torch; print(f'torch {torch.__version__} (built for CUDA {torch.version.cuda})')" 2>&1)
-    stop 2 "$info cannot use a GPU here: torch.cuda.is_available() is False. With a CPU-only torch build \
+if [ "$TORCH" != ok ]; then
+    stop 2 "$TORCH cannot use a GPU here: torch.cuda.is_available() is False. With a CPU-only torch build \
 (version ending in +cpu, or CUDA None), install a CUDA build (pip install torch from PyPI); \
 with a CUDA build, check the driver (nvidia-smi)."
 fi
