@@ -1,7 +1,16 @@
-"""Suite-wide guards: a test that leaks a thread, a child process or a process group fails."""
+"""Suite-wide guards: a test that leaks a thread, a child process or a process group fails, and
+a test that starts a process without the ``processes`` mark fails.
+
+The suite runs in two tiers (README's test command): the in-process tests (``-m "not
+processes"``), then the tests that start processes (ranks, scripts, torchrun, loader workers),
+each tier spread over the cores by pytest-xdist. A test lands in the right tier only if it is
+marked, so starting a process unmarked is an error that names the mark to add.
+"""
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.process
+import subprocess
 import threading
 import time
 
@@ -44,3 +53,29 @@ def _no_leaks():
         problems.append("a torch.distributed process group was left initialised")
     if problems:
         pytest.fail("; ".join(problems))
+
+
+@pytest.fixture(autouse=True)
+def _processes_are_marked(request, monkeypatch):
+    if request.node.get_closest_marker("processes") is not None:
+        yield
+        return
+    started: list[str] = []
+    execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+    process_start = multiprocessing.process.BaseProcess.start
+
+    def recording_execute_child(self, args, *rest, **kwargs):
+        started.append(f"subprocess {args if isinstance(args, str) else ' '.join(map(str, args))[:120]}")
+        return execute_child(self, args, *rest, **kwargs)
+
+    def recording_start(self):
+        started.append(f"multiprocessing {self.name}")
+        return process_start(self)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", recording_execute_child)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
+    yield
+    if started:
+        pytest.fail(f"this test started processes ({started[:3]}) but is not marked: add "
+                    "`@pytest.mark.processes` (with a `pytest.mark.timeout` of its own if 120 s is too "
+                    "short), so it runs in the multi-process tier")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

@@ -366,6 +366,7 @@ def _ddp_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             "steps": (trainer.global_step, last), "threads": [t.name for t in writer_threads()]}
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_ddp_background_saves_resume_exactly_on_two_ranks(tmp_path):
     from tests.helpers.dist import run_ranks
@@ -417,6 +418,7 @@ CRASHING = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(tmp_path):
     root = tmp_path / "ckpts"

@@ -79,6 +79,7 @@ def _read_pty(master: int, proc: subprocess.Popen, timeout: float) -> bytes:
     return b"".join(chunks)
 
 
+@pytest.mark.processes
 def test_bar_mode_in_a_terminal_and_line_mode_in_a_pipe(tmp_path):
     (tmp_path / "tty").mkdir()
     (tmp_path / "pipe").mkdir()
@@ -249,6 +250,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.processes
 def test_only_rank_zero_prints_and_logs_under_ddp(tmp_path):
     import importlib.util
 

@@ -189,6 +189,7 @@ def test_validate_after_fit_logs_and_closes_the_writer(tmp_path):
     assert [e.step for e in events] == [7, 8]
 
 
+@pytest.mark.processes
 def test_importing_and_building_the_default_logger_does_not_import_tensorboard(tmp_path):
     code = ("import sys, ember\n"
             "t = ember.Trainer(logger=True, default_root_dir=sys.argv[1], enable_progress_bar=False)\n"
@@ -209,6 +210,7 @@ def _get_json(url: str):
         return json.loads(resp.read().decode())
 
 
+@pytest.mark.processes
 def test_real_tensorboard_server_serves_the_scalars(tmp_path):
     logger = TensorBoardLogger(save_dir=tmp_path)
     trainer, module = fit(tmp_path, logger)

@@ -20,7 +20,7 @@ from ember.strategies.ddp import DDPStrategy
 from tests.cuda.cuda_helpers import BATCH, MLP, assert_close_modules, loader, needs_cuda, needs_two_gpus, trainer
 from tests.helpers.dist import run_ranks
 
-pytestmark = [needs_cuda, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.processes, needs_cuda, pytest.mark.timeout(180)]
 CUDA0 = torch.device("cuda", 0)
 
 

@@ -19,7 +19,7 @@ from tests.cuda.cuda_helpers import (
     trainer,
 )
 
-pytestmark = [needs_cuda, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.processes, needs_cuda, pytest.mark.timeout(120)]
 
 
 def test_single_device_fit_equals_a_plain_cuda_loop():

@@ -124,6 +124,7 @@ def test_every_block_is_known():
     assert set(EXPECT) == set(CASES)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("guide,index", CASES, ids=[f"{g[:-3]}-{i}" for g, i in CASES])
 def test_python_block_runs(tmp_path, guide, index):

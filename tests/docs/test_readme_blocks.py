@@ -67,6 +67,7 @@ def test_readme_has_the_blocks_this_file_knows():
     assert len(PYTHON) == 2 and len(BASH) == 3
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("index", range(2))
 def test_python_block_runs(tmp_path, index):
@@ -80,6 +81,7 @@ def test_python_block_runs(tmp_path, index):
         assert "FITTED 8 ['train/loss', 'val/acc']" in done.stdout
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(180)
 def test_the_example_command_runs(tmp_path):
     install, _, run = BASH[0].rpartition("&&")

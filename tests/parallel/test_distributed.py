@@ -24,7 +24,7 @@ from tests.helpers.dist import count_collectives, run_ranks
 
 B, STEPS, TOL = 4, 20, 1e-5
 SMALL_BUCKETS = 0.002  # MiB: several buckets even for these tiny models
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
 
 # ------------------------------------------------------------------------------ models

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: the check runs for real there"),
+pytestmark = [pytest.mark.processes,
+              pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: the check runs for real there"),
               pytest.mark.timeout(60)]
 
 

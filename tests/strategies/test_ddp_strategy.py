@@ -23,7 +23,7 @@ from ember.strategies.launcher import World
 from tests.helpers.dist import run_ranks
 
 B, STEPS, TOL, N = 4, 20, 1e-5, 48
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 
 class Net(ember.TrainModule):

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 import ember
 from tests.helpers.dist import count_collectives, run_ranks
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(150)]
 
 B, LR = 2, 0.1
 UNEVEN = "yielded a different number of batches"

@@ -21,7 +21,7 @@ from tests.strategies import ddp_script
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).with_name("ddp_script.py"))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
 
 def free_port() -> int:

@@ -23,7 +23,7 @@ from tests.helpers.dist import assert_processes_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).with_name("exit_script.py"))
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
 
 class Job:

@@ -15,6 +15,8 @@ import torch.distributed as dist
 from ember.strategies import launcher
 from tests.helpers.dist import run_ranks
 
+pytestmark = pytest.mark.processes
+
 
 def _is_socket(fd: int) -> bool:
     try:

@@ -76,6 +76,7 @@ def _ddp_rank(rank: int, world: int) -> list[tuple[str, int]]:
     return module.seen
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 def test_steps_without_batch_idx_under_ddp():
     from tests.helpers.dist import run_ranks

@@ -20,7 +20,7 @@ from ember.strategies import DataParallelStrategy, DDPStrategy, SingleDeviceStra
 from ember.strategies.verdicts import AFTER_BACKWARD
 from tests.helpers.dist import run_ranks
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(60)]
 GRADIENTS = "the gradient all-reduce (backward)"
 
 

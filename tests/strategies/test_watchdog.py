@@ -25,6 +25,8 @@ from ember.strategies import watchdog as wd
 from ember.strategies.verdicts import AFTER_BACKWARD
 from tests.helpers.dist import assert_processes_gone
 
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).with_name("hang_script.py"))
 STACK_LINE = re.compile(r'File ".*hang_script\.py", line \d+ in training_step')

@@ -117,6 +117,7 @@ def test_a_restart_never_takes_another_jobs_checkpoint(tmp_path: Path, monkeypat
     assert t.ckpt_path is None and t.global_step == 4
 
 
+@pytest.mark.processes
 def test_sigusr1_requeue_reports_how_and_falls_back_when_scontrol_fails(tmp_path: Path, monkeypatch) -> None:
     exc = Preempted(signal.SIGUSR1, "x/last.ckpt", "requeued SLURM job 5 (scontrol requeue 5)")
     assert exc.code == 0 and "the requeued job resumes from it on its own" in str(exc)

@@ -222,6 +222,7 @@ _CRASH_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(30)
 def test_crash_between_write_and_rename_keeps_previous_last(tmp_path):
     script = tmp_path / "crash.py"

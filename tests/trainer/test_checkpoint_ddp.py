@@ -27,7 +27,7 @@ from tests.helpers.dist import run_ranks  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 import test_checkpoint_resume as R  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 WORLD = 2
 STEPS_PER_EPOCH = R.N // (R.BATCH * WORLD)  # 6
 STOP = 11  # checkpoints every 4 steps: resumes from step 8 = epoch 1, batch 2 (16 samples of its order consumed)

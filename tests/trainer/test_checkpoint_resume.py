@@ -111,6 +111,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, DropoutNet]
     return refs
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("stop", [17, 12], ids=["mid-epoch", "between-epochs"])
 def test_resume_after_callback_raises_is_bitwise(tmp_path, reference, workers, stop):
@@ -275,6 +276,7 @@ def _kill_run(root: str, workers: int, kill_step: int) -> None:
     fit(root, workers, [StopAt(kill_step, lambda: os.kill(os.getpid(), signal.SIGKILL))])
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_after_kill_9_is_bitwise(tmp_path, reference, workers):

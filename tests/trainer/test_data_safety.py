@@ -75,6 +75,7 @@ def _versions(root):
 
 
 # ---------------------------------------------------------------------------------------------- 1: "last"
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_second_script_run_with_last_resumes_the_first_and_continues_its_log_directory(tmp_path):
     script = tmp_path / "train.py"
@@ -309,6 +310,7 @@ _SLOW = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(90)
 def test_a_second_job_on_the_same_directory_stops_at_start_up_and_the_first_finishes(tmp_path):
     script = tmp_path / "slow.py"
@@ -333,6 +335,7 @@ def test_a_second_job_on_the_same_directory_stops_at_start_up_and_the_first_fini
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["epoch=5-step=24.ckpt", "last.ckpt"]
 
 
+@pytest.mark.processes
 def test_only_temporaries_of_dead_writers_on_this_host_are_removed(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -358,6 +361,7 @@ def test_only_temporaries_of_dead_writers_on_this_host_are_removed(tmp_path):
         sleeper.wait()
 
 
+@pytest.mark.processes
 def test_a_live_writers_temporary_file_survives_another_fits_start_up(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -409,6 +413,7 @@ class _Big(BoringModel):
         self.big = torch.nn.Linear(600, 600)  # 1.4 MB of weights: the second checkpoint does not fit
 
 
+@pytest.mark.processes
 def test_disk_full_says_so_and_keeps_the_previous_checkpoint(tiny_disk):
     t = ember.Trainer(max_epochs=3, enable_progress_bar=False, default_root_dir=str(tiny_disk),
                       callbacks=[ModelCheckpoint(save_on_exception=True)])
@@ -469,6 +474,7 @@ _SPAWN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_ddp_spawn_fit_does_not_warn_and_test_logs_into_the_fits_version(tmp_path):
     script = tmp_path / "spawn.py"

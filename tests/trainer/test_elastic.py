@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.processes
+
 SCRIPT = Path(__file__).with_name("elastic_script.py")
 _LAUNCH_VARS = ("TORCHELASTIC_", "SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                 "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "ROLE_")

@@ -585,6 +585,7 @@ def test_backward_override_without_ddp():
     assert module.seen == BACKWARD_DDP
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 def test_backward_override_under_ddp():
     assert run_ranks(_backward_rank, 2, timeout=50) == [BACKWARD_DDP, BACKWARD_DDP]

@@ -305,6 +305,7 @@ def two_ranks_log(rank: int, world: int) -> dict:
             "logged": floats(trainer.logged_metrics)}
 
 
+@pytest.mark.processes
 def test_under_ddp_rank_zero_writes_its_step_values_and_epoch_values_are_reduced_across_ranks():
     from tests.helpers.dist import run_ranks
 

@@ -18,6 +18,8 @@ import pytest
 from ember.trainer import preemption
 from tests.helpers.dist import assert_processes_gone
 
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "strategies" / "hang_script.py")
 STACK_LINE = re.compile(r'File ".*hang_script\.py", line \d+ in training_step')
