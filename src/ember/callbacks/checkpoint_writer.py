@@ -29,7 +29,9 @@ Rules that keep it exact and bounded:
   were made.
 
 Tensors are copied storage by storage, keeping their offsets, sizes and strides, so that views of
-one storage stay views of one storage and the file holds the same bytes as a synchronous save. The
+one storage stay views of one storage; containers are copied with their attributes (a module's
+``state_dict`` carries ``_metadata``, the modules' versions), so the file holds what a synchronous
+save's holds. The
 copies are CPU tensors: a checkpoint of CUDA tensors written this way loads on the CPU unless a
 ``map_location`` says otherwise (ember's own loading always maps to the CPU first).
 """
@@ -258,11 +260,17 @@ class BackgroundWriter:
                         x.untyped_storage().data_ptr() in defer:
                     watched.append((x, x._version))
                 return _copy_tensor(x, storage_copy)
+            out: Any
             if isinstance(x, dict):
-                return type(x)({k: walk(v) for k, v in x.items()})
-            if isinstance(x, (list, tuple)):
-                return type(x)(walk(v) for v in x)
-            return x  # numbers, strings, dtypes, devices, sizes: immutable
+                out = type(x)({k: walk(v) for k, v in x.items()})
+            elif isinstance(x, (list, tuple)):
+                out = type(x)(walk(v) for v in x)
+            else:
+                return x  # numbers, strings, dtypes, devices, sizes: immutable
+            # Attributes pickle with the container (a state_dict's ``_metadata``: its modules' versions).
+            for name, value in getattr(x, "__dict__", {}).items():
+                setattr(out, name, walk(value))
+            return out
 
         out = walk(obj)
         for device in devices:  # the background thread waits for these before reading the buffers
