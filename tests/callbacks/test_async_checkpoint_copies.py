@@ -138,28 +138,35 @@ def every_way(m: Teacher) -> None:
         way(m)
 
 
-class AfterTheSave(Callback):
-    """Runs ``act`` right after ModelCheckpoint's save point: its step-boundary hook (listed after the
-    checkpoint callback), and its epoch-end hook (a metrics-monitoring callback runs after it)."""
+class Adversary(Callback):
+    """A callback calling ``touch(where)`` from its hooks: "after the save" from its step-boundary hook
+    (listed after the checkpoint callback) and its epoch-end hook (a metrics-monitoring callback runs
+    after it), right after ModelCheckpoint's save point; "callback on_train_batch_end" from that hook."""
 
     monitors_metrics = True
 
-    def __init__(self, act: Callable[[], None]) -> None:
-        self.act = act
+    def __init__(self, touch: Callable[[str], None]) -> None:
+        self.touch = touch
 
     def on_train_step_boundary(self, trainer: Any, module: Any) -> None:
-        self.act()
+        self.touch("after the save")
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
-        self.act()
+        self.touch("after the save")
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.touch("callback on_train_batch_end")
 
 
 def fit(root: str, where: str, change: Callable[[Teacher], None], steps: int = 6, accumulate: int = 1,
         every_n_epochs: bool = False, big: int = 2**20) -> None:
-    module = Teacher(lambda hook: change(module) if hook == where else None, big)
+    def touch(hook: str) -> None:
+        if hook == where:
+            change(module)
+    module = Teacher(touch, big)
     cadence: dict[str, Any] = {"every_n_epochs": 1} if every_n_epochs else {"every_n_train_steps": 1}
     cb = ModelCheckpoint(dirpath=root, save_top_k=-1, async_save=True, **cadence)
-    after = AfterTheSave(lambda: change(module) if where == "after the save" else None)
+    after = Adversary(touch)
     ember.seed_everything(0)
     batches = DataLoader(TensorDataset(torch.randn(8 if every_n_epochs else 2 * steps * accumulate, 16)),
                          batch_size=2 if every_n_epochs else 2)
@@ -188,11 +195,12 @@ def test_each_way_of_changing_tensors_in_the_next_step_leaves_the_file_as_a_sync
     reference.check(saves=6)
 
 
+@pytest.mark.parametrize("where", ["on_train_batch_end", "callback on_train_batch_end"])
 def test_a_hook_of_a_batch_without_an_optimizer_step_changing_tensors_leaves_the_file_as_a_synchronous_save(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, where):
     # With two batches a step, the batch after a save point ends (on_train_batch_end) before any step.
     reference = Reference(monkeypatch, str(tmp_path / "reference"))
-    fit(str(tmp_path / "ckpts"), "on_train_batch_end", every_way, steps=6, accumulate=2)
+    fit(str(tmp_path / "ckpts"), where, every_way, steps=6, accumulate=2)
     reference.check(saves=6)
 
 
