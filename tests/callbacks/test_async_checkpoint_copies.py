@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ember
 from ember.callbacks import Callback, ModelCheckpoint
 from ember.callbacks.checkpoint_writer import BackgroundWriter
-from tests.callbacks.test_async_checkpoint import records, writer_threads
+from tests.callbacks.test_async_checkpoint import Gate, records, writer_threads
 
 
 class Reference:
@@ -169,7 +169,7 @@ def fit(root: str, where: str, change: Callable[[Teacher], None], steps: int = 6
     after = Adversary(touch)
     ember.seed_everything(0)
     batches = DataLoader(TensorDataset(torch.randn(8 if every_n_epochs else 2 * steps * accumulate, 16)),
-                         batch_size=2 if every_n_epochs else 2)
+                         batch_size=2)
     trainer = ember.Trainer(max_steps=steps, max_epochs=-1, accumulate_grad_batches=accumulate,
                             enable_progress_bar=False, default_root_dir=root, callbacks=[cb, after])
     trainer.fit(module, batches)
@@ -225,7 +225,6 @@ def test_a_32_mb_frozen_tensor_changed_right_after_every_save_point(tmp_path, mo
 def test_the_writer_reads_nothing_of_the_live_state_once_submit_returns(tmp_path, monkeypatch):
     """Every byte is taken before ``submit`` returns: the write is held until the live tensors were
     changed in every way and freed, and the file still holds their state at the submit."""
-    from tests.callbacks.test_async_checkpoint import Gate
     gate = Gate(monkeypatch, hold="x.ckpt")
     weight = torch.nn.Parameter(torch.randn(64, 64))
     base = torch.arange(12.0)
