@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+import zipfile
 from typing import Any
 
 import pytest
@@ -79,6 +80,13 @@ def same(a: Any, b: Any, root_a: str, root_b: str) -> bool:
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y, root_a, root_b) for x, y in zip(a, b))
     return bool(a == b)
+
+
+def records(path: str | os.PathLike) -> dict[str, bytes]:
+    """Every record of a torch.save file but its random serialization id, by name within the archive."""
+    with zipfile.ZipFile(path) as z:
+        return {name.split("/", 1)[1]: z.read(name) for name in z.namelist()
+                if not name.endswith("/.data/serialization_id")}
 
 
 class Gate:
@@ -193,6 +201,20 @@ def test_copies_keep_what_torch_save_keeps(tmp_path):
     for k in live:
         assert type(a[k]) is type(b[k]) and a[k].dtype == b[k].dtype and a[k].requires_grad == b[k].requires_grad, k
         assert a[k].stride() == b[k].stride() and a[k].is_conj() == b[k].is_conj() and torch.equal(a[k], b[k]), k
+
+
+def test_a_state_dicts_metadata_is_kept(tmp_path):
+    """A module's ``state_dict`` carries ``_metadata`` (each module's version, which ``load_state_dict``
+    reads): the copy keeps it, so the file holds the records torch.save writes, byte for byte."""
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    state = {"state_dict": module.state_dict()}
+    torch.save(state, tmp_path / "direct.pt")
+    writer = BackgroundWriter()
+    writer.submit(state, str(tmp_path / "background.pt"))
+    writer.close(raise_errors=True)
+    loaded = torch.load(tmp_path / "background.pt", weights_only=True)["state_dict"]
+    assert loaded._metadata == module.state_dict()._metadata  # type: ignore[attr-defined]
+    assert records(tmp_path / "background.pt") == records(tmp_path / "direct.pt")
 
 
 def test_copy_buffers_survive_from_one_save_to_the_next_during_fit(tmp_path, monkeypatch):

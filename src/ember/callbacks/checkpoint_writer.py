@@ -1,13 +1,31 @@
 """Checkpoints written on a background thread (``ModelCheckpoint(async_save=True)``).
 
 At the save point the checkpoint dict is made as for a synchronous save; :meth:`BackgroundWriter.submit`
-then copies its tensors off the live state (into pinned CPU memory for CUDA tensors, asynchronously
-on the current stream; a plain copy for CPU tensors) and its containers, and returns: training
-continues while a thread writes the copy with ``checkpoint_io.write_atomic`` (temporary file, fsync,
-rename) and then runs the caller's ``after`` step (links, rotation). A crash at any moment leaves
-the previous file under the checkpoint's name, as for a synchronous write. The thread writes
-through a Python file object: torch's writer for a path holds the GIL while it copies each
-tensor's bytes, which would stop the training thread for most of the write.
+then copies it off the live state and returns: training continues while a thread writes the copy with
+``checkpoint_io.write_atomic`` (temporary file, fsync, rename) and then runs the caller's ``after`` step
+(links, rotation). A crash at any moment leaves the previous file under the checkpoint's name, as for
+a synchronous write. The thread writes through a Python file object: torch's writer for a path holds
+the GIL while it copies each tensor's bytes, which would stop the training thread for most of the write.
+
+The rule that makes a background file the file a synchronous save at the same point writes: **every
+byte is taken before** ``submit`` **returns to the caller**, that is before any of the user's code runs
+again. CPU storages are copied there, in the training thread (as byte tensors, whose ``copy_`` lets go of
+the GIL). CUDA storages are copied into pinned CPU memory by a copy
+enqueued there on the current stream: whatever writes into the tensor afterwards (an optimizer step, a
+``no_grad`` in-place op, ``.data``, a buffer update) is a kernel enqueued after it on that stream, or on a
+stream that waits for it as CUDA requires of any other stream, so it cannot reach the copy; the background
+thread waits for the copy's event before it reads, and keeps the source storages alive until then (a freed
+block could otherwise be reused by an allocation on another stream). After ``submit`` returns, the writer
+reads only its copy.
+
+Why nothing is copied later, while the next step runs: no check can tell afterwards that a tensor was
+left alone. ``Tensor._version`` does not count writes through ``.data`` (nor through numpy or any other
+alias), and counts an in-place op only once the op has finished, so a write running beside the copy
+passes the check and tears the file. Nor does "only the optimizer's step changes it" hold of any
+tensor: a frozen teacher updated by EMA, weight clipping in ``training_step`` before the forward, a
+callback's ``on_train_batch_start`` or ``on_train_batch_end`` all write parameters before the next
+``step``. Copying later could only be checked by reading every byte at the save point, which costs what
+the copy costs.
 
 Rules that keep it exact and bounded:
 
@@ -19,19 +37,15 @@ Rules that keep it exact and bounded:
 - The caller's ``on_done`` runs in the training thread once the write is complete, never in the
   background thread: the state that names the new files (best, last) is published only when they
   exist.
-- CPU storages that only an optimizer's ``step`` changes (``defer``: parameters, optimizer states) are
-  copied by the background thread, as byte tensors (whose ``copy_`` lets go of the GIL), while the
-  training thread runs the next forward and backward; a global optimizer step pre-hook makes every
-  optimizer's next ``step`` wait for them. Their versions (``Tensor._version``) are checked after the
-  copy: a tensor changed in place meanwhile fails the save instead of writing a torn file.
 - Every synchronous save waits for the write in flight first (``trainer.checkpoint.save`` calls
   :func:`writers_of` and :meth:`BackgroundWriter.wait`), so files are written in the order the saves
   were made.
 
 Tensors are copied storage by storage, keeping their offsets, sizes and strides, so that views of
-one storage stay views of one storage and the file holds the same bytes as a synchronous save. The
-copies are CPU tensors: a checkpoint of CUDA tensors written this way loads on the CPU unless a
-``map_location`` says otherwise (ember's own loading always maps to the CPU first).
+one storage stay views of one storage; containers are copied with their attributes (a module's
+``state_dict`` carries ``_metadata``, the modules' versions), so the file holds what a synchronous
+save's holds. The copies are CPU tensors: a checkpoint of CUDA tensors written this way loads on the
+CPU unless a ``map_location`` says otherwise (ember's own loading always maps to the CPU first).
 """
 from __future__ import annotations
 
@@ -43,7 +57,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ember.checkpoint_io import write_atomic
 
@@ -53,56 +66,30 @@ After = Callable[[Callable[[str], None]], None]
 
 
 class _Job:
-    def __init__(self, obj: Any, path: str, events: list[Any], before_rename: Callable[[str], None] | None,
-                 after: After | None, on_done: Callable[[], None] | None,
-                 deferred: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] | None = None,
-                 watched: list[tuple[torch.Tensor, int]] | None = None) -> None:
+    def __init__(self, obj: Any, path: str, events: list[Any], sources: list[torch.UntypedStorage],
+                 before_rename: Callable[[str], None] | None, after: After | None,
+                 on_done: Callable[[], None] | None) -> None:
         self.obj: Any = obj
         self.path = path
         self.events = events
+        self.sources = sources  # CUDA storages whose copies ``events`` wait for
         self.before_rename = before_rename
         self.after = after
         self.on_done = on_done
         self.error: BaseException | None = None
-        self.deferred = deferred or []  # (copy buffer, live storage) pairs this thread copies first
-        self.watched = watched or []  # (live tensor, its version at the save point)
-        self.copied = threading.Event()
 
     def run(self) -> None:
         try:
-            try:
-                for buf, src in self.deferred:
-                    # As byte tensors: a tensor's copy_ lets go of the GIL while it copies (a storage's does
-                    # not), so the training thread runs on meanwhile.
-                    _bytes(buf).copy_(_bytes(src))
-            finally:
-                self.copied.set()
-            self._check_unchanged()
             for event in self.events:  # the device -> pinned copies enqueued at the save point
                 event.synchronize()
+            self.sources = []
             write_atomic(self.obj, self.path, self.before_rename, background=True)
             if self.after is not None:
                 self.after(lambda other: write_atomic(self.obj, other, background=True))
         except BaseException as err:  # kept for the training thread, which raises it
             self.error = err
         finally:
-            self.obj = None  # the copy buffers stay with the writer, for the next save
-            self.deferred, self.watched = [], []
-
-    def _check_unchanged(self) -> None:
-        """The deferred copies hold the state of the save point only if nothing changed those tensors in
-        place before they were copied (the optimizer's step waits for the copies; anything else that
-        writes into a parameter or an optimizer state in the meantime is caught here, as far as it
-        finished before this check)."""
-        changed = [t for t, version in self.watched if t._version != version]
-        if changed:
-            t = changed[0]
-            raise RuntimeError(
-                f"ModelCheckpoint(async_save=True): {len(changed)} parameter or optimizer-state tensor(s) "
-                f"(the first of shape {tuple(t.shape)}) were changed in place after the save point, before the "
-                f"background copy of them was complete, so {self.path} was not written (the previous file under "
-                "that name is intact). Change parameters and optimizer states only in the optimizer's step, or "
-                "use async_save=False.")
+            self.obj, self.sources = None, []  # the copy buffers stay with the writer, for the next save
 
 
 class BackgroundWriter:
@@ -114,7 +101,6 @@ class BackgroundWriter:
         self._buffers: list[torch.UntypedStorage] = []
         self._pin_failed = False  # pinned memory refused once: pageable buffers are reused, not retried
         self._claim: tuple[str, After | None, Callable[[], None] | None] | None = None
-        self._step_hook: Any = None  # an optimizer step pre-hook waiting for deferred copies
 
     # ------------------------------------------------------------------ routing a save here
     @contextlib.contextmanager
@@ -141,9 +127,8 @@ class BackgroundWriter:
         _, after, on_done = self._claim
         self._claim = None
 
-        def submit(obj: Any, target: str, before_rename: Callable[[str], None] | None = None,
-                   defer: frozenset[int] = frozenset()) -> None:
-            self.submit(obj, target, before_rename=before_rename, after=after, on_done=on_done, defer=defer)
+        def submit(obj: Any, target: str, before_rename: Callable[[str], None] | None = None) -> None:
+            self.submit(obj, target, before_rename=before_rename, after=after, on_done=on_done)
         return submit
 
     # ------------------------------------------------------------------ writing
@@ -153,9 +138,11 @@ class BackgroundWriter:
         return self._job is not None
 
     def submit(self, obj: Any, path: str, before_rename: Callable[[str], None] | None = None,
-               after: After | None = None, on_done: Callable[[], None] | None = None,
-               defer: frozenset[int] = frozenset()) -> None:
-        """Copy ``obj`` off the live state and write it to ``path`` on a background thread.
+               after: After | None = None, on_done: Callable[[], None] | None = None) -> None:
+        """Copy ``obj`` off the live state, then write it to ``path`` on a background thread.
+
+        Returns once every byte of ``obj`` is copied (CUDA tensors: once the copies are enqueued on the
+        current stream), so nothing the caller does to its tensors afterwards can change the file.
 
         Args:
             obj: the checkpoint (tensors, numbers, strings, lists and dicts).
@@ -164,20 +151,12 @@ class BackgroundWriter:
             after: run on the background thread once ``path`` is complete, with a function that writes the
                 same checkpoint to another path.
             on_done: run in the training thread when the write (and ``after``) is collected successfully.
-            defer: ``data_ptr()`` of CPU storages that only an optimizer's ``step`` changes (parameters,
-                optimizer states): the background thread copies them, while training goes on, and every
-                optimizer's next ``step`` first waits for those copies. Everything else is copied now.
         """
         self.wait()  # never two writes in flight; the buffers below are free again
         events: list[Any] = []
-        deferred: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
-        watched: list[tuple[torch.Tensor, int]] = []
-        copy = self._copy(obj, events, defer, deferred, watched)
-        self._job = job = _Job(copy, os.path.abspath(path), events, before_rename, after, on_done, deferred, watched)
-        if deferred:
-            def wait_for_copies(optimizer: Any, args: Any, kwargs: Any) -> None:
-                job.copied.wait()
-            self._step_hook = register_optimizer_step_pre_hook(wait_for_copies)
+        sources: list[torch.UntypedStorage] = []
+        copy = self._copy(obj, events, sources)
+        self._job = job = _Job(copy, os.path.abspath(path), events, sources, before_rename, after, on_done)
         # Not a daemon: an interpreter that exits while a write is in flight finishes the write first.
         self._thread = threading.Thread(target=job.run, name="ember-checkpoint-writer")
         self._thread.start()
@@ -185,10 +164,6 @@ class BackgroundWriter:
     def collect(self, raise_errors: bool = True) -> BaseException | None:
         """If the write in flight has finished: run its ``on_done``, or raise its error (return it instead
         with ``raise_errors=False``). Does not wait."""
-        if self._step_hook is not None and self._job is not None and self._job.copied.is_set():
-            # Removed here, in the training thread, not from the hook itself (torch is iterating over them then).
-            self._step_hook.remove()
-            self._step_hook = None
         if self._job is None or (self._thread is not None and self._thread.is_alive()):
             return None
         job, self._job = self._job, None
@@ -220,9 +195,10 @@ class BackgroundWriter:
             self._buffers = []
 
     # ------------------------------------------------------------------ copying
-    def _copy(self, obj: Any, events: list[Any], defer: frozenset[int] = frozenset(),
-              deferred: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] | None = None,
-              watched: list[tuple[torch.Tensor, int]] | None = None) -> Any:
+    def _copy(self, obj: Any, events: list[Any], sources: list[torch.UntypedStorage]) -> Any:
+        """A copy of ``obj`` that shares no tensor storage and no container with it, complete (CPU) or
+        enqueued on the current stream (CUDA: one event per device appended to ``events``, and the source
+        storages to ``sources``) on return."""
         memo: dict[tuple[Any, ...], torch.UntypedStorage] = {}
         slot = itertools.count()
         devices: set[torch.device] = set()
@@ -243,26 +219,29 @@ class BackgroundWriter:
                     self._buffers[i] = buf
                 else:
                     self._buffers.append(buf)
-            if deferred is not None and device.type == "cpu" and src.data_ptr() in defer:
-                deferred.append((buf, src))  # copied by the background thread, before the next optimizer step
-            else:
-                buf.copy_(src, non_blocking=pin and buf.is_pinned())
             if pin:
+                buf.copy_(src, non_blocking=buf.is_pinned())  # ordered before any later kernel on the stream
                 devices.add(device)
+                sources.append(src)
+            else:
+                _bytes(buf).copy_(_bytes(src))  # lets go of the GIL while it copies (a storage's copy_ does not)
             memo[key] = buf
             return buf
 
         def walk(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
-                if watched is not None and x.device.type == "cpu" and x.layout == torch.strided and \
-                        x.untyped_storage().data_ptr() in defer:
-                    watched.append((x, x._version))
                 return _copy_tensor(x, storage_copy)
+            out: Any
             if isinstance(x, dict):
-                return type(x)({k: walk(v) for k, v in x.items()})
-            if isinstance(x, (list, tuple)):
-                return type(x)(walk(v) for v in x)
-            return x  # numbers, strings, dtypes, devices, sizes: immutable
+                out = type(x)({k: walk(v) for k, v in x.items()})
+            elif isinstance(x, (list, tuple)):
+                out = type(x)(walk(v) for v in x)
+            else:
+                return x  # numbers, strings, dtypes, devices, sizes: immutable
+            # Attributes pickle with the container (a state_dict's ``_metadata``: its modules' versions).
+            for name, value in getattr(x, "__dict__", {}).items():
+                setattr(out, name, walk(value))
+            return out
 
         out = walk(obj)
         for device in devices:  # the background thread waits for these before reading the buffers

@@ -77,10 +77,9 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         enable_version_counter: add ``-v1``, ``-v2``... when a file name is already taken (by an earlier
             run in the same directory, or by a checkpoint of this run that is kept), as Lightning does.
         async_save: write the files on a background thread: at the save point the state is copied (to
-            pinned CPU memory from CUDA; CPU parameters and optimizer states while the next forward and
-            backward run, the next optimizer step waiting for them) and training continues during the
-            write; at most one write is in
-            flight. ``best_model_path``, ``last_model_path`` and the top-k list name a new file only once
+            pinned CPU memory from CUDA, on the current stream), before any other code runs, so the file is
+            what a synchronous save writes there; training continues during the write; at most one write is
+            in flight. ``best_model_path``, ``last_model_path`` and the top-k list name a new file only once
             it is on disk, and a replaced file is deleted only then. A failed write is raised at the next
             step boundary or save, or at the end of fit. Off by default because it is not free of
             trade-offs: a copy of the whole checkpoint (weights and optimizer state) stays in host memory

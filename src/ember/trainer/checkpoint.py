@@ -159,27 +159,13 @@ def save(trainer: Trainer, filepath: str, weights_only: bool = False,
 
     def writer(obj: dict[str, Any], path: str) -> None:
         if background is not None:  # the callback that asked for this save writes it in the background
-            background(obj, path, before_rename, _changed_by_steps_only(trainer))
+            background(obj, path, before_rename)
         else:
             write_atomic(obj, path, before_rename)
 
     strategy.save_checkpoint(ckpt, filepath, writer)
     strategy.barrier("save_checkpoint")
     return filepath
-
-
-def _changed_by_steps_only(trainer: Trainer) -> frozenset[int]:
-    """Storages of the parameters and the optimizers' states: what only an optimizer's ``step`` changes, so
-    a background save may copy them while the next batch's forward and backward run (buffers, which a
-    forward may update, are copied at the save point)."""
-    module = trainer.module
-    assert module is not None
-    ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    for opt in trainer._optim.optimizers:
-        ptrs.update(t.untyped_storage().data_ptr() for state in getattr(opt, "state", {}).values()
-                    for t in state.values() if isinstance(t, torch.Tensor))
-    buffers = {b.untyped_storage().data_ptr() for b in module.buffers()}
-    return frozenset(ptrs - buffers)
 
 
 def _sampler_state(trainer: Trainer) -> dict[str, Any] | None:
