@@ -5,21 +5,28 @@ on_*_batch_start -> *_step (under no_grad and the precision's
 autocast) -> on_*_batch_end. Evaluation epochs reduce what ``self.log`` collected (across
 processes too) and return one metric dict per loader.
 
-Under several processes each rank runs its own number of batches: the steps do not communicate,
-and the epoch-end reduction is one collective weighted by sample counts, so ranks whose loaders
-yield different numbers of batches still get the exact metric over all of them. Loaders with a
-length are sharded by the strategy with at least one sample per rank; for loaders without one
-(an ``IterableDataset`` each rank feeds itself), the ranks compare their batch counts once at the
-end, so that a rank with no batch at all, which has nothing to reduce, raises on every rank
+Under several processes every rank must run the same number of steps, because a step may hold a
+collective (``self.log(..., on_step=True, sync_dist=True)``, an all-gather) that every rank has to
+join. Loaders with a length are sharded by the strategy with at least one sample per rank, and a
+shard that would yield a batch fewer than the longest ends with a *padding batch* (see
+``strategies/sampler.py``). The padding batch goes through the batch transfer, the batch hooks and
+the step like any other, but nothing logged while it runs counts toward an epoch value, so the
+epoch-end reduction, one collective weighted by sample counts, gives the exact metric over the
+real samples. Predict shards are not padded: predictions are the dataset's, each sample once.
+For loaders without a length (an ``IterableDataset`` each rank feeds itself) each rank runs its own
+batches, so collectives in the step need equal counts; the ranks compare their batch counts once
+at the end, so that a rank with no batch at all, which has nothing to reduce, raises on every rank
 instead of leaving the others waiting in the reduction.
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ember.module import TrainModule, _restore_modes
+from ember.strategies.resumable import resumable_sampler_of
 from ember.trainer.loaders import batch_transfer
 from ember.utils import to_floats
 
@@ -79,7 +86,8 @@ class EvaluationLoop:
     def _run_loader(self, hook: str, loader: Any, limit: float, dl_idx: int, many: bool,
                     keep: list[Any] | None) -> int:
         """Run ``{hook}_step`` with its batch hooks over the first ``limit`` batches of ``loader``, under
-        no_grad and autocast; append each output to ``keep`` (predict). Returns the batches run."""
+        no_grad and autocast; append each output to ``keep`` (predict). Returns the batches run, not
+        counting a padding batch."""
         metrics = self.metrics
         step_fn = getattr(self.strategy, f"{hook}_step")
         batch_start = self.hooks.get(f"on_{hook}_batch_start")
@@ -88,11 +96,13 @@ class EvaluationLoop:
         extra = (dl_idx,) if many else ()  # dataloader_idx only with several loaders, as in Lightning
         transfer = batch_transfer(self.trainer, dl_idx, self.input_dtype)
         autocast = self.precision.autocast
+        real = _real_batches(loader)  # batches from this index on are padding
         ran = 0
         for batch_idx, batch in enumerate(loader):
             if batch_idx >= limit:
                 break
-            ran += 1
+            metrics.padding = padding = batch_idx >= real
+            ran += not padding
             batch = transfer(batch)
             metrics.batch = batch
             metrics.batch_size = None
@@ -105,8 +115,9 @@ class EvaluationLoop:
             metrics.fx = fx_end
             for h in batch_end:
                 h(out, batch, batch_idx, *extra)
-            if keep is not None:
+            if keep is not None and not padding:
                 keep.append(out)
+        metrics.padding = False
         return ran
 
     # ------------------------------------------------------------------ evaluation
@@ -135,7 +146,7 @@ class EvaluationLoop:
                         metrics.key_suffix = suffixes[dl_idx]
                         ran.append(self._run_loader(hook, loader, limit, dl_idx, many, None))
                 if self.strategy.world_size > 1 and _has_unsized(loaders):
-                    # Each rank ran its own number of batches (evaluation steps do not communicate), but the
+                    # Each rank ran its own number of batches (loaders without a length are not padded), but the
                     # epoch-end reduction below needs every rank to have logged something for each loader.
                     _check_counts(self.strategy, ran, stage)
                 metrics.key_suffix = ""
@@ -197,6 +208,12 @@ def _check_counts(strategy: Strategy, counts: list[int], stage: str) -> None:
                 "Epoch metrics are reduced across ranks from what each rank logged, so every rank needs at least "
                 "one batch of each evaluation loader. Give every rank's IterableDataset at least one batch "
                 "(split the data by trainer.global_rank and trainer.world_size), or evaluate with fewer processes.")
+
+
+def _real_batches(loader: Any) -> float:
+    """How many of ``loader``'s batches come before its padding batch (infinite: it has none)."""
+    real = getattr(resumable_sampler_of(loader), "real_batches", None)
+    return math.inf if real is None else real
 
 
 def _has_unsized(loaders: list[Any]) -> bool:
