@@ -17,8 +17,9 @@ import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ember
 from tests.helpers.dist import run_ranks
@@ -123,6 +124,38 @@ def run_test(rank: int) -> dict:
     return {"result": result, "reference": reference_loss(module), "ran": module.ran}
 
 
+class Stream(IterableDataset):
+    """Rank ``r`` feeds itself ``counts[r]`` samples of ``data()`` (its own, disjoint), as a user shards a stream."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self.counts = counts
+
+    def __iter__(self):
+        rank = dist.get_rank()
+        start = sum(self.counts[:rank])
+        return iter(data()[i] for i in range(start, start + self.counts[rank]))
+
+
+def stream(rank: int) -> dict:
+    # Batches of 4: rank 0 has 5 (20 samples), rank 1 has 3 (12 samples), so rank 1 runs two padding batches.
+    module = Net()
+    loader = DataLoader(Stream([20, 12]), batch_size=B)
+    (result,) = quiet_trainer().validate(module, loader)
+    x, y, _ = data().tensors
+    with torch.no_grad():
+        reference = F.mse_loss(module(x[:32]), y[:32]).item()
+    return {"result": result, "reference": reference, "ran": module.ran, "gathered": module.gathered,
+            "empty": error_of(lambda: quiet_trainer().validate(Net(), DataLoader(Stream([8, 0]), batch_size=B)))}
+
+
+def error_of(fn) -> str:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def predict(rank: int) -> dict:
     predictions = quiet_trainer().predict(Net(), DataLoader(data(), batch_size=B))
     return {"predictions": [p.tolist() for p in predictions]}
@@ -134,6 +167,7 @@ SCENARIOS = {
     "drop_last": lambda rank, root: validate(rank, drop_last=True, n=31),
     "test": lambda rank, root: run_test(rank),
     "predict": lambda rank, root: predict(rank),
+    "stream": lambda rank, root: stream(rank),
 }
 
 
@@ -215,3 +249,19 @@ def test_predict_returns_every_sample_exactly_once(ranks):
     r0, r1 = results(ranks, "predict")
     flat = sorted(i for r in (r0, r1) for p in r["predictions"] for i in p)
     assert flat == list(range(N))
+
+
+def test_unsized_streams_of_different_lengths_run_the_same_steps_with_exact_epoch_values(ranks):
+    r0, r1 = results(ranks, "stream")
+    assert len(r0["ran"]) == len(r1["ran"]) == 5  # rank 1: three batches, then two padding batches
+    assert r1["ran"][3] == r1["ran"][4] == r1["ran"][0]  # copies of its own first batch
+    assert r0["gathered"] == r1["gathered"] and len(r0["gathered"]) == 5
+    for r in (r0, r1):
+        assert r["result"]["val_loss_epoch"] == pytest.approx(r0["reference"], rel=1e-6)
+        assert r["result"]["val_count"] == 32 and r["result"]["val_padding_seen"] == 0.0
+
+
+def test_a_rank_with_an_empty_stream_raises_on_every_rank(ranks):
+    for r in results(ranks, "stream"):
+        assert "validation dataloader yielded no batch on some ranks" in r["empty"]
+        assert "rank 0: 2, rank 1: 0" in r["empty"]

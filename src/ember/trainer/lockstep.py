@@ -9,9 +9,9 @@ without a length only, the ranks agree before each step that every one of them h
 all-reduce of a one-element tensor per batch. At the first position where some rank has none,
 the epoch ends on every rank; the batch a longer rank had already fetched there is not used.
 
-The evaluation loops do not use it (see evaluation.py): sized evaluation loaders are sharded
-with a padding batch where a rank would run one batch fewer, and over loaders without a length
-each rank runs its own batches and the epoch metrics are reduced once.
+Evaluation makes the same agreement over loaders without a length, but goes on while any rank
+has a batch (a rank that ran out runs padding batches, see evaluation.py): no sample is left out
+of a metric.
 """
 from __future__ import annotations
 
