@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ember
 from tests.helpers.dist import run_ranks
+from tests.helpers.models import RecordingLogger
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -58,6 +59,7 @@ class Net(ember.TrainModule):
         x, y, idx = batch
         loss = F.mse_loss(self(x), y)
         self.log(f"{prefix}_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        self.log(f"{prefix}_own", loss, on_step=True, on_epoch=False)  # this rank's own step value
         self.log(f"{prefix}_count", float(len(idx)), reduce_fx="sum")
         # 1 only for a batch that holds sample 0 on rank 1 (whose shard has only odd samples): a padding batch.
         self.log(f"{prefix}_padding_seen", float(self.global_rank == 1 and bool((idx == 0).any())), reduce_fx="max")
@@ -148,6 +150,15 @@ def stream(rank: int) -> dict:
             "empty": error_of(lambda: quiet_trainer().validate(Net(), DataLoader(Stream([8, 0]), batch_size=B)))}
 
 
+def stream_rank0_short(rank: int) -> dict:
+    # Rank 0 (which writes the logs) has 3 batches, rank 1 has 5: rank 0 runs two padding batches.
+    logger = RecordingLogger()
+    trainer = ember.Trainer(strategy="ddp", devices=2, accelerator="cpu", logger=logger, enable_checkpointing=False,
+                            enable_progress_bar=False)
+    trainer.validate(Net(), DataLoader(Stream([12, 20]), batch_size=B))
+    return {"own": len(logger.steps_with("val_own")), "synced": len(logger.steps_with("val_loss_step"))}
+
+
 def error_of(fn) -> str:
     try:
         fn()
@@ -168,6 +179,7 @@ SCENARIOS = {
     "test": lambda rank, root: run_test(rank),
     "predict": lambda rank, root: predict(rank),
     "stream": lambda rank, root: stream(rank),
+    "stream_rank0_short": lambda rank, root: stream_rank0_short(rank),
 }
 
 
@@ -265,3 +277,9 @@ def test_a_rank_with_an_empty_stream_raises_on_every_rank(ranks):
     for r in results(ranks, "stream"):
         assert "validation dataloader yielded no batch on some ranks" in r["empty"]
         assert "rank 0: 2, rank 1: 0" in r["empty"]
+
+
+def test_a_padding_batch_logs_no_step_value_of_its_own_but_joins_synced_ones(ranks):
+    r0, _ = results(ranks, "stream_rank0_short")
+    assert r0["synced"] == 5  # every step's value averaged over the ranks, the padding steps' too
+    assert r0["own"] == 3  # rank 0's own value only for its real batches

@@ -113,7 +113,8 @@ class MetricCollector:
         #: Where evaluation step values go, ``(metrics, step)``: set by the LogWriter when it writes.
         self.step_log_sink: Callable[[dict[str, Any], int], None] | None = None
         #: Set by the evaluation loop while it runs a padding batch (a rank whose ddp shard ran out runs
-        #: one so that every rank takes the same steps): what is logged then counts toward no epoch value.
+        #: one so that every rank takes the same steps): what is logged then counts toward no epoch value,
+        #: and only synced step values are kept.
         self.padding = False
 
     @property
@@ -215,7 +216,9 @@ class MetricCollector:
             value = torch.tensor(float(value), dtype=_FLOAT32)
         else:
             raise TypeError(f"self.log({name!r}, ...) expects a number or a scalar tensor, got {type(value).__name__}.")
-        if entry.on_step:
+        # A padding batch's own step value describes no new sample: it is dropped. A synced one is every
+        # rank's common value (and every rank must join its collective).
+        if entry.on_step and (entry.sync_dist or not self.padding):
             step_value = self.strategy.reduce(value, entry.reduce_fx) if entry.sync_dist else value
             step_key = entry.step_key
             if entry.prog_bar:
