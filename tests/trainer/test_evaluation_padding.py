@@ -198,7 +198,7 @@ def suite(rank: int, world: int, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return run_ranks(suite, 2, str(tmp_path_factory.mktemp("padding")), timeout=60)
+    return run_ranks(suite, 2, str(tmp_path_factory.mktemp("padding")), timeout=130)
 
 
 def results(ranks: list[dict], name: str) -> list:
