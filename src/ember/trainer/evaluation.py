@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 
 _END = object()
+_Batches = Iterator[tuple[Any, bool]]  # (batch, whether it is a padding batch)
 
 
 def _overrides(module: Any, name: str) -> bool:
@@ -189,7 +190,7 @@ class EvaluationLoop:
         return results
 
 
-def _sharded(loader: Any, limit: float) -> Iterator[tuple[Any, bool]]:
+def _sharded(loader: Any, limit: float) -> _Batches:
     """``(batch, padding)`` for the first ``limit`` batches of a loader whose padding, if any, its
     sampler placed (``strategies/sampler.py``): batches from ``real_batches`` on are padding."""
     real = getattr(resumable_sampler_of(loader), "real_batches", None)
@@ -200,8 +201,7 @@ def _sharded(loader: Any, limit: float) -> Iterator[tuple[Any, bool]]:
         yield batch, batch_idx >= real
 
 
-def _agreed(loader: Any, limit: float, strategy: Strategy, dl_idx: int | None, stage: str) -> Iterator[tuple[Any,
-                                                                                                           bool]]:
+def _agreed(loader: Any, limit: float, strategy: Strategy, dl_idx: int | None, stage: str) -> _Batches:
     """``(batch, padding)`` over a loader without a length, under several processes, until no rank has
     a batch left: every rank runs the same steps.
 
