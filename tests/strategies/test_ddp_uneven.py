@@ -185,7 +185,7 @@ def collectives_per_step(rank: int, sized: bool) -> list[dict]:
 
 
 def evaluation(rank: int) -> dict:
-    # 5 and 3 batches: each rank runs its own; the epoch metric is the mean over all 16 samples.
+    # 5 and 3 batches: rank 1 adds two padding batches; the epoch metric is the mean over all 16 samples.
     module = Net()
     loader = DataLoader(Stream([10, 6], offset=2), batch_size=B)
     out = {"validate": quiet_trainer().validate(module, loader)[0]["val_loss"],
@@ -273,7 +273,7 @@ def test_rank_zero_warns_once_with_each_ranks_batch_count(ranks):
 
 def test_uneven_validation_stream_gives_the_exact_metric_over_every_rank(ranks):
     r0, r1 = results(ranks, "uneven")
-    # 5 and 3 validation batches: each rank ran its own, reduced once, weighted by samples.
+    # 5 and 3 validation batches (and 2 padding batches that count for nothing), reduced once, weighted by samples.
     assert r0["metrics"]["val_loss"] == r1["metrics"]["val_loss"]
     assert r0["metrics"]["val_loss"] == pytest.approx(r0["val_reference"], rel=1e-5)
 

@@ -42,6 +42,39 @@ def test_batch_k_of_all_ranks_is_batch_k_of_one_process_with_the_global_batch(n,
         assert together == sorted(order[k * world * b:(k + 1) * world * b])
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 60), st.integers(1, 5), st.integers(1, 6), st.booleans(), st.booleans())
+def test_eval_shards_with_a_batch_size_give_every_rank_the_same_batches(n, world, b, drop_last, shuffle):
+    if n < world:
+        return  # the ddp strategy refuses this (each rank needs a sample)
+    samplers = [ShardedSampler(n, world, r, shuffle=shuffle, seed=1, even=False, batch_size=b, drop_last=drop_last)
+                for r in range(world)]
+    loaders = [list(torch.utils.data.DataLoader(range(n), batch_size=b, drop_last=drop_last, sampler=s))
+               for s in samplers]
+    assert len({len(batches) for batches in loaders}) == 1  # every rank runs the same steps
+    assert [len(s) for s in samplers] == [len(list(s)) for s in samplers]
+    real = [batches[: s.real_batches] for s, batches in zip(samplers, loaders)]
+    unpadded = [list(torch.utils.data.DataLoader(range(n), batch_size=b, drop_last=drop_last, sampler=p))
+                for p in shards(n, world, shuffle=shuffle, seed=1, even=False)]
+    # Before the padding batch, each rank's batches are exactly its unpadded shard's.
+    assert [[t.tolist() for t in batches] for batches in real] == [[t.tolist() for t in u] for u in unpadded]
+    for s, batches in zip(samplers, loaders):
+        assert s.padding in (0, 1)
+        if s.real_batches is None:
+            assert s.padding == 0
+        else:  # one padding batch, last, shaped like the longest shards' last batch
+            assert s.real_batches == len(batches) - 1 and s.padding == 1
+            assert len(batches[-1]) == len(loaders[0][-1])
+
+
+def test_eval_padding_needs_a_batch_size_and_never_touches_training_shards():
+    assert [len(s) for s in (ShardedSampler(33, 2, 1, even=False),
+                             ShardedSampler(33, 2, 1, even=False, batch_size=4),
+                             ShardedSampler(33, 2, 1, even=True, batch_size=4))] == [16, 17, 17]
+    assert list(ShardedSampler(33, 2, 1, shuffle=False, even=False, batch_size=4))[-1] == 0
+    assert ShardedSampler(33, 2, 1, even=True, batch_size=4).real_batches is None
+
+
 def test_every_epoch_reshuffles_without_set_epoch_and_ranks_agree():
     samplers = [ShardedSampler(20, 2, rank, seed=3) for rank in range(2)]
     first = [list(s) for s in samplers]

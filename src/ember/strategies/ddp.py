@@ -8,11 +8,13 @@ back into the caller's module and Trainer (``worker_state.py``).
 
 Data: every loader is rebuilt around :class:`~ember.strategies.sampler.ShardedSampler`. Training
 shards are padded to equal length (every rank takes the same number of steps, so the gradient
-all-reduce never waits on a rank that ran out); evaluation shards are not (no sample counted
-twice) and may differ by one batch, which is safe because evaluation steps do not communicate:
-``validation_step`` runs on the module itself, not through the wrapper, rank 0's buffers are
-broadcast before the loop (``prepare_for_evaluation``), and epoch metrics are reduced once at the
-end, weighted by sample counts. Loaders without a length (an ``IterableDataset`` each rank feeds
+all-reduce never waits on a rank that ran out); evaluation shards repeat no sample inside a real
+batch, and epoch metrics are reduced once at the end, weighted by sample counts. A validation or
+test shard that would yield a batch fewer than the longest ends with a padding batch instead, so a
+collective in the step (a synced step value, an all-gather) meets its partner on every rank; the
+evaluation loop counts that batch toward no epoch value. ``validation_step`` runs on the module
+itself, not through the wrapper; rank 0's buffers are broadcast before the loop
+(``prepare_for_evaluation``). Loaders without a length (an ``IterableDataset`` each rank feeds
 itself) are not sharded; in training the ranks agree before each step that all of them still have
 a batch (``ember/trainer/lockstep.py``). ``training_step`` runs through the wrapper
 (``ddp.call``), so gradients are averaged during ``backward``; inside ``no_backward_sync`` (all
@@ -351,14 +353,21 @@ class DDPStrategy(Strategy):
             raise ValueError(f"The {stage} dataset has {n} samples but the job has {self.world_size} "
                              "ranks; each rank needs at least one. Use fewer processes or more data.")
         shuffle = isinstance(dataloader.sampler, RandomSampler)
-        sampler = self._sampler_factory(even=False)(n, shuffle, dataloader.sampler)
+        # Validation and test shards that would yield a batch fewer than the longest get a padding
+        # batch (sampler.py), so every rank runs the same steps. Predict keeps its shards as they are,
+        # as Lightning does: its outputs are the dataset's, each sample once.
+        batch_size = dataloader.batch_size if stage != "predict" else None
+        sampler = self._sampler_factory(even=False, batch_size=batch_size, drop_last=dataloader.drop_last)(
+            n, shuffle, dataloader.sampler)
         return rebuild_with_sampler(dataloader, sampler)
 
-    def _sampler_factory(self, even: bool) -> Callable[[int, bool, Any], ShardedSampler]:
+    def _sampler_factory(self, even: bool, batch_size: int | None = None,
+                         drop_last: bool = False) -> Callable[[int, bool, Any], ShardedSampler]:
         def factory(n: int, shuffle: bool, user_sampler: Any) -> ShardedSampler:
             return ShardedSampler(n, self.world_size, self.global_rank, shuffle=shuffle,
                                   generator=getattr(user_sampler, "generator", None), even=even,
-                                  agree=lambda seed: self.broadcast(seed, 0))
+                                  agree=lambda seed: self.broadcast(seed, 0), batch_size=batch_size,
+                                  drop_last=drop_last)
         return factory
 
     def _warn_unsharded(self, loader: Any, stage: Stage, reason: str | None = None) -> None:

@@ -13,10 +13,17 @@ The uneven tail (``n`` not a multiple of ``W``):
   samples, as ``DistributedSampler`` does, so every rank runs the same number of steps (a rank with
   one step fewer would leave the others waiting in the gradient all-reduce). At most ``W - 1``
   samples are seen twice per epoch; nothing is dropped.
-- **evaluation** (``even=False``): no padding and no duplicates. Shards differ by at most one
-  sample, so ranks may run one batch more or fewer; that is safe because evaluation steps do not
-  communicate, and the epoch metric is reduced once, weighted by each rank's sample count, so it
-  equals the single-process value on the same data.
+- **evaluation** (``even=False``): shards differ by at most one sample and nothing is repeated
+  inside a real batch, so the epoch metric, reduced once and weighted by each rank's sample
+  count, equals the single-process value on the same data. Ranks must still run the same number
+  of steps: a step may hold a collective (``self.log(..., sync_dist=True)`` on a step value, an
+  all-gather), and a rank that stopped one batch early would leave the others waiting in it. So
+  when the loader's ``batch_size`` and ``drop_last`` are given and a shard would yield a batch
+  fewer than the longest, it is padded with the order's first sample: one whole *padding batch*
+  of one sample, shaped like the longest shards' last batch (with ``drop_last``, the padding
+  sample completes the short batch ``drop_last`` would have dropped). ``real_batches`` says
+  where the padding starts; the evaluation loop runs the padding batch and counts it toward no
+  epoch value.
 
 Shuffling needs no ``set_epoch``: with a fixed ``seed`` epoch ``e`` uses ``seed + e``; with
 ``seed=None`` each epoch's seed is drawn when its iteration starts (from ``generator``, else
@@ -49,10 +56,14 @@ class ShardedSampler(Sampler[int]):
         generator: Where per-epoch seeds are drawn from when ``seed`` is None (default: torch's
             global generator).
         even: Pad the order so every rank gets the same number of samples (training), or not
-            (evaluation: no duplicates).
+            (evaluation: no duplicates inside a real batch).
         agree: Makes all ranks use rank 0's drawn seed, e.g. ``lambda s: strategy.broadcast(s)``;
             needed when ``seed`` is None and ranks' generators may differ. Called by every rank
             at the start of every shuffled epoch.
+        batch_size: With ``even=False``: the batch size of the loader this sampler feeds, so that
+            a shard that would yield a batch fewer than the longest gets a padding batch. None:
+            no padding.
+        drop_last: With ``batch_size``: whether that loader drops its last partial batch.
 
     Raises:
         ValueError: If ``rank`` is outside ``[0, num_replicas)``.
@@ -60,7 +71,8 @@ class ShardedSampler(Sampler[int]):
 
     def __init__(self, num_samples: int, num_replicas: int, rank: int, shuffle: bool = True,
                  seed: int | None = None, generator: torch.Generator | None = None,
-                 even: bool = True, agree: Callable[[int], int] | None = None) -> None:
+                 even: bool = True, agree: Callable[[int], int] | None = None,
+                 batch_size: int | None = None, drop_last: bool = False) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"ShardedSampler got rank={rank} with num_replicas={num_replicas}; "
                              f"rank must be in [0, {num_replicas}).")
@@ -72,6 +84,10 @@ class ShardedSampler(Sampler[int]):
         self.generator = generator
         self.even = even
         self.agree = agree
+        #: Samples appended to this rank's evaluation shard (0 or 1), and how many batches come before
+        #: them (None: no padding).
+        self.padding, self.real_batches = _eval_padding(self.num_samples, self.num_replicas, self.rank,
+                                                        None if even else batch_size, drop_last)
         self.epoch = 0
         self.seed: int | None = None  # this epoch's seed, once drawn
         self._start = 0  # global position the next iteration starts from (a resume)
@@ -146,10 +162,13 @@ class ShardedSampler(Sampler[int]):
         for position in range(start + self.rank, end, self.num_replicas):
             self._handed_out = position - self.rank + self.num_replicas
             yield order[position]
+        if start == 0:
+            yield from order[: self.padding]
 
     def __len__(self) -> int:
         remaining = self._end(self._start) - self._start
-        return max(0, -(-(remaining - self.rank) // self.num_replicas))
+        padding = self.padding if self._start == 0 else 0
+        return max(0, -(-(remaining - self.rank) // self.num_replicas)) + padding
 
     # ------------------------------------------------------------------ resuming
     @property
@@ -169,3 +188,25 @@ class ShardedSampler(Sampler[int]):
         self._start = int(state.get("position", 0))
         self._handed_out = self._start
         self._iterated = False
+
+
+def _eval_padding(n: int, world: int, rank: int, batch_size: int | None, drop_last: bool) -> tuple[int, int | None]:
+    """``(padding samples, batches before them)`` for rank ``rank``'s evaluation shard of ``n`` samples.
+
+    Shards hold ``ceil((n - rank) / world)`` samples, so they differ by at most one. With
+    ``drop_last=False`` a shard one sample short yields a batch fewer exactly when it is a multiple
+    of ``batch_size`` (the longest shards' last batch holds one sample); with ``drop_last=True``,
+    exactly when the longest is (the short shard's last, partial batch is dropped). One padding
+    sample closes the gap in both cases and lands in a batch of its own (the partial batch
+    ``drop_last`` would have dropped, completed). No batch count differs otherwise.
+    """
+    if batch_size is None or n == 0:
+        return 0, None
+    own, longest = -(-(n - rank) // world), -(-n // world)
+
+    def batches(samples: int) -> int:
+        return samples // batch_size if drop_last else -(-samples // batch_size)
+
+    if batches(own) < batches(longest):
+        return longest - own, batches(own)
+    return 0, None

@@ -5,22 +5,33 @@ on_*_batch_start -> *_step (under no_grad and the precision's
 autocast) -> on_*_batch_end. Evaluation epochs reduce what ``self.log`` collected (across
 processes too) and return one metric dict per loader.
 
-Under several processes each rank runs its own number of batches: the steps do not communicate,
-and the epoch-end reduction is one collective weighted by sample counts, so ranks whose loaders
-yield different numbers of batches still get the exact metric over all of them. Loaders with a
-length are sharded by the strategy with at least one sample per rank; for loaders without one
-(an ``IterableDataset`` each rank feeds itself), the ranks compare their batch counts once at the
-end, so that a rank with no batch at all, which has nothing to reduce, raises on every rank
-instead of leaving the others waiting in the reduction.
+Under several processes every rank must run the same number of steps, because a step may hold a
+collective (``self.log(..., on_step=True, sync_dist=True)``, an all-gather) that every rank has to
+join. Loaders with a length are sharded by the strategy with at least one sample per rank, and a
+shard that would yield a batch fewer than the longest ends with a *padding batch* (see
+``strategies/sampler.py``). The padding batch goes through the batch transfer, the batch hooks and
+the step like any other, but nothing logged while it runs counts toward an epoch value, so the
+epoch-end reduction, one collective weighted by sample counts, gives the exact metric over the
+real samples. Over loaders without a length (an ``IterableDataset`` each rank feeds itself) the
+ranks agree before each step, in one small all-reduce, whether any of them still has a batch; a
+rank whose stream ended first runs copies of its own first batch as padding batches meanwhile,
+and a rank with no batch at all raises on every rank. Predict is not padded (as in Lightning):
+its outputs are the dataset's, each sample once, and each rank runs its own batches.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import copy
+import math
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from ember.module import TrainModule, _restore_modes
+from ember.strategies.resumable import resumable_sampler_of
 from ember.trainer.loaders import batch_transfer
+from ember.trainer.lockstep import COUNT_REST_SECONDS
 from ember.utils import to_floats
 
 if TYPE_CHECKING:
@@ -29,6 +40,10 @@ if TYPE_CHECKING:
     from ember.trainer.metrics import MetricCollector
     from ember.trainer.precision import Precision
     from ember.trainer.trainer import Trainer
+
+
+_END = object()
+_Batches = Iterator[tuple[Any, bool]]  # (batch, whether it is a padding batch)
 
 
 def _overrides(module: Any, name: str) -> bool:
@@ -77,9 +92,10 @@ class EvaluationLoop:
 
     # ------------------------------------------------------------------ one loader
     def _run_loader(self, hook: str, loader: Any, limit: float, dl_idx: int, many: bool,
-                    keep: list[Any] | None) -> int:
-        """Run ``{hook}_step`` with its batch hooks over the first ``limit`` batches of ``loader``, under
-        no_grad and autocast; append each output to ``keep`` (predict). Returns the batches run."""
+                    keep: list[Any] | None, stage: str) -> None:
+        """Run ``{hook}_step`` with its batch hooks over the first ``limit`` batches of ``loader`` (and a
+        padding batch where this rank has fewer than another), under no_grad and autocast; append each
+        output of a real batch to ``keep`` (predict)."""
         metrics = self.metrics
         step_fn = getattr(self.strategy, f"{hook}_step")
         batch_start = self.hooks.get(f"on_{hook}_batch_start")
@@ -88,11 +104,12 @@ class EvaluationLoop:
         extra = (dl_idx,) if many else ()  # dataloader_idx only with several loaders, as in Lightning
         transfer = batch_transfer(self.trainer, dl_idx, self.input_dtype)
         autocast = self.precision.autocast
-        ran = 0
-        for batch_idx, batch in enumerate(loader):
-            if batch_idx >= limit:
-                break
-            ran += 1
+        if self.strategy.world_size > 1 and hook != "predict" and _unsized(loader):
+            batches = _agreed(loader, limit, self.strategy, dl_idx if many else None, stage)
+        else:
+            batches = _sharded(loader, limit)
+        for batch_idx, (batch, padding) in enumerate(batches):
+            metrics.padding = padding
             batch = transfer(batch)
             metrics.batch = batch
             metrics.batch_size = None
@@ -105,9 +122,9 @@ class EvaluationLoop:
             metrics.fx = fx_end
             for h in batch_end:
                 h(out, batch, batch_idx, *extra)
-            if keep is not None:
+            if keep is not None and not padding:
                 keep.append(out)
-        return ran
+        metrics.padding = False
 
     # ------------------------------------------------------------------ evaluation
     def run(self, stage: str, loaders: list[Any], limits: list[float]) -> list[dict[str, Any]]:
@@ -127,17 +144,12 @@ class EvaluationLoop:
             hooks.call(f"on_{hook}_start")
             hooks.call(f"on_{hook}_epoch_start")
             suffixes = [f"/dataloader_idx_{i}" if many else "" for i in range(len(loaders))]
-            ran: list[int] = []  # batches run per loader
             self.strategy.prepare_for_evaluation()
             try:
                 with torch.no_grad():
                     for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
                         metrics.key_suffix = suffixes[dl_idx]
-                        ran.append(self._run_loader(hook, loader, limit, dl_idx, many, None))
-                if self.strategy.world_size > 1 and _has_unsized(loaders):
-                    # Each rank ran its own number of batches (evaluation steps do not communicate), but the
-                    # epoch-end reduction below needs every rank to have logged something for each loader.
-                    _check_counts(self.strategy, ran, stage)
+                        self._run_loader(hook, loader, limit, dl_idx, many, None, stage)
                 metrics.key_suffix = ""
                 hooks.call(f"on_{hook}_epoch_end")
                 epoch_metrics = metrics.end_stage()
@@ -169,7 +181,8 @@ class EvaluationLoop:
             with torch.no_grad():
                 for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
                     results.append([])
-                    self._run_loader("predict", loader, limit, dl_idx, many, results[-1] if keep else None)
+                    self._run_loader("predict", loader, limit, dl_idx, many, results[-1] if keep else None,
+                                     "predict")
             hooks.call("on_predict_epoch_end")
             hooks.call("on_predict_end")
         finally:
@@ -177,33 +190,76 @@ class EvaluationLoop:
         return results
 
 
-def _check_counts(strategy: Strategy, counts: list[int], stage: str) -> None:
-    """Raise on every rank if some rank ran no batch of an evaluation loader that others ran (a collective).
+def _sharded(loader: Any, limit: float) -> _Batches:
+    """``(batch, padding)`` for the first ``limit`` batches of a loader whose padding, if any, its
+    sampler placed (``strategies/sampler.py``): batches from ``real_batches`` on are padding."""
+    real = getattr(resumable_sampler_of(loader), "real_batches", None)
+    real = math.inf if real is None else real
+    for batch_idx, batch in enumerate(loader):
+        if batch_idx >= limit:
+            return
+        yield batch, batch_idx >= real
 
-    Args:
-        strategy: supplies ``world_size`` and ``all_gather``.
-        counts: batches this rank ran, per loader.
-        stage: "validate", "sanity", "test" for the message.
+
+def _agreed(loader: Any, limit: float, strategy: Strategy, dl_idx: int | None, stage: str) -> _Batches:
+    """``(batch, padding)`` over a loader without a length, under several processes, until no rank has
+    a batch left: every rank runs the same steps.
+
+    Each rank feeds itself here (an ``IterableDataset`` split by rank), so only the ranks can tell
+    when all of them are done: before each step they count, in one all-reduce of one element, how
+    many still have a batch. A rank whose stream ended while others go on runs a copy of its own
+    first batch (copied before any hook could change it) as a padding batch. A rank with no batch at
+    all has nothing to pad with: then every rank raises, naming each rank's count.
     """
-    rows = strategy.all_gather(torch.tensor(counts)).tolist()  # [world][loader]
-    for dl_idx in range(len(counts)):
-        per_rank = [row[dl_idx] for row in rows]
-        if min(per_rank) == 0 < max(per_rank):
-            which = f" {dl_idx}" if len(counts) > 1 else ""
-            name = {"sanity": "validation", "validate": "validation"}.get(stage, stage)
-            listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(per_rank))
-            raise ValueError(
-                f"The {name} dataloader{which} yielded no batch on some ranks and batches on others ({listed}). "
-                "Epoch metrics are reduced across ranks from what each rank logged, so every rank needs at least "
-                "one batch of each evaluation loader. Give every rank's IterableDataset at least one batch "
-                "(split the data by trainer.global_rank and trainer.world_size), or evaluate with fewer processes.")
+    batches = iter(loader)
+    first: Any = _END
+    position = 0
+    while True:
+        batch = next(batches, _END) if position < limit else _END
+        holders = int(strategy.reduce(torch.tensor(0 if batch is _END else 1), "sum"))
+        if holders == 0:
+            return
+        if position == 0 and holders < strategy.world_size:
+            _raise_empty(strategy, batch, batches, limit, dl_idx, stage)
+        if batch is _END:
+            yield copy.deepcopy(first), True
+        else:
+            if position == 0:
+                first = copy.deepcopy(batch)
+            yield batch, False
+        position += 1
 
 
-def _has_unsized(loaders: list[Any]) -> bool:
-    """Whether any of ``loaders`` has no length."""
-    for loader in loaders:
-        try:
-            len(loader)
-        except TypeError:
-            return True
+def _raise_empty(strategy: Strategy, batch: Any, batches: Iterator[Any], limit: float, dl_idx: int | None,
+                 stage: str) -> NoReturn:
+    """Raise on every rank that some rank's loader yielded no batch while others' did (a collective):
+    a rank with batches counts them first, for at most ``COUNT_REST_SECONDS``, for the message."""
+    count, exact = 0, True
+    if batch is not _END:
+        count, deadline = 1, time.monotonic() + COUNT_REST_SECONDS
+        for _ in batches:
+            if count >= limit:
+                break
+            if time.monotonic() > deadline:
+                exact = False
+                break
+            count += 1
+    rows = strategy.all_gather(torch.tensor([count, int(exact)])).tolist()
+    listed = ", ".join(f"rank {r}: {n}" if e else f"rank {r}: at least {n}" for r, (n, e) in enumerate(rows))
+    which = "" if dl_idx is None else f" {dl_idx}"
+    name = {"sanity": "validation", "validate": "validation"}.get(stage, stage)
+    raise ValueError(
+        f"The {name} dataloader{which} yielded no batch on some ranks and batches on others ({listed}). "
+        "Every rank runs the same evaluation steps, and a rank whose loader ran out repeats its own first batch, "
+        "so every rank needs at least one batch of each evaluation loader. Give every rank's IterableDataset at "
+        "least one batch (split the data by trainer.global_rank and trainer.world_size), or evaluate with fewer "
+        "processes.")
+
+
+def _unsized(loader: Any) -> bool:
+    """Whether ``loader`` has no length."""
+    try:
+        len(loader)
+    except TypeError:
+        return True
     return False

@@ -9,8 +9,9 @@ without a length only, the ranks agree before each step that every one of them h
 all-reduce of a one-element tensor per batch. At the first position where some rank has none,
 the epoch ends on every rank; the batch a longer rank had already fetched there is not used.
 
-The evaluation loops need no such agreement (see evaluation.py): evaluation steps do not
-communicate, so each rank runs its own number of batches and the epoch metrics are reduced once.
+Evaluation makes the same agreement over loaders without a length, but goes on while any rank
+has a batch (a rank that ran out runs padding batches, see evaluation.py): no sample is left out
+of a metric.
 """
 from __future__ import annotations
 

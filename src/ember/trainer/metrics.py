@@ -36,6 +36,9 @@ _EPOCH_END_HOOKS = frozenset({"on_train_epoch_end", "on_validation_epoch_end", "
 # Stages whose per-step values are written to the loggers batch by batch (the sanity check writes nothing).
 _EVAL_STAGES = frozenset({"validate", "test"})
 
+# What a rank that has no value of a key contributes to its cross-rank reduction (with weight 0).
+_IDENTITY: dict[str, float] = {"mean": 0.0, "sum": 0.0, "max": -float("inf"), "min": float("inf")}
+
 _ENTRY_FIELDS = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist")
 
 
@@ -109,6 +112,10 @@ class MetricCollector:
         self._eval_pending_at: tuple[str, int] = ("", -1)
         #: Where evaluation step values go, ``(metrics, step)``: set by the LogWriter when it writes.
         self.step_log_sink: Callable[[dict[str, Any], int], None] | None = None
+        #: Set by the evaluation loop while it runs a padding batch (a rank whose ddp shard ran out runs
+        #: one so that every rank takes the same steps): what is logged then counts toward no epoch value,
+        #: and only synced step values are kept.
+        self.padding = False
 
     @property
     def batch(self) -> Any:
@@ -138,6 +145,7 @@ class MetricCollector:
         self.stage = stage
         self._entries = self._stages[stage] = {}
         self._epoch_open = True
+        self.padding = False
         self._counting = stage in _EVAL_STAGES
 
     def resume_stage(self, stage: str) -> None:
@@ -145,6 +153,7 @@ class MetricCollector:
         self.stage = stage
         self._entries = self._stages.setdefault(stage, {})
         self._epoch_open = True
+        self.padding = False
         self._counting = stage in _EVAL_STAGES
 
     def state_dict(self) -> list[dict[str, Any]]:
@@ -207,7 +216,9 @@ class MetricCollector:
             value = torch.tensor(float(value), dtype=_FLOAT32)
         else:
             raise TypeError(f"self.log({name!r}, ...) expects a number or a scalar tensor, got {type(value).__name__}.")
-        if entry.on_step:
+        # A padding batch's own step value describes no new sample: it is dropped. A synced one is every
+        # rank's common value (and every rank must join its collective).
+        if entry.on_step and (entry.sync_dist or not self.padding):
             step_value = self.strategy.reduce(value, entry.reduce_fx) if entry.sync_dist else value
             step_key = entry.step_key
             if entry.prog_bar:
@@ -222,7 +233,7 @@ class MetricCollector:
                 # As Lightning: an evaluation step value goes to the loggers (at this loader's batch count),
                 # not to callback_metrics.
                 self._eval_step_value(step_key, step_value)
-        if entry.on_epoch:
+        if entry.on_epoch and not self.padding:
             if batch_size is None and entry.reduce_fx == "mean":
                 if self.batch_size is None:
                     self.batch_size = infer_batch_size(self._batch)
@@ -292,7 +303,10 @@ class MetricCollector:
         self._epoch_open = False
         cm = self._callback_metrics
         entries = sorted((e for e in self._entries.values() if e.on_epoch), key=lambda e: e.name)
-        rows = [(e.name, e.reduce_fx, e.total, e.weight) for e in entries]
+        # A key this rank logged only in a padding batch has no value here; it joins the reduction with
+        # the reduction's identity (the other ranks logged it in real batches).
+        rows = [(e.name, e.reduce_fx, e.total if e.total is not None else _IDENTITY[e.reduce_fx], e.weight)
+                for e in entries]
         steps: list[_Entry] = []
         if self.strategy.world_size > 1:
             steps = sorted((e for e in self._entries.values() if e.on_step and not e.sync_dist
