@@ -25,7 +25,7 @@ import ember
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import RecordingLogger
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(150)]
 
 N, B = 33, 4
 
