@@ -110,7 +110,7 @@ def test_embers_distributed_data_parallel_matches_pytorchs_on_cuda(loopback):
 
 
 def rank_on_its_listed_device(rank: int, world: int) -> dict:
-    # Issue 15 items 3 and 5: a group that already exists (made by the harness) still gets the
+    # A group that already exists (made by the harness) still gets the
     # rank's device set, so each rank works on devices[local_rank], not on cuda:0.
     _rank_env(rank, world)
     seen: list[int] = []

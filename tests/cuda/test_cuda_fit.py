@@ -73,7 +73,7 @@ def test_pinned_batches_are_moved_to_the_gpu_without_blocking_and_arrive_intact(
 
 
 def test_moving_to_the_cpu_never_copies_asynchronously():
-    # Issue 15 item 2: a non-blocking copy towards the CPU returns before the data has landed, so
+    # A non-blocking copy towards the CPU returns before the data has landed, so
     # a value read (or pickled by ddp_spawn) at once could be stale. The GPU is kept busy first.
     x = torch.zeros(1 << 20, device="cuda")
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued before the fill
@@ -93,7 +93,7 @@ def test_the_module_transfer_hook_default_lands_on_the_gpu_asynchronously():
 @needs_two_gpus
 @pytest.mark.parametrize("strategy", ["single", "dp"])
 def test_devices_1_makes_gpu_1_the_current_device(strategy):
-    # Issue 15 item 5: work that names no device (a "cuda" tensor made in a step) lands on GPU 1.
+    # Work that names no device (a "cuda" tensor made in a step) lands on GPU 1.
     current: list[int] = []
 
     class Spy(MLP):

@@ -36,7 +36,7 @@ class Counting(nn.Module):
 
 
 def test_in_place_buffer_update_in_a_gpu_replica_leaves_backward_intact():
-    # Issue 15 item 1: copies on another device used to be views of one flat tensor per dtype,
+    # Copies on another device used to be views of one flat tensor per dtype,
     # sharing one version counter, so ``calls.add_`` broke backward through ``scale``.
     torch.manual_seed(0)
     model = Counting()

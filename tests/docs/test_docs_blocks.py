@@ -1,4 +1,4 @@
-"""Every code block of the guides in docs/ runs, or says here why it is checked instead (issue 13).
+"""Every code block of the guides in docs/ runs, or says here why it is checked instead.
 
 Python blocks run as a user would run them: each written alone into a script in a fresh directory
 and started with ``python script.py`` (PYTHONPATH at the repository root), so every block must be

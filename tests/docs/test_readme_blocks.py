@@ -1,4 +1,4 @@
-"""Every code block of README.md runs, or says here why it is checked instead (issue 13).
+"""Every code block of README.md runs, or says here why it is checked instead.
 
 Python blocks run as a user would run them: written into a script (after a prelude that defines
 the names a fragment leaves to the reader, such as ``MyModule`` and the loaders) and started with

@@ -1,4 +1,4 @@
-"""More CPU ranks than cores on one machine: a warning that says so and what to do (issue 13)."""
+"""More CPU ranks than cores on one machine: a warning that says so and what to do."""
 from __future__ import annotations
 
 import os

@@ -1,5 +1,5 @@
 """``def training_step(self, batch)`` (no ``batch_idx``) works as in Lightning 2.6.6, where the step's
-signature decides whether ``batch_idx`` is passed (issue 12): a step with fewer than two parameters
+signature decides whether ``batch_idx`` is passed: a step with fewer than two parameters
 and no ``batch_idx`` / ``*args`` gets the batch alone."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 11: four points of order and counting where ember was believed to differ from Lightning.
+"""Four points of order and counting where ember was believed to differ from Lightning.
 
 Every expectation below was observed by running PyTorch Lightning 2.6.6 on the same small module,
 callback and datamodule (recorded in the format of tests/helpers/hook_recorder.py: ``C.`` callback,
@@ -27,7 +27,7 @@ from tests.helpers.hook_recorder import HookCallback, RecordingHookModule, _fmt,
 
 
 def xfail(what: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"issue 11: {what}")
+    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"differs from Lightning: {what}")
 
 
 def lines(text: str) -> list[str]:
