@@ -1,0 +1,61 @@
+"""Where ModelCheckpoint writes: the directory lock across fits in one process (persistent DataLoader
+workers, two callbacks on one directory), file names with folders, and a directory that cannot be
+written, found before training starts. Default configuration: logger and checkpointing on."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ember
+from ember.callbacks import ModelCheckpoint
+from tests.helpers.models import BoringModel, regression_data
+
+
+class Counting(BoringModel):
+    """Counts its training batches, so a test can tell that none ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.batches += 1
+        return super().training_step(batch, batch_idx)
+
+
+def trainer(root: Path, epochs: int = 1, **kwargs: Any) -> ember.Trainer:
+    return ember.Trainer(max_epochs=epochs, default_root_dir=str(root), enable_progress_bar=False,
+                         enable_model_summary=False, log_every_n_steps=1, **kwargs)
+
+
+def loader(**kwargs: Any) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(regression_data(), batch_size=8, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- the lock
+@pytest.mark.timeout(120)
+def test_fit_then_resume_in_one_process_with_persistent_workers(tmp_path: Path) -> None:
+    first = trainer(tmp_path)
+    first.fit(BoringModel(), loader(num_workers=1, persistent_workers=True))
+    # The workers ember's copy of the loader started are stopped when fit ends, not when the Trainer
+    # is collected (which took about 5 s per worker).
+    assert multiprocessing.active_children() == []
+    second = trainer(tmp_path, epochs=2)  # `first` is still alive
+    second.fit(BoringModel(), loader(num_workers=1, persistent_workers=True), ckpt_path="last")
+    assert second.global_step == 8
+    assert second.ckpt_path == str(tmp_path / "ember_logs" / "version_0" / "checkpoints" / "last.ckpt")
+    assert multiprocessing.active_children() == []
+
+
+def test_two_checkpoint_callbacks_share_the_default_directory(tmp_path: Path) -> None:
+    best, every_step = ModelCheckpoint(monitor="train_loss"), ModelCheckpoint(every_n_train_steps=1, filename="{step}",
+                                                                              save_top_k=-1)
+    trainer(tmp_path, callbacks=[best, every_step]).fit(BoringModel(), loader())
+    ck = tmp_path / "ember_logs" / "version_0" / "checkpoints"
+    assert best.dirpath == every_step.dirpath == str(ck)
+    assert {"step=1.ckpt", "step=2.ckpt", "step=3.ckpt", "step=4.ckpt", "epoch=0-step=4.ckpt"} <= set(os.listdir(ck))
