@@ -341,16 +341,21 @@ _ALTERNATIVES = {
 }
 
 
-def load(path: str, map_location: Any = "cpu", purpose: str | None = None) -> dict[str, Any]:
-    """Load and validate an ember checkpoint, with an explanatory error for every way it can be wrong.
+def verify(path: str, purpose: str | None = None) -> int:
+    """Raise a ``CheckpointError`` unless ``path`` is a whole file; return its size.
 
-    ``purpose`` ("fit", "evaluate" or None for ``load_from_checkpoint``) decides what a missing file's
-    error suggests instead: only what that caller accepts.
+    Whole: it exists (a symbolic link to a file that does not is named as such), is not empty, and,
+    being a zip archive as torch writes them, every record's CRC32 matches (this reads the whole
+    file). A flipped byte inside a tensor passes ``torch.load``, so only this check finds it.
     """
-    path = os.fspath(path)
     if not os.path.exists(path):
+        if os.path.islink(path):
+            raise CheckpointNotFoundError(
+                f"{path!r} is a symbolic link to {os.readlink(path)!r}, which does not exist: the checkpoint it "
+                f"pointed to was removed. Pass the path of an existing "
+                f"checkpoint{_ALTERNATIVES.get(purpose or '', '')}.")
         directory = os.path.dirname(os.path.abspath(path))
-        nearby = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, "*.ckpt")))
+        nearby = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(directory), "*.ckpt")))
         hint = f" Checkpoints in {directory}: {nearby}." if nearby else ""
         raise CheckpointNotFoundError(f"No checkpoint file at {path!r}.{hint} Pass the path of an existing "
                                       f"checkpoint{_ALTERNATIVES.get(purpose or '', '')}.")
@@ -368,6 +373,17 @@ def load(path: str, map_location: Any = "cpu", purpose: str | None = None) -> di
         if bad is not None:
             raise CheckpointError(f"Checkpoint {path!r} is corrupt: record {bad!r} fails its checksum. "
                                   "Use an earlier checkpoint.")
+    return size
+
+
+def load(path: str, map_location: Any = "cpu", purpose: str | None = None) -> dict[str, Any]:
+    """Load and validate an ember checkpoint, with an explanatory error for every way it can be wrong.
+
+    ``purpose`` ("fit", "evaluate" or None for ``load_from_checkpoint``) decides what a missing file's
+    error suggests instead: only what that caller accepts.
+    """
+    path = os.fspath(path)
+    size = verify(path, purpose)
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:

@@ -20,8 +20,9 @@ Differences from Lightning, on purpose:
   directory this run writes to is ever deleted, whatever a restored checkpoint lists.
 - One run at a time writes into a directory: ``setup`` takes a lock on it, and a second live run
   aiming at the same directory gets a clear error at start-up instead of overwriting the first
-  run's files. The lock is released when the fit ends; callbacks and fits of one process share it. Temporary files left there by a writer that died are removed; those of a live
-  writer never are.
+  run's files. The lock is released when the fit ends; callbacks and fits of one process share
+  it. Temporary files left there by a writer that died are removed; those of a live writer never
+  are.
 """
 from __future__ import annotations
 
