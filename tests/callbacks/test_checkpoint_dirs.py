@@ -59,3 +59,38 @@ def test_two_checkpoint_callbacks_share_the_default_directory(tmp_path: Path) ->
     ck = tmp_path / "ember_logs" / "version_0" / "checkpoints"
     assert best.dirpath == every_step.dirpath == str(ck)
     assert {"step=1.ckpt", "step=2.ckpt", "step=3.ckpt", "step=4.ckpt", "epoch=0-step=4.ckpt"} <= set(os.listdir(ck))
+
+
+# ---------------------------------------------------------------------------------------------- names with folders
+def test_top_k_rotation_reaches_files_in_a_filename_folder(tmp_path: Path) -> None:
+    callback = ModelCheckpoint(filename="sub/e{epoch}", save_top_k=1)
+    trainer(tmp_path, epochs=3, callbacks=[callback]).fit(BoringModel(), loader())
+    ck = tmp_path / "ember_logs" / "version_0" / "checkpoints"
+    assert sorted(os.listdir(ck / "sub")) == ["eepoch=2.ckpt"]  # as Lightning: one kept
+    assert sorted(os.listdir(ck)) == ["last.ckpt", "sub"]
+    assert callback.best_model_path == str(ck / "sub" / "eepoch=2.ckpt")
+
+
+@pytest.mark.parametrize("filename", ["../x{epoch}", "sub/../../x{epoch}", "{epoch}/../../x", "/elsewhere/x{epoch}"])
+def test_a_name_outside_the_directory_is_refused_when_the_callback_is_made(filename: str) -> None:
+    with pytest.raises(ValueError, match=r"ModelCheckpoint\(filename=.*\) names a file outside the checkpoint "
+                       r"directory\. .* Choose the directory with dirpath="):
+        ModelCheckpoint(filename=filename)
+
+
+def test_a_last_name_outside_the_directory_stops_fit_before_training(tmp_path: Path) -> None:
+    callback = ModelCheckpoint()
+    callback.CHECKPOINT_NAME_LAST = "../last"
+    module = Counting()
+    with pytest.raises(ValueError, match=r"ModelCheckpoint\(CHECKPOINT_NAME_LAST='../last'\) names a file outside"):
+        trainer(tmp_path, callbacks=[callback]).fit(module, loader())
+    assert module.batches == 0
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_a_logged_value_that_leads_outside_the_directory_is_refused(tmp_path: Path) -> None:
+    callback = ModelCheckpoint(dirpath=str(tmp_path / "ck"), filename="{tag}/w", auto_insert_metric_name=False)
+    assert callback.format_checkpoint_name({"tag": "a"}) == str(tmp_path / "ck" / "a" / "w.ckpt")
+    with pytest.raises(ValueError, match=rf"names {tmp_path / 'w.ckpt'}, outside the checkpoint directory "
+                       rf"{tmp_path / 'ck'}: a logged value in the name contains '\.\.'"):
+        callback.format_checkpoint_name({"tag": ".."})

@@ -37,7 +37,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.callback import Callback
-from ember.callbacks.checkpoint_files import CheckpointFiles, OnExceptionCheckpoint, save_on_exception
+from ember.callbacks.checkpoint_files import (
+    CheckpointFiles,
+    OnExceptionCheckpoint,
+    check_inside,
+    check_template,
+    save_on_exception,
+)
 from ember.callbacks.checkpoint_writer import BackgroundWriter
 from ember.checkpoint_io import DirectoryLock, remove_stale_temporaries
 
@@ -133,6 +139,8 @@ class ModelCheckpoint(CheckpointFiles, Callback):
             raise ValueError(f"ModelCheckpoint: {', '.join(given)} are mutually exclusive; choose one cadence.")
         self.dirpath: str | None = os.path.abspath(os.fspath(dirpath)) if dirpath is not None else None
         self._dirpath_given = self.dirpath is not None  # else resolved from the logger at every fit
+        if filename is not None:
+            check_template("filename", filename, _FIELD)
         self._lock: DirectoryLock | None = None
         self.filename = filename
         self.monitor = monitor
@@ -219,6 +227,9 @@ class ModelCheckpoint(CheckpointFiles, Callback):
     def setup(self, trainer: Trainer, module: TrainModule, stage: Stage) -> None:
         if stage != "fit":
             return
+        for what, template in (("filename", self.filename), ("CHECKPOINT_NAME_LAST", self.CHECKPOINT_NAME_LAST)):
+            if template:  # (both may have been changed since __init__)
+                check_template(what, template, _FIELD)
         self.dirpath = trainer.strategy.broadcast(self._resolve_dirpath(trainer))
         self._validation_ran = False
         self._saved_in_fit = False
@@ -462,7 +473,7 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         name = _FIELD.sub(field, template)
         if ver is not None:
             name += f"{self.CHECKPOINT_JOIN_CHAR}v{ver}"
-        return os.path.join(self.dirpath or "", name + self.FILE_EXTENSION)
+        return check_inside(os.path.join(self.dirpath or "", name + self.FILE_EXTENSION), self.dirpath, template)
 
     def _versioned(self, trainer: Trainer, metrics: dict[str, Any], filename: str | None, keep: str | None) -> str:
         """The path for ``metrics`` under ``filename`` (None: this callback's template). As Lightning's: a
