@@ -141,6 +141,24 @@ def _no_space_error(path: str) -> OSError:
                    "name, if any, is intact")
 
 
+def unwritable(directory: str) -> OSError | None:
+    """Why files cannot be written into ``directory`` (made if missing), or None when they can.
+
+    A real write, not a permission check: the owner's mode bits say nothing on a read-only mount,
+    and root passes every ``access()`` check. The probe is named as this process's temporary files
+    are, so one left by a crash is removed by a later run.
+    """
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=temporary_prefix(os.path.join(directory, "probe")), suffix=".tmp",
+                                     dir=directory)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        return err
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- temporaries
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 # .<name>~<host>~<pid>~<random>.tmp (a write) and .<name>~<host>~<pid>~link.tmp (a hard link)

@@ -94,3 +94,50 @@ def test_a_logged_value_that_leads_outside_the_directory_is_refused(tmp_path: Pa
     with pytest.raises(ValueError, match=rf"names {tmp_path / 'w.ckpt'}, outside the checkpoint directory "
                        rf"{tmp_path / 'ck'}: a logged value in the name contains '\.\.'"):
         callback.format_checkpoint_name({"tag": ".."})
+
+
+# ---------------------------------------------------------------------------------------------- unwritable
+# Tested with what root cannot write either (the suite may run as root, for whom a chmod'ed
+# directory stays writable): a directory under a regular file, and a read-only mount.
+@pytest.fixture
+def read_only_mount(tmp_path: Path):
+    """A read-only tmpfs (needs root and mount permission; skipped elsewhere)."""
+    import subprocess
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def assert_stops_before_training(root: Path, dirpath: Path, reason: str, **kwargs: Any) -> None:
+    module = Counting()
+    callbacks = [ModelCheckpoint(dirpath=str(dirpath))] if kwargs.pop("given", True) else []
+    with pytest.raises(OSError, match=rf"Checkpoints cannot be written into {dirpath} \({reason}.*\)\. Found before "
+                       r"training started, so nothing is lost: make that directory writable, or write checkpoints "
+                       r"elsewhere \(ModelCheckpoint\(dirpath=\.\.\.\), Trainer\(default_root_dir=\.\.\.\)\)\."):
+        trainer(root, callbacks=callbacks, **kwargs).fit(module, loader())
+    assert module.batches == 0
+
+
+def test_a_checkpoint_directory_under_a_regular_file_stops_fit_before_training(tmp_path: Path) -> None:
+    (tmp_path / "a_file").write_text("not a directory")
+    assert_stops_before_training(tmp_path, tmp_path / "a_file" / "checkpoints", "NotADirectoryError")
+    assert_stops_before_training(tmp_path, tmp_path / "a_file", "FileExistsError")
+
+
+def test_a_read_only_default_directory_stops_fit_before_training(read_only_mount: Path) -> None:
+    # The default configuration: the logger on, the checkpoints in its run directory.
+    assert_stops_before_training(read_only_mount, read_only_mount / "ember_logs" / "version_0" / "checkpoints",
+                                 "OSError: Read-only file system", given=False)
+
+
+def test_an_existing_read_only_directory_stops_fit_before_training(read_only_mount: Path) -> None:
+    # Nothing to create (the mount point itself), the logs elsewhere: without the probe, the first save
+    # failed, an epoch later.
+    assert_stops_before_training(read_only_mount.parent, read_only_mount, "OSError: Read-only file system")

@@ -45,7 +45,7 @@ from ember.callbacks.checkpoint_files import (
     save_on_exception,
 )
 from ember.callbacks.checkpoint_writer import BackgroundWriter
-from ember.checkpoint_io import DirectoryLock, remove_stale_temporaries
+from ember.checkpoint_io import DirectoryLock, remove_stale_temporaries, unwritable
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -233,15 +233,25 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         self.dirpath = trainer.strategy.broadcast(self._resolve_dirpath(trainer))
         self._validation_ran = False
         self._saved_in_fit = False
-        holder = None
+        holder = problem = None
         if trainer.is_global_zero:
-            self._lock = DirectoryLock(self.dirpath)
-            holder = self._lock.acquire()
-            if holder is None:
-                remove_stale_temporaries(self.dirpath)
+            # Found now rather than at the first save, an epoch later: a directory that cannot be written.
+            err = unwritable(self.dirpath)
+            if err is not None:
+                problem = (err.errno, f"{type(err).__name__}: {err.strerror or err}")
             else:
-                self._lock = None
-        holder = trainer.strategy.broadcast(holder)
+                self._lock = DirectoryLock(self.dirpath)
+                holder = self._lock.acquire()
+                if holder is None:
+                    remove_stale_temporaries(self.dirpath)
+                else:
+                    self._lock = None
+        holder, problem = trainer.strategy.broadcast((holder, problem))
+        if problem is not None:
+            message = (f"Checkpoints cannot be written into {self.dirpath} ({problem[1]}). Found before training "
+                       "started, so nothing is lost: make that directory writable, or write checkpoints elsewhere "
+                       "(ModelCheckpoint(dirpath=...), Trainer(default_root_dir=...)).")
+            raise OSError(problem[0], message) if problem[0] is not None else OSError(message)
         if holder is not None:
             raise RuntimeError(
                 f"Another run ({holder}) is writing checkpoints into {self.dirpath}. Two runs writing into one "
