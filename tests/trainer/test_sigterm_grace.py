@@ -140,3 +140,20 @@ def test_sigterm_ends_a_ddp_job_whose_other_rank_is_hung(tmp_path):
     assert "rank 1 is stuck in training_step at step 3 (epoch 0, batch 3)" in log, log
     assert "[ember ddp] rank 1: Python stack" in log and STACK_LINE.search(log), log
     assert_processes_gone(tmp_path, count=2)
+
+
+@pytest.mark.timeout(90)
+def test_a_watchdog_verdict_within_the_grace_period_wins_and_readme_says_so(tmp_path):
+    # SIGTERM arrives while rank 1 hangs; the watchdog's deadline (3 s) comes before the grace period
+    # (60 s) runs out: the hang is reported as a hang, and the status is the watchdog's 1, not 143.
+    code, log, took = hang_then_sigterm(tmp_path, start(tmp_path, "--hang-rank", "1", "--grace", "60",
+                                                        "--watchdog", "3"), 1)
+    assert code == 1, log
+    assert took < 30, f"{took:.1f} s\n{log}"
+    assert "rank 1 is stuck in training_step at step 3 (epoch 0, batch 3)" in log, log
+    assert "has reached no step boundary since" not in log, log  # the grace period did not run out
+    assert_processes_gone(tmp_path, count=2)
+    # README's exit-status table says which wins.
+    readme = (ROOT / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| SIGTERM") and "watchdog" in line]
+    assert len(rows) == 1 and rows[0].split("|")[2].strip() == "1", rows
