@@ -141,3 +141,41 @@ def test_an_existing_read_only_directory_stops_fit_before_training(read_only_mou
     # Nothing to create (the mount point itself), the logs elsewhere: without the probe, the first save
     # failed, an epoch later.
     assert_stops_before_training(read_only_mount.parent, read_only_mount, "OSError: Read-only file system")
+
+
+# ---------------------------------------------------------------------------------------------- under ddp
+def _ddp_problems(rank: int, world: int, root: str) -> list[str]:
+    """On each of 2 gloo ranks: fits that must stop at start-up, on every rank alike (rank zero looks)."""
+    import warnings
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    warnings.simplefilter("ignore")
+    seen = []
+    for dirpath, ckpt_path in ((os.path.join(root, "a_file", "ck"), None), (os.path.join(root, "links"), "last")):
+        module = Counting()
+        t = ember.Trainer(strategy="ddp", devices=world, accelerator="cpu", max_epochs=1, default_root_dir=root,
+                          enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=[ModelCheckpoint(dirpath=dirpath)])
+        try:
+            t.fit(module, loader(), ckpt_path=ckpt_path)
+            seen.append("no error")
+        except Exception as err:
+            seen.append(f"{type(err).__name__} after {module.batches} batches: {err}")
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_under_ddp_every_rank_stops_at_start_up(tmp_path: Path) -> None:
+    from tests.helpers.dist import run_ranks
+
+    (tmp_path / "a_file").write_text("not a directory")
+    (tmp_path / "links").mkdir()
+    os.symlink("epoch=0-step=4.ckpt", tmp_path / "links" / "last.ckpt")  # a link to a removed file
+    ranks = run_ranks(_ddp_problems, 2, str(tmp_path), timeout=100)
+    for seen in ranks:
+        assert seen[0].startswith(f"NotADirectoryError after 0 batches: [Errno 20] Checkpoints cannot be written into "
+                                  f"{tmp_path / 'a_file' / 'ck'}"), seen[0]
+        assert seen[1].startswith(f"CheckpointNotFoundError after 0 batches: ckpt_path='last': "
+                                  f"{tmp_path / 'links' / 'last.ckpt'} is a symbolic link to 'epoch=0-step=4.ckpt', "
+                                  "which does not exist"), seen[1]
