@@ -153,7 +153,7 @@ def unwritable(directory: str) -> OSError | None:
         fd, probe = tempfile.mkstemp(prefix=temporary_prefix(os.path.join(directory, "probe")), suffix=".tmp",
                                      dir=directory)
         os.close(fd)
-        os.remove(probe)
+        os.unlink(probe)
     except OSError as err:
         return err
     return None
