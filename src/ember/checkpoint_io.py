@@ -141,6 +141,24 @@ def _no_space_error(path: str) -> OSError:
                    "name, if any, is intact")
 
 
+def unwritable(directory: str) -> OSError | None:
+    """Why files cannot be written into ``directory`` (made if missing), or None when they can.
+
+    A real write, not a permission check: the owner's mode bits say nothing on a read-only mount,
+    and root passes every ``access()`` check. The probe is named as this process's temporary files
+    are, so one left by a crash is removed by a later run.
+    """
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=temporary_prefix(os.path.join(directory, "probe")), suffix=".tmp",
+                                     dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        return err
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- temporaries
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 # .<name>~<host>~<pid>~<random>.tmp (a write) and .<name>~<host>~<pid>~link.tmp (a hard link)
@@ -196,11 +214,20 @@ class DirectoryLock:
     ``flock`` on the directory itself: no lock file is left behind, and the lock dies with its
     process, so a killed run never leaves a directory locked. Where the platform or the file
     system has no ``flock``, locking is skipped.
+
+    The lock excludes other processes, never this one: a process holds each directory's lock once
+    (see ``_HELD``), and every ``DirectoryLock`` of it on that directory shares it (two
+    ModelCheckpoints writing into one directory, a second fit after the first). A flock belongs to
+    the open file, which a forked child (a DataLoader worker) shares: closing the parent's
+    descriptor would leave the lock held as long as the child lives. So ``release`` unlocks
+    explicitly (``LOCK_UN`` releases it for every sharer), and a forked child closes its copies at
+    once (``_forget_in_child``), so that neither a worker that outlives the fit nor an orphaned one
+    keeps the directory locked.
     """
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        self._fd: int | None = None
+        self._key: tuple[int, int] | None = None
 
     def acquire(self) -> str | None:
         """Take the lock; return None, or a description of the process that holds it."""
@@ -209,22 +236,67 @@ class DirectoryLock:
         except ImportError:
             return None
         os.makedirs(self.directory, exist_ok=True)
-        fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            inode = os.fstat(fd).st_ino
-            os.close(fd)
-            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return None  # a file system without locks: nothing to enforce
-            return _lock_holder(inode)
-        self._fd = fd
+        fd = os.open(self.directory, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        with _HELD_LOCK:
+            held = _HELD.get(key)
+            if held is not None:  # this process holds it already: share it
+                os.close(fd)
+                held[1] += 1
+                self._key = key
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                os.close(fd)
+                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    return None  # a file system without locks: nothing to enforce
+                return _lock_holder(st.st_ino)
+            _HELD[key] = [fd, 1]
+        self._key = key
         return None
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor releases the flock
-            self._fd = None
+        key, self._key = self._key, None
+        if key is None:
+            return
+        import fcntl
+
+        with _HELD_LOCK:
+            held = _HELD.get(key)
+            if held is None:  # a forked child's copy: the lock is its parent's
+                return
+            held[1] -= 1
+            if held[1] > 0:
+                return
+            del _HELD[key]
+            try:
+                fcntl.flock(held[0], fcntl.LOCK_UN)  # for every copy of the descriptor, a child's included
+            finally:
+                os.close(held[0])
+
+
+# The directory locks this process holds: (device, inode) -> [descriptor, users].
+_HELD: dict[tuple[int, int], list[int]] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """In a forked child: close the copies of the parent's lock descriptors (without unlocking, which
+    would release the parent's lock), so the locks never outlive the parent's fit."""
+    global _HELD_LOCK
+    _HELD_LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
+    for fd, _ in _HELD.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _lock_holder(inode: int) -> str:
@@ -287,16 +359,21 @@ _ALTERNATIVES = {
 }
 
 
-def load(path: str, map_location: Any = "cpu", purpose: str | None = None) -> dict[str, Any]:
-    """Load and validate an ember checkpoint, with an explanatory error for every way it can be wrong.
+def verify(path: str, purpose: str | None = None) -> int:
+    """Raise a ``CheckpointError`` unless ``path`` is a whole file; return its size.
 
-    ``purpose`` ("fit", "evaluate" or None for ``load_from_checkpoint``) decides what a missing file's
-    error suggests instead: only what that caller accepts.
+    Whole: it exists (a symbolic link to a file that does not is named as such), is not empty, and,
+    being a zip archive as torch writes them, every record's CRC32 matches (this reads the whole
+    file). A flipped byte inside a tensor passes ``torch.load``, so only this check finds it.
     """
-    path = os.fspath(path)
     if not os.path.exists(path):
+        if os.path.islink(path):
+            raise CheckpointNotFoundError(
+                f"{path!r} is a symbolic link to {os.readlink(path)!r}, which does not exist: the checkpoint it "
+                f"pointed to was removed. Pass the path of an existing "
+                f"checkpoint{_ALTERNATIVES.get(purpose or '', '')}.")
         directory = os.path.dirname(os.path.abspath(path))
-        nearby = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, "*.ckpt")))
+        nearby = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(directory), "*.ckpt")))
         hint = f" Checkpoints in {directory}: {nearby}." if nearby else ""
         raise CheckpointNotFoundError(f"No checkpoint file at {path!r}.{hint} Pass the path of an existing "
                                       f"checkpoint{_ALTERNATIVES.get(purpose or '', '')}.")
@@ -314,6 +391,17 @@ def load(path: str, map_location: Any = "cpu", purpose: str | None = None) -> di
         if bad is not None:
             raise CheckpointError(f"Checkpoint {path!r} is corrupt: record {bad!r} fails its checksum. "
                                   "Use an earlier checkpoint.")
+    return size
+
+
+def load(path: str, map_location: Any = "cpu", purpose: str | None = None) -> dict[str, Any]:
+    """Load and validate an ember checkpoint, with an explanatory error for every way it can be wrong.
+
+    ``purpose`` ("fit", "evaluate" or None for ``load_from_checkpoint``) decides what a missing file's
+    error suggests instead: only what that caller accepts.
+    """
+    path = os.fspath(path)
+    size = verify(path, purpose)
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:

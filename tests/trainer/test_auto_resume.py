@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import struct
 import warnings
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 
 import ember
 from ember.callbacks import ModelCheckpoint
+from ember.checkpoint_io import CheckpointNotFoundError
 from ember.exceptions import Preempted
 from ember.trainer import auto_resume
 from ember.trainer.preemption import requeue_slurm_job
@@ -130,3 +134,67 @@ def test_sigusr1_requeue_reports_how_and_falls_back_when_scontrol_fails(tmp_path
     failing.chmod(0o755)
     with pytest.warns(UserWarning, match=r"`scontrol requeue 5` failed \(Invalid job id specified\)"):
         assert requeue_slurm_job("5") is None
+
+
+def flip_a_byte_of_the_first_tensor(path: Path) -> None:
+    """Bit rot inside a tensor's bytes: torch.load still reads the file; only its CRC32 tells."""
+    with zipfile.ZipFile(path) as zf:
+        record = next(i for i in zf.infolist() if "/data/" in i.filename)
+    with open(path, "r+b") as f:
+        f.seek(record.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+        f.seek(record.header_offset + 30 + name_len + extra_len)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_auto_skips_a_newest_file_that_fails_its_checksum(tmp_path: Path, capfd) -> None:
+    fit(tmp_path, 1)
+    ck = tmp_path / "ember_logs" / "version_0" / "checkpoints"
+    assert os.path.samefile(ck / "last.ckpt", ck / "epoch=0-step=4.ckpt")  # a hard link: both damaged at once
+    flip_a_byte_of_the_first_tensor(ck / "last.ckpt")
+    torch.load(ck / "last.ckpt", weights_only=True)  # no error: only the checksum finds it
+    with zipfile.ZipFile(ck / "last.ckpt") as zf:
+        record = zf.testzip()
+    with pytest.warns(UserWarning) as caught:
+        t = fit(tmp_path, 3, ckpt_path="auto")
+    skipped = [str(w.message) for w in caught if str(w.message).startswith("Skipping")]
+    assert sorted(skipped) == sorted(
+        f"Skipping {ck / name} while looking for a checkpoint to resume from: it is corrupt: record "
+        f"'{record}' fails its checksum. Trying the next most recent one."
+        for name in ("last.ckpt", "epoch=0-step=4.ckpt"))
+    assert t.ckpt_path == str(ck / "epoch=0-step=2.ckpt")
+    assert f"resuming from {ck / 'epoch=0-step=2.ckpt'} (epoch 0, global step 2)" in capfd.readouterr().err
+    ref = fit(tmp_path / "ref", 3)
+    assert t.global_step == ref.global_step == 12
+    for (k, a), b in zip(ref.module.state_dict().items(), t.module.state_dict().values()):
+        assert torch.equal(a, b), k  # resumed exactly from step 2
+
+
+def test_auto_finds_checkpoints_in_a_filename_folder(tmp_path: Path) -> None:
+    callbacks = [ModelCheckpoint(filename="sub/{epoch}-{step}", every_n_train_steps=2, save_top_k=-1, save_last=False)]
+    fit(tmp_path, 1, callbacks=callbacks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the run continues in version_0: no "another directory" warning
+        warnings.filterwarnings("ignore", message=".*log_every_n_steps|.*val_dataloader|.*num_workers")
+        t = fit(tmp_path, 2, ckpt_path="auto", callbacks=callbacks)
+    ck = tmp_path / "ember_logs" / "version_0" / "checkpoints"
+    assert t.ckpt_path == str(ck / "sub" / "epoch=0-step=4.ckpt") and t.global_step == 8
+    assert sorted(os.listdir(tmp_path / "ember_logs")) == ["version_0"]
+    assert (ck / "sub" / "epoch=1-step=8.ckpt").exists()
+
+
+def test_last_skips_a_dangling_link_for_the_good_last_beside_it(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    fit(tmp_path, 1, callbacks=[ModelCheckpoint(dirpath=str(ck), save_last="link")])
+    fit(tmp_path, 1, callbacks=[ModelCheckpoint(dirpath=str(ck))])  # a second run: last-v1.ckpt
+    (ck / os.readlink(ck / "last.ckpt")).unlink()  # the file the first run's link points to
+    with pytest.warns(UserWarning, match=rf"ckpt_path='last' skips {re.escape(str(ck / 'last.ckpt'))}, a symbolic "
+                      r"link to 'epoch=0-step=4.ckpt', which does not exist \(the checkpoint it pointed to"):
+        t = fit(tmp_path, 2, ckpt_path="last", callbacks=[ModelCheckpoint(dirpath=str(ck))])
+    assert t.ckpt_path == str(ck / "last-v1.ckpt") and t.global_step == 8
+    os.remove(ck / "last-v1.ckpt")
+    with pytest.raises(CheckpointNotFoundError, match=r"ckpt_path='last': .*last.ckpt is a symbolic link to "
+                       r"'epoch=0-step=4.ckpt', which does not exist .* and there is no other last checkpoint"):
+        fit(tmp_path, 2, ckpt_path="last", callbacks=[ModelCheckpoint(dirpath=str(ck))])

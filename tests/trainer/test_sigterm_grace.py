@@ -101,7 +101,7 @@ def start(out: Path, *args: str) -> subprocess.Popen:
                             cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def hang_then_sigterm(out: Path, proc: subprocess.Popen, rank: int) -> tuple[int, str, float]:
+def hang_then_sigterm(out: Path, proc: subprocess.Popen, rank: int, wait: float = GRACE + 30) -> tuple[int, str, float]:
     """Waits for ``rank`` to hang, sends SIGTERM to the launched process; returns (status, output, seconds to exit)."""
     marker = out / f"hanging{rank}"
     while not marker.exists():
@@ -110,7 +110,7 @@ def hang_then_sigterm(out: Path, proc: subprocess.Popen, rank: int) -> tuple[int
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     try:
-        log, _ = proc.communicate(timeout=GRACE + 30)
+        log, _ = proc.communicate(timeout=wait)
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail(f"SIGTERM did not end the run:\n{proc.communicate()[0]}")
@@ -142,3 +142,21 @@ def test_sigterm_ends_a_ddp_job_whose_other_rank_is_hung(tmp_path):
     assert "rank 1 is stuck in training_step at step 3 (epoch 0, batch 3)" in log, log
     assert "[ember ddp] rank 1: Python stack" in log and STACK_LINE.search(log), log
     assert_processes_gone(tmp_path, count=2)
+
+
+@pytest.mark.timeout(200)
+def test_a_watchdog_verdict_within_the_grace_period_wins_and_readme_says_so(tmp_path):
+    # SIGTERM arrives while rank 1 hangs; the watchdog's deadline (at least 3 s, 20 x the slowest step:
+    # longer on a loaded machine) comes before the grace period (150 s) runs out: the hang is reported
+    # as a hang, and the status is the watchdog's 1, not 143.
+    code, log, took = hang_then_sigterm(tmp_path, start(tmp_path, "--hang-rank", "1", "--grace", "150",
+                                                        "--watchdog", "3"), 1, wait=170)
+    assert code == 1, log
+    assert took < 150, f"{took:.1f} s\n{log}"
+    assert "rank 1 is stuck in training_step at step 3 (epoch 0, batch 3)" in log, log
+    assert "has reached no step boundary since" not in log, log  # the grace period did not run out
+    assert_processes_gone(tmp_path, count=2)
+    # README's exit-status table says which wins.
+    readme = (ROOT / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| SIGTERM") and "watchdog" in line]
+    assert len(rows) == 1 and rows[0].split("|")[2].strip() == "1", rows

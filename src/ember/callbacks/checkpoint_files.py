@@ -6,6 +6,7 @@ files that left the top k (``CheckpointFiles``), all of it on a background threa
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -47,12 +48,42 @@ def link_atomic(src: str, dst: str, symbolic: bool = False) -> bool:
     return True
 
 
+def inside(path: str, directory: str) -> bool:
+    """Whether ``path`` names something inside ``directory`` (at any depth), by their names."""
+    path, directory = os.path.abspath(path), os.path.abspath(directory)
+    return path != directory and os.path.commonpath([path, directory]) == directory
+
+
+def check_template(what: str, template: str, field: re.Pattern[str]) -> None:
+    """Raise unless the file names ``template`` makes stay inside the checkpoint directory: not
+    absolute, no ``..`` above it (a folder such as ``"sub/{epoch}"`` is fine). Outside it, top-k
+    rotation would never remove them, ``"last"``/``"auto"`` would never find them, and they might land
+    among another run's files."""
+    name = field.sub("x", template)
+    if os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == os.pardir:
+        raise ValueError(f"ModelCheckpoint({what}={template!r}) names a file outside the checkpoint directory. "
+                         "Checkpoints are rotated (save_top_k) and found again (ckpt_path='last' / 'auto') only "
+                         "inside that directory. Choose the directory with dirpath= and keep the name relative to "
+                         "it, without '..' (folders inside it, such as 'sub/{epoch}', are fine).")
+
+
+def check_inside(path: str, dirpath: str | None, template: str) -> str:
+    """``path`` (normalised) when it is inside ``dirpath``; else an error naming the logged values' fault."""
+    path = os.path.normpath(path)
+    if dirpath and not inside(path, dirpath):
+        raise ValueError(f"ModelCheckpoint(filename={template!r}) with this save's values names {path}, outside the "
+                         f"checkpoint directory {dirpath}: a logged value in the name contains '..' or a path "
+                         "separator. Leave that value out of the file name, or log a number instead.")
+    return path
+
+
 def remove_checkpoint(path: str, dirpath: str | None, protected: set[str]) -> None:
-    """Delete ``path`` unless it is outside ``dirpath`` (never delete another run's file) or ``protected``."""
+    """Delete ``path`` unless it is outside ``dirpath`` (never delete another run's file; its sub-folders,
+    which ``filename="sub/{epoch}"`` writes into, are inside) or ``protected``."""
     if not path:
         return
     path = os.path.abspath(path)
-    if dirpath is None or os.path.dirname(path) != os.path.abspath(dirpath) or path in protected:
+    if dirpath is None or not inside(path, dirpath) or path in protected:
         return
     try:
         os.remove(path)

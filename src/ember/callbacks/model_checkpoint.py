@@ -20,8 +20,9 @@ Differences from Lightning, on purpose:
   directory this run writes to is ever deleted, whatever a restored checkpoint lists.
 - One run at a time writes into a directory: ``setup`` takes a lock on it, and a second live run
   aiming at the same directory gets a clear error at start-up instead of overwriting the first
-  run's files. Temporary files left there by a writer that died are removed; those of a live
-  writer never are.
+  run's files. The lock is released when the fit ends; callbacks and fits of one process share
+  it. Temporary files left there by a writer that died are removed; those of a live writer never
+  are.
 """
 from __future__ import annotations
 
@@ -36,9 +37,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.callback import Callback
-from ember.callbacks.checkpoint_files import CheckpointFiles, OnExceptionCheckpoint, save_on_exception
+from ember.callbacks.checkpoint_files import (
+    CheckpointFiles,
+    OnExceptionCheckpoint,
+    check_inside,
+    check_template,
+    save_on_exception,
+)
 from ember.callbacks.checkpoint_writer import BackgroundWriter
-from ember.checkpoint_io import DirectoryLock, remove_stale_temporaries
+from ember.checkpoint_io import DirectoryLock, remove_stale_temporaries, unwritable
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -131,6 +138,8 @@ class ModelCheckpoint(CheckpointFiles, Callback):
             raise ValueError(f"ModelCheckpoint: {', '.join(given)} are mutually exclusive; choose one cadence.")
         self.dirpath: str | None = os.path.abspath(os.fspath(dirpath)) if dirpath is not None else None
         self._dirpath_given = self.dirpath is not None  # else resolved from the logger at every fit
+        if filename is not None:
+            check_template("filename", filename, _FIELD)
         self._lock: DirectoryLock | None = None
         self.filename = filename
         self.monitor = monitor
@@ -217,18 +226,31 @@ class ModelCheckpoint(CheckpointFiles, Callback):
     def setup(self, trainer: Trainer, module: TrainModule, stage: Stage) -> None:
         if stage != "fit":
             return
+        for what, template in (("filename", self.filename), ("CHECKPOINT_NAME_LAST", self.CHECKPOINT_NAME_LAST)):
+            if template:  # (both may have been changed since __init__)
+                check_template(what, template, _FIELD)
         self.dirpath = trainer.strategy.broadcast(self._resolve_dirpath(trainer))
         self._validation_ran = False
         self._saved_in_fit = False
-        holder = None
+        holder = problem = None
         if trainer.is_global_zero:
-            self._lock = DirectoryLock(self.dirpath)
-            holder = self._lock.acquire()
-            if holder is None:
-                remove_stale_temporaries(self.dirpath)
+            # Found now rather than at the first save, an epoch later: a directory that cannot be written.
+            err = unwritable(self.dirpath)
+            if err is not None:
+                problem = (err.errno, f"{type(err).__name__}: {err.strerror or err}")
             else:
-                self._lock = None
-        holder = trainer.strategy.broadcast(holder)
+                self._lock = DirectoryLock(self.dirpath)
+                holder = self._lock.acquire()
+                if holder is None:
+                    remove_stale_temporaries(self.dirpath)
+                else:
+                    self._lock = None
+        holder, problem = trainer.strategy.broadcast((holder, problem))
+        if problem is not None:
+            message = (f"Checkpoints cannot be written into {self.dirpath} ({problem[1]}). Found before training "
+                       "started, so nothing is lost: make that directory writable, or write checkpoints elsewhere "
+                       "(ModelCheckpoint(dirpath=...), Trainer(default_root_dir=...)).")
+            raise OSError(problem[0], message) if problem[0] is not None else OSError(message)
         if holder is not None:
             raise RuntimeError(
                 f"Another run ({holder}) is writing checkpoints into {self.dirpath}. Two runs writing into one "
@@ -460,7 +482,7 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         name = _FIELD.sub(field, template)
         if ver is not None:
             name += f"{self.CHECKPOINT_JOIN_CHAR}v{ver}"
-        return os.path.join(self.dirpath or "", name + self.FILE_EXTENSION)
+        return check_inside(os.path.join(self.dirpath or "", name + self.FILE_EXTENSION), self.dirpath, template)
 
     def _versioned(self, trainer: Trainer, metrics: dict[str, Any], filename: str | None, keep: str | None) -> str:
         """The path for ``metrics`` under ``filename`` (None: this callback's template). As Lightning's: a

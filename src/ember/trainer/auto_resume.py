@@ -15,9 +15,11 @@ Two ways in:
 
 Either way global rank zero prints one line saying which file and step it resumes from. Complete
 means a file ModelCheckpoint or preemption wrote (writes are atomic: a file under a ``.ckpt`` name
-is whole) with the training state (not ``save_weights_only``), readable; ``on_exception.ckpt`` is
-never chosen, since it records the moment of a failure rather than a step boundary. The most
-recent is the newest by modification time, ``last*.ckpt`` first among equals.
+is whole) with the training state (not ``save_weights_only``), readable, its checksums right (bit
+rot or a bad disk damages a whole file after the fact); ``on_exception.ckpt`` is never chosen,
+since it records the moment of a failure rather than a step boundary. The most recent is the
+newest by modification time, ``last*.ckpt`` first among equals; a damaged one is skipped with a
+warning, so a restart is never stuck on it.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ember.checkpoint_io import FORMAT, CheckpointError, verify
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -72,38 +76,56 @@ def job_key(env: Any = None) -> str | None:
     return None
 
 
-def _peek(path: str) -> dict[str, Any] | None:
-    """The small entries of a checkpoint (tensors stay on disk: mmap), or None when unreadable."""
+def _peek(path: str) -> dict[str, Any]:
+    """The small entries of a checkpoint (tensors stay on disk: mmap); raises a CheckpointError when
+    it cannot be read."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
-        return None
-    if not isinstance(ckpt, dict):
-        return None
+    except Exception as err:
+        reason = (str(err).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"it cannot be read ({type(err).__name__}: {reason})") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError("it cannot be read as an ember checkpoint")
     return {k: ckpt.get(k) for k in ("job", "weights_only", "epoch", "global_step", "format")}
 
 
-def find_resumable(dirs: list[str], job: str | None) -> tuple[str, dict[str, Any]] | None:
-    """The most recent complete checkpoint in ``dirs`` (of job ``job`` when given) and its entries."""
-    files = {os.path.abspath(p) for d in dirs for p in glob.glob(os.path.join(glob.escape(d), "*.ckpt"))
+def find_resumable(patterns: list[str], job: str | None) -> tuple[str, dict[str, Any]] | None:
+    """The most recent complete checkpoint among the files ``patterns`` match (of job ``job`` when
+    given) and its entries.
+
+    The one chosen is read whole first, its checksums included: a damaged file is skipped, with a
+    warning saying which and why, and the next newest is tried, so a restart is never stuck on a
+    file it cannot load.
+    """
+    files = {os.path.abspath(p) for pattern in patterns for p in glob.glob(pattern)
              if not os.path.basename(p).startswith("on_exception")}
 
     def recency(p: str) -> tuple[float, bool]:
         try:
             return os.path.getmtime(p), os.path.basename(p).startswith("last")
-        except OSError:  # removed meanwhile
+        except OSError:  # removed meanwhile, or a link to a removed file
             return -1.0, False
 
     for path in sorted(files, key=recency, reverse=True):
-        meta = _peek(path)
-        if meta is None:
-            warnings.warn(f"Skipping {path} while looking for a checkpoint to resume from: it cannot be read.",
+        try:
+            meta = _peek(path) if os.path.exists(path) else None
+            if meta is not None and (meta["weights_only"] is not False or (job is not None and meta["job"] != job)):
+                continue
+            verify(path)  # reads the file whole: only for the one that would be chosen
+        except CheckpointError as err:
+            warnings.warn(f"Skipping {path} while looking for a checkpoint to resume from: {_why(err, path)}",
                           UserWarning, stacklevel=3)
             continue
-        if meta["weights_only"] is not False or (job is not None and meta["job"] != job):
+        if meta is None:
             continue
         return path, meta
     return None
+
+
+def _why(err: CheckpointError, path: str) -> str:
+    """The error without the path the warning names already."""
+    text = str(err).replace(f"Checkpoint {path!r} ", "it ").replace(f"{path!r} ", "it ")
+    return text.replace(" Use an earlier checkpoint.", "") + " Trying the next most recent one."
 
 
 def applies(ckpt_path: Any) -> bool:
@@ -112,12 +134,12 @@ def applies(ckpt_path: Any) -> bool:
     return ckpt_path == AUTO or restart() is not None
 
 
-def choose(trainer: Trainer, ckpt_path: Any, dirs: list[str]) -> tuple[str | None, bool]:
+def choose(trainer: Trainer, ckpt_path: Any, patterns: list[str]) -> tuple[str | None, bool]:
     """What ``fit`` resumes from when :func:`applies`: ``(path or None, whether it was found here)``;
     ``ckpt_path`` comes back, not found here, when a restarted job has no checkpoint of its own yet.
     Runs on global rank zero."""
     again = restart()
-    found = find_resumable(dirs, job_key() if again is not None else None)
+    found = find_resumable(patterns, job_key() if again is not None else None)
     if found is None:
         if again is not None:
             start = f"from {ckpt_path}" if ckpt_path not in (None, AUTO) else "from scratch"

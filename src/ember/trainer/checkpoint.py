@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -240,8 +241,7 @@ def search_dirs(trainer: Trainer) -> list[str]:
     ``default_root_dir``), absolute, without repeats."""
     dirs: list[str] = []
     for cb in _checkpoint_callbacks(trainer):
-        given = getattr(cb, "_dirpath_given", True) and cb.dirpath
-        for d in ([cb.dirpath] if given else _default_dirs(trainer)):
+        for d in _dirs_of(trainer, cb):
             if os.path.abspath(d) not in dirs:
                 dirs.append(os.path.abspath(d))
     for d in _default_dirs(trainer) + [default_dir(trainer)]:
@@ -250,12 +250,38 @@ def search_dirs(trainer: Trainer) -> list[str]:
     return dirs
 
 
+def _dirs_of(trainer: Trainer, callback: Any) -> list[str]:
+    given = getattr(callback, "_dirpath_given", True) and callback.dirpath
+    return [callback.dirpath] if given else _default_dirs(trainer)
+
+
+def search_patterns(trainer: Trainer) -> list[str]:
+    """Glob patterns of this Trainer's checkpoint files: ``*.ckpt`` in each of :func:`search_dirs`, and
+    in the sub-folders a ModelCheckpoint's ``filename`` names (``"sub/{epoch}"``, ``"{epoch}/w"``)."""
+    patterns = [os.path.join(glob.escape(d), "*.ckpt") for d in search_dirs(trainer)]
+    for cb in _checkpoint_callbacks(trainer):
+        folder = os.path.dirname(str(getattr(cb, "filename", None) or ""))
+        if folder:
+            sub = re.sub(r"\{[^{}]*\}", "*", glob.escape(folder))  # each {field} may be anything
+            patterns += [os.path.join(glob.escape(os.path.abspath(d)), sub, "*.ckpt") for d in _dirs_of(trainer, cb)]
+    return list(dict.fromkeys(patterns))
+
+
 def find_last(trainer: Trainer) -> tuple[str | None, list[str]]:
     """The most recently written ``last*.ckpt`` where this Trainer's checkpoints go, and the
     directories searched (with the default logger: every ``version_N`` of ``default_root_dir``)."""
     dirs = search_dirs(trainer)
     callbacks = _checkpoint_callbacks(trainer)
     found = [p for d in dirs for p in glob.glob(os.path.join(glob.escape(d), "last*.ckpt"))]
+    broken = [p for p in found if not os.path.exists(p)]  # symbolic links to removed files (save_last="link")
+    found = [p for p in found if p not in broken]
+    for p in broken:
+        why = f"a symbolic link to {os.readlink(p)!r}, which does not exist (the checkpoint it pointed to was removed)"
+        if not found:
+            raise CheckpointNotFoundError(f"ckpt_path='last': {p} is {why}, and there is no other last checkpoint. "
+                                          "Pass the path of a checkpoint to resume from, or remove the link to start "
+                                          "from scratch.")
+        warnings.warn(f"ckpt_path='last' skips {p}, {why}.", UserWarning, stacklevel=4)
     if not found:
         # Say where a checkpoint would have been found, run directories that do not exist yet included.
         first = trainer.loggers[0] if trainer.loggers else None
@@ -271,8 +297,11 @@ def _continue_run(trainer: Trainer, path: str) -> None:
     """Loggers whose version is not chosen continue the run ``path`` belongs to
     (``<root>/<version>/checkpoints/last.ckpt``), so its curves and checkpoints carry on there."""
     checkpoints = os.path.dirname(os.path.abspath(path))
-    if os.path.basename(checkpoints) != "checkpoints":
-        return
+    while os.path.basename(checkpoints) != "checkpoints":  # from a filename folder (``"sub/{epoch}"``) up
+        parent = os.path.dirname(checkpoints)
+        if parent == checkpoints:
+            return
+        checkpoints = parent
     for lg in trainer.loggers:
         if isinstance(lg, FileLogger):
             lg.continue_run(os.path.dirname(checkpoints), trainer.default_root_dir)
@@ -288,7 +317,7 @@ def resolve(trainer: Trainer, ckpt_path: str | os.PathLike | None, continue_run:
     """
     strategy = trainer.strategy
     if continue_run and auto_resume.applies(ckpt_path):  # fit: a restarted job, or "auto" (auto_resume.py)
-        chosen, found_here = auto_resume.choose(trainer, ckpt_path, search_dirs(trainer)) \
+        chosen, found_here = auto_resume.choose(trainer, ckpt_path, search_patterns(trainer)) \
             if strategy.is_global_zero else (None, False)
         chosen, found_here = strategy.broadcast((chosen, found_here))
         if found_here:
@@ -301,8 +330,17 @@ def resolve(trainer: Trainer, ckpt_path: str | os.PathLike | None, continue_run:
     if ckpt_path is None:
         return None
     if ckpt_path == "last":
-        found, dirs = find_last(trainer) if strategy.is_global_zero else (None, [])
-        found = strategy.broadcast(found)
+        found: str | None = None
+        dirs: list[str] = []
+        problem: str | None = None
+        if strategy.is_global_zero:
+            try:
+                found, dirs = find_last(trainer)
+            except CheckpointError as err:
+                problem = str(err)
+        found, problem = strategy.broadcast((found, problem))
+        if problem is not None:  # on every rank
+            raise CheckpointNotFoundError(problem)
         if found is None:
             if strategy.is_global_zero:
                 warnings.warn(f"ckpt_path='last' found no checkpoint (searched {dirs}); starting from scratch.",

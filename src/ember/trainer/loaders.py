@@ -11,7 +11,7 @@ from torch.utils.data import RandomSampler, SequentialSampler
 
 from ember.data import DataModule
 from ember.module import TrainModule
-from ember.strategies.resumable import rebuild_with_sampler, why_not_swappable
+from ember.strategies.resumable import rebuild_with_sampler, shutdown_workers, why_not_swappable
 from ember.utils import move_to_device
 
 if TYPE_CHECKING:
@@ -188,8 +188,14 @@ class FitData:
         if self._given[1] is None and self.val_loaders:
             self._set_val(as_list(request(t, None, "val_dataloader")))
 
+    def close(self) -> None:
+        """The fit ends: stop the persistent workers of the train loader ember rebuilt (nobody else can
+        iterate it again)."""
+        shutdown_workers(self.train_loader)
+
     def _set_train(self, loader: Any) -> None:
         t = self._trainer
+        shutdown_workers(self.train_loader)  # a reload replaces it
         if t.overfit_batches:
             loader = unshuffled(loader, "train")
         self.train_loader = t.strategy.process_dataloader(loader, "fit")

@@ -364,6 +364,8 @@ class Trainer(TrainerProperties):
             if self.module is not None:
                 self._hooks.call("teardown", stage=stage)
         finally:
+            if stage == "fit":
+                self._data.close()
             self.strategy.teardown()
             self.state = "finished"
 
