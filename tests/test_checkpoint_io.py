@@ -29,6 +29,7 @@ def holder_seen_by_another_process(directory: Path) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_another_process_is_excluded_until_release(tmp_path: Path) -> None:
     lock = DirectoryLock(str(tmp_path))
@@ -53,6 +54,7 @@ def test_one_process_never_locks_itself_out(tmp_path: Path) -> None:
     a.release()  # releasing twice is harmless
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
     # A DataLoader worker forked during the fit: it shares the lock's open file. Released by the
@@ -78,6 +80,7 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
             pass
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_a_child_forked_while_the_lock_is_held_does_not_hold_it_after_its_parent_dies(tmp_path: Path) -> None:
     # The parent killed outright (no release): its orphaned child must not keep the directory locked.

@@ -38,6 +38,7 @@ def loader(**kwargs: Any) -> torch.utils.data.DataLoader:
 
 
 # ---------------------------------------------------------------------------------------------- the lock
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_fit_then_resume_in_one_process_with_persistent_workers(tmp_path: Path) -> None:
     first = trainer(tmp_path)
@@ -131,12 +132,14 @@ def test_a_checkpoint_directory_under_a_regular_file_stops_fit_before_training(t
     assert_stops_before_training(tmp_path, tmp_path / "a_file", "FileExistsError")
 
 
+@pytest.mark.processes
 def test_a_read_only_default_directory_stops_fit_before_training(read_only_mount: Path) -> None:
     # The default configuration: the logger on, the checkpoints in its run directory.
     assert_stops_before_training(read_only_mount, read_only_mount / "ember_logs" / "version_0" / "checkpoints",
                                  "OSError: Read-only file system", given=False)
 
 
+@pytest.mark.processes
 def test_an_existing_read_only_directory_stops_fit_before_training(read_only_mount: Path) -> None:
     # Nothing to create (the mount point itself), the logs elsewhere: without the probe, the first save
     # failed, an epoch later.
@@ -165,6 +168,7 @@ def _ddp_problems(rank: int, world: int, root: str) -> list[str]:
     return seen
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_under_ddp_every_rank_stops_at_start_up(tmp_path: Path) -> None:
     from tests.helpers.dist import run_ranks
