@@ -13,7 +13,7 @@ from ember.checkpoint_io import read_for_module
 from ember.hparams import AttributeDict as AttributeDict  # re-exported: ember.module.AttributeDict
 from ember.hparams import HyperparametersMixin
 from ember.types import REDUCE_OPS, parse_reduce_fx
-from ember.utils import move_to_device
+from ember.utils import is_torchmetric, move_to_device
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -108,7 +108,10 @@ class TrainModule(HyperparametersMixin, nn.Module):
 
         Args:
             name: key in ``trainer.callback_metrics`` and in the loggers.
-            value: a number or a scalar tensor (detached, and kept as a tensor).
+            value: a number or a scalar tensor (detached, and kept as a tensor), or a ``torchmetrics.Metric``
+                (an attribute of the module): per step its last forward's batch value, per epoch its
+                ``compute()`` at the epoch's end, after which it is ``reset()``. The Metric synchronises
+                across processes itself; under ``dp`` the replicas' updates are merged into it after each step.
             prog_bar: show it in the progress bar.
             logger: send it to the loggers (None: True).
             on_step: keep per-step values (default: True in training steps and batch hooks, else False).
@@ -121,8 +124,8 @@ class TrainModule(HyperparametersMixin, nn.Module):
             sync_dist_group: must be None: ember reduces across all processes.
             add_dataloader_idx: with several evaluation loaders, append ``/dataloader_idx_<i>`` to the name.
             batch_size: weight of this value in the epoch mean; inferred from the batch when omitted.
-            metric_attribute: accepted for compatibility (it names a torchmetrics ``Metric`` attribute in
-                Lightning; ember logs numbers and tensors only).
+            metric_attribute: accepted for compatibility (Lightning uses it to find a logged Metric's attribute
+                when restoring a checkpoint; a Metric's state here is whatever its own ``state_dict`` holds).
             rank_zero_only: accepted for compatibility; ember reduces every key on every rank.
         """
         if self._log_sink is None:
@@ -139,9 +142,15 @@ class TrainModule(HyperparametersMixin, nn.Module):
                            on_epoch=on_epoch, reduce_fx=reduce_fx, batch_size=batch_size, sync_dist=sync_dist,
                            add_dataloader_idx=add_dataloader_idx, enable_graph=enable_graph)
 
-    def log_dict(self, dictionary: dict[str, Any], **kwargs: Any) -> None:
-        """``self.log`` every item of ``dictionary`` with the same options."""
-        for k, v in dictionary.items():
+    def log_dict(self, dictionary: Any, **kwargs: Any) -> None:
+        """``self.log`` every item of ``dictionary`` (a dict, or a ``torchmetrics.MetricCollection``, whose
+        Metrics are logged under their prefixed names) with the same options."""
+        if is_torchmetric(dictionary, "MetricCollection"):
+            # As Lightning: the member Metrics themselves (states shared within a compute group, not copied).
+            items = dictionary.items(keep_base=False, copy_state=False)
+        else:
+            items = dictionary.items()
+        for k, v in items:
             self.log(k, v, **kwargs)
 
     # ------------------------------------------------------------------ optimizers
