@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import inspect
+import numbers
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from ember.checkpoint_io import read_for_module
@@ -152,6 +154,34 @@ class TrainModule(HyperparametersMixin, nn.Module):
             items = dictionary.items()
         for k, v in items:
             self.log(k, v, **kwargs)
+
+    # ------------------------------------------------------------------ across processes
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every process's ``data``, each tensor stacked along a new first dimension (Lightning's ``all_gather``).
+
+        ``data`` may be a tensor, a number, or lists, tuples and dicts of them (numbers become tensors on
+        ``self.device``). In one process (``single``, ``dp``) the tensors come back without the new dimension,
+        as in Lightning; under ``ddp`` their shape is ``[world_size, *shape]``.
+
+        Args:
+            data: what to gather; every process must pass the same structure, shapes and dtypes.
+            group: the process group (None: all processes).
+            sync_grads: let gradients flow back through the gather to every process's tensors.
+        """
+        strategy = self.trainer.strategy
+        device = self.device
+
+        def gather(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return strategy.all_gather(value.to(device), group=group, sync_grads=sync_grads)
+            return strategy.all_gather(torch.as_tensor(value, device=device), group=group, sync_grads=sync_grads)
+
+        return apply_to_collection(data, (torch.Tensor, numbers.Number), gather)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank zero only (every process is rank zero outside a Trainer)."""
+        if self._trainer is None or self._trainer.is_global_zero:
+            print(*args, **kwargs)
 
     # ------------------------------------------------------------------ optimizers
     def optimizers(self) -> Any:

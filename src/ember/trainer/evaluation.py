@@ -181,11 +181,11 @@ def _check_counts(strategy: Strategy, counts: list[int], stage: str) -> None:
     """Raise on every rank if some rank ran no batch of an evaluation loader that others ran (a collective).
 
     Args:
-        strategy: supplies ``world_size`` and ``all_gather``.
+        strategy: supplies ``world_size`` and ``gather_per_rank``.
         counts: batches this rank ran, per loader.
         stage: "validate", "sanity", "test" for the message.
     """
-    rows = strategy.all_gather(torch.tensor(counts)).tolist()  # [world][loader]
+    rows = strategy.gather_per_rank(torch.tensor(counts)).tolist()  # [world][loader]
     for dl_idx in range(len(counts)):
         per_rank = [row[dl_idx] for row in rows]
         if min(per_rank) == 0 < max(per_rank):

@@ -386,7 +386,7 @@ class MetricCollector:
         for _, _, total, weight in rows:
             flat.append(torch.as_tensor(total, dtype=torch.float64, device=device).reshape(()))
             flat.append(torch.as_tensor(weight, dtype=torch.float64, device=device).reshape(()))
-        gathered = self.strategy.all_gather(torch.stack(flat))  # [world, 1 + 2k]
+        gathered = self.strategy.gather_per_rank(torch.stack(flat))  # [world, 1 + 2k]
         if not bool((gathered[:, 0] == gathered[0, 0]).all()):
             raise RuntimeError(
                 "Processes logged different metric names at epoch end, so their values cannot be reduced together. "
