@@ -402,6 +402,22 @@ def check_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], path: 
                               "Nothing was loaded.")
 
 
+def match_compiled_keys(module: torch.nn.Module, state_dict: Any) -> Any:
+    """``state_dict`` with its keys renamed to ``module``'s where they differ only by ``torch.compile``'s
+    ``_orig_mod`` level (a submodule compiled when the checkpoint was saved and not now, or the reverse);
+    otherwise ``state_dict`` as it is (``check_state_dict`` then names what does not fit)."""
+    own = list(module.state_dict())
+    if not isinstance(state_dict, dict) or set(state_dict) == set(own):
+        return state_dict
+
+    def plain(key: str) -> str:
+        return key.replace("._orig_mod.", ".").removeprefix("_orig_mod.")
+
+    by_plain = {plain(k): k for k in own}
+    renamed = {by_plain.get(plain(k), k): v for k, v in state_dict.items()}
+    return renamed if len(by_plain) == len(own) and set(renamed) == set(own) else state_dict
+
+
 def _kind(dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return "bool"
@@ -447,6 +463,7 @@ def read_for_module(path: str, cls: type[_M], overrides: dict[str, Any], strict:
                               "load_from_checkpoint, or call save_hyperparameters() in __init__.") from err
     module.configure_model()  # layers made there exist before the weights are loaded (a no-op by default)
     module.on_load_checkpoint(ckpt)  # first, as Lightning: it may rewrite ckpt["state_dict"]
+    ckpt["state_dict"] = match_compiled_keys(module, ckpt["state_dict"])
     if strict:
         check_state_dict(module, ckpt["state_dict"], path)
     module.load_state_dict(ckpt["state_dict"], strict=strict)

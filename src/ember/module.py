@@ -408,7 +408,8 @@ def takes_batch_idx(step: Callable[..., Any]) -> bool:
     """
     fn = getattr(step, "__wrapped__", step)  # a decorated step: read the function it wraps
     spec = inspect.getfullargspec(fn)
-    args = spec.args[1:] if inspect.ismethod(step) else spec.args  # a bound method's first one is self
+    # A bound method's first argument is self; so is that of a bound method that a wrapper (torch.compile's) wraps.
+    args = spec.args[1:] if inspect.ismethod(step) or inspect.ismethod(fn) else spec.args
     return "batch_idx" in args or spec.varargs is not None or len(args) >= 2
 
 
