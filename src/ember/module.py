@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -11,6 +12,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
+from ember import export
 from ember.checkpoint_io import read_for_module
 from ember.hparams import AttributeDict as AttributeDict  # re-exported: ember.module.AttributeDict
 from ember.hparams import HyperparametersMixin
@@ -31,6 +33,10 @@ class TrainModule(HyperparametersMixin, nn.Module):
     the ones a subclass overrides.
     """
 
+    # Properties TorchScript must not compile (to_torchscript scripts the module).
+    __jit_unused_properties__ = ["trainer", "logger", "loggers", "device", "current_epoch", "global_step",
+                                 "global_rank", "example_input_array", "hparams", "hparams_initial"]
+
     def __init__(self) -> None:
         super().__init__()
         #: With ``False``, ``training_step`` does its own ``optimizers()`` / ``manual_backward`` / ``step``.
@@ -38,14 +44,15 @@ class TrainModule(HyperparametersMixin, nn.Module):
         self._trainer: Trainer | None = None
         # Where ``self.log`` sends values; the Trainer sets it, a DP replica gets its own.
         self._log_sink: Any = None
+        self._example_input_array: Any = None
 
     # ------------------------------------------------------------------ trainer-provided state
     @property
     def trainer(self) -> Trainer:
-        if self._trainer is None:
+        if self._trainer is None and not self.__dict__.get("_exporting"):
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer. "
                                "Call trainer.fit(module, ...) first.")
-        return self._trainer
+        return self._trainer  # type: ignore[return-value]  # None only while exporting: TorchScript reads it
 
     @trainer.setter
     def trainer(self, trainer: Trainer | None) -> None:
@@ -54,6 +61,15 @@ class TrainModule(HyperparametersMixin, nn.Module):
             if isinstance(child, TrainModule):
                 child.trainer = trainer
         self._trainer = trainer
+
+    @property
+    def example_input_array(self) -> Any:
+        """An example input of ``forward``, for ``to_onnx`` and ``to_torchscript(method="trace")`` (None: unset)."""
+        return self.__dict__.get("_example_input_array")
+
+    @example_input_array.setter
+    def example_input_array(self, example: Any) -> None:
+        self._example_input_array = example
 
     @property
     def logger(self) -> Any:
@@ -182,6 +198,31 @@ class TrainModule(HyperparametersMixin, nn.Module):
         """``print`` on global rank zero only (every process is rank zero outside a Trainer)."""
         if self._trainer is None or self._trainer.is_global_zero:
             print(*args, **kwargs)
+
+    # ------------------------------------------------------------------ export
+    def to_torchscript(self, file_path: str | os.PathLike | None = None, method: str = "script",
+                       example_inputs: Any = None, **kwargs: Any) -> Any:
+        """This module as TorchScript, in eval mode (Lightning's ``to_torchscript``); saved to ``file_path`` if given.
+
+        Args:
+            file_path: where to ``torch.jit.save`` it (None: only return it).
+            method: "script" (``torch.jit.script``) or "trace" (``torch.jit.trace`` on ``example_inputs``).
+            example_inputs: the input to trace with (default ``self.example_input_array``).
+            **kwargs: passed to ``torch.jit.script`` / ``torch.jit.trace``.
+        """
+        return export.to_torchscript(self, file_path, method, example_inputs, **kwargs)
+
+    def to_onnx(self, file_path: str | os.PathLike | None = None, input_sample: Any = None, **kwargs: Any) -> Any:
+        """Export this module, in eval mode, to ONNX with ``torch.onnx.export`` (Lightning's ``to_onnx``).
+
+        Needs ``pip install 'ember[onnx]'``. Returns what ``torch.onnx.export`` returns (an ``ONNXProgram``).
+
+        Args:
+            file_path: the ``.onnx`` file to write (None: only return the program).
+            input_sample: the input to export with (default ``self.example_input_array``); a tuple is unpacked.
+            **kwargs: passed to ``torch.onnx.export``.
+        """
+        return export.to_onnx(self, file_path, input_sample, **kwargs)
 
     # ------------------------------------------------------------------ optimizers
     def optimizers(self) -> Any:
