@@ -104,17 +104,20 @@ class TrainModule(HyperparametersMixin, nn.Module):
 
     @classmethod
     def load_from_checkpoint(cls: type[_M], checkpoint_path: str, map_location: Any = "cpu", strict: bool = True,
-                             **overrides: Any) -> _M:
+                             weights_only: bool = True, **overrides: Any) -> _M:
         """Rebuild this module from a checkpoint's saved hyper-parameters and load its weights.
 
         Args:
-            checkpoint_path: an ember checkpoint file.
+            checkpoint_path: an ember checkpoint file, or a PyTorch Lightning one (its weights and hyper-parameters).
+            weights_only: refuse files holding pickled Python objects (they can run code when loaded); pass
+                ``False`` only for a file you trust, e.g. a Lightning checkpoint whose hyper-parameters hold objects.
             map_location: where tensors are loaded (as in ``torch.load``).
             strict: require the checkpoint's keys and shapes to match the module exactly.
             **overrides: constructor arguments that replace the saved hyper-parameters; names the
                 constructor does not take are ignored with a warning (unless it takes ``**kwargs``).
         """
-        return read_for_module(checkpoint_path, cls, overrides, strict=strict, map_location=map_location)
+        return read_for_module(checkpoint_path, cls, overrides, strict=strict, map_location=map_location,
+                               weights_only=weights_only)
 
     # ------------------------------------------------------------------ logging
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
