@@ -171,3 +171,15 @@ def test_under_ddp_the_metric_syncs_itself_and_is_not_reduced_again():
         assert r["metrics"]["total_epoch"] == 36.0
         assert r["metrics"]["mean_epoch"] == 4.5
         assert r["calls"] == ["compute", "reset"]
+
+
+def test_two_metrics_or_a_metric_and_a_tensor_under_one_name_are_refused():
+    class TwoUnderOneName(WithMetrics):
+        def training_step(self, batch, batch_idx):
+            self.total(batch[0].sum())
+            self.log("same", self.total)
+            self.mean(batch[0])
+            self.log("same", self.mean)
+
+    with pytest.raises(ValueError, match="Log each Metric under a name of its own"):
+        fast_trainer().fit(TwoUnderOneName(), loader())

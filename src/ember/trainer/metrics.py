@@ -223,8 +223,21 @@ class MetricCollector:
             hint = _COLLECTION_HINT if is_torchmetric(value, "MetricCollection") else ""
             raise TypeError(f"self.log({name!r}, ...) expects a number or a scalar tensor, got {type(value).__name__} "
                             f"(a torchmetrics.Metric may be logged too). {hint}".rstrip())
-        if entry.on_step:
-            self._publish_step(entry, key, self.strategy.reduce(value, entry.reduce_fx) if entry.sync_dist else value)
+        if entry.on_step:  # inline, not _publish_step: this runs for every logged value
+            step_value = self.strategy.reduce(value, entry.reduce_fx) if entry.sync_dist else value
+            step_key = entry.step_key
+            if entry.prog_bar:
+                self.progress_bar_metrics[step_key] = step_value
+            if self.stage == "train":
+                self._callback_metrics[step_key] = step_value
+                if entry.on_epoch:
+                    self._callback_metrics[key] = step_value
+                if entry.logger:
+                    self.pending_step_logs[step_key] = step_value
+            elif entry.logger and self._counting:
+                # As Lightning: an evaluation step value goes to the loggers (at this loader's batch count),
+                # not to callback_metrics.
+                self._eval_step_value(step_key, step_value)
         if entry.on_epoch:
             if batch_size is None and entry.reduce_fx == "mean":
                 if self.batch_size is None:
@@ -233,6 +246,7 @@ class MetricCollector:
             entry.accumulate(value, batch_size or 1)
 
     def _publish_step(self, entry: _Entry, key: str, step_value: Any) -> None:
+        # What log() does inline for a number or a tensor, for a Metric's batch value.
         step_key = entry.step_key
         if entry.prog_bar:
             self.progress_bar_metrics[step_key] = step_value
@@ -248,7 +262,9 @@ class MetricCollector:
             self._eval_step_value(step_key, step_value)
 
     def _log_metric(self, entry: _Entry, key: str, metric: Any) -> None:
-        if entry.metric is None and entry.total is not None or entry.metric not in (None, metric):
+        # Identity, not ``in``: a Metric's == builds a CompositionalMetric.
+        mixed = entry.total is not None if entry.metric is None else entry.metric is not metric
+        if mixed:
             raise ValueError(f"self.log({entry.name!r}, ...) got a torchmetrics.Metric where this name already logged "
                              "another value in this epoch. Log each Metric under a name of its own.")
         entry.metric = metric
