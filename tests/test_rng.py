@@ -33,7 +33,7 @@ def test_a_multi_rank_checkpoint_keeps_every_ranks_cuda_states(monkeypatch):
     monkeypatch.setattr(checkpoint, "capture_rng", lambda: mine)
     strategy = SimpleNamespace(
         world_size=2, root_device=torch.device("cpu"),
-        all_gather=lambda t: torch.stack([t, rng_to_tensor(other)]))
+        gather_per_rank=lambda t: torch.stack([t, rng_to_tensor(other)]))
     saved = checkpoint._gather_rng(strategy)
     assert saved["world_size"] == 2
     for rank, expected in enumerate((mine, other)):

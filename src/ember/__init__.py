@@ -13,15 +13,18 @@ from ember.version import __version__
 
 if TYPE_CHECKING:
     from ember import callbacks, strategies
+    from ember.checkpoint_io import load_lightning_checkpoint
     from ember.data import DataModule
     from ember.module import TrainModule
     from ember.seed import seed_everything
     from ember.trainer import Trainer
 
-__all__ = ["Trainer", "TrainModule", "DataModule", "seed_everything", "callbacks", "strategies", "__version__"]
+__all__ = ["Trainer", "TrainModule", "DataModule", "seed_everything", "callbacks", "strategies",
+           "load_lightning_checkpoint", "__version__"]
 
 _WHERE = {"Trainer": "ember.trainer", "TrainModule": "ember.module", "DataModule": "ember.data",
-          "seed_everything": "ember.seed", "callbacks": "ember.callbacks", "strategies": "ember.strategies"}
+          "seed_everything": "ember.seed", "callbacks": "ember.callbacks", "strategies": "ember.strategies",
+          "load_lightning_checkpoint": "ember.checkpoint_io"}
 
 
 def __getattr__(name: str) -> Any:

@@ -394,33 +394,43 @@ def verify(path: str, purpose: str | None = None) -> int:
     return size
 
 
-def load(path: str, map_location: Any = "cpu", purpose: str | None = None) -> dict[str, Any]:
+def load(path: str, map_location: Any = "cpu", purpose: str | None = None, lightning: bool = False,
+         weights_only: bool = True) -> dict[str, Any]:
     """Load and validate an ember checkpoint, with an explanatory error for every way it can be wrong.
 
     ``purpose`` ("fit", "evaluate" or None for ``load_from_checkpoint``) decides what a missing file's
-    error suggests instead: only what that caller accepts.
+    error suggests instead: only what that caller accepts. With ``lightning``, a PyTorch Lightning
+    checkpoint is returned as it is (its ``state_dict`` and ``hyper_parameters`` are what ember reads).
+    ``weights_only=False`` lets ``torch.load`` unpickle objects: only for files you trust.
     """
     path = os.fspath(path)
     size = verify(path, purpose)
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as err:
         if "Weights only load failed" in str(err):
             raise CheckpointError(
                 f"{path!r} contains pickled Python objects that torch.load(weights_only=True) refuses "
                 f"({_first_line_with(str(err), 'GLOBAL') or 'not plain data'}). ember only loads "
                 "tensors, numbers, strings, lists and dicts, because unpickling an object can run arbitrary code. "
-                "If you trust the file, load it with torch.load(path, weights_only=False) and keep only plain data."
+                "If you trust the file, pass weights_only=False (load_from_checkpoint / load_lightning_checkpoint), or "
+                "load it with torch.load(path, weights_only=False) and keep only plain data."
             ) from None
         raise _corrupt(path, size, err) from None
     except (RuntimeError, EOFError, KeyError, ValueError, OSError) as err:
         raise _corrupt(path, size, err) from None
+    if lightning and is_lightning_checkpoint(ckpt):
+        if not isinstance(ckpt.get("state_dict"), dict):
+            raise CheckpointError(f"{path!r} is a Lightning checkpoint without a 'state_dict' dict: nothing to load.")
+        return ckpt
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         what = (f"a dict with keys {sorted(map(str, ckpt))[:12]}" if isinstance(ckpt, dict)
                 else f"a {type(ckpt).__name__}")
         hint = ""
-        if isinstance(ckpt, dict) and any("lightning" in str(k) for k in ckpt):
-            hint = " It looks like a PyTorch Lightning checkpoint; load its 'state_dict' into the module instead."
+        if is_lightning_checkpoint(ckpt):
+            hint = (" It is a PyTorch Lightning checkpoint: YourModule.load_from_checkpoint(path) builds the module "
+                    "from its hyper-parameters and weights (then fit it anew); ember cannot resume Lightning's "
+                    "optimizer and loop state.")
         elif isinstance(ckpt, dict) and ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
             hint = " It looks like a bare state_dict: use module.load_state_dict(torch.load(path)) instead."
         raise CheckpointError(f"{path!r} is not an ember checkpoint: it holds {what}, without format={FORMAT!r}.{hint}")
@@ -431,6 +441,29 @@ def load(path: str, map_location: Any = "cpu", purpose: str | None = None) -> di
     missing = [k for k in _REQUIRED if k not in ckpt]
     if missing:
         raise CheckpointError(f"{path!r} is an incomplete ember checkpoint: keys {missing} are missing.")
+    return ckpt
+
+
+def is_lightning_checkpoint(ckpt: Any) -> bool:
+    """Whether ``ckpt`` (a loaded file) was written by PyTorch Lightning (``Trainer.save_checkpoint``)."""
+    return isinstance(ckpt, dict) and any(str(k).endswith("lightning_version") for k in ckpt)
+
+
+def load_lightning_checkpoint(path: str, map_location: Any = "cpu", weights_only: bool = True) -> dict[str, Any]:
+    """Read a PyTorch Lightning ``.ckpt`` file as it is, checked: a dict with its ``state_dict`` (the module's
+    weights), ``hyper_parameters`` (from ``save_hyperparameters``), ``epoch``, ``global_step`` and the rest.
+
+    To build a module from it, use ``YourModule.load_from_checkpoint(path)``, which accepts Lightning files.
+
+    Args:
+        path: the ``.ckpt`` file.
+        map_location: where tensors are loaded (as in ``torch.load``).
+        weights_only: refuse pickled Python objects (the default); ``False`` only for files you trust.
+    """
+    ckpt = load(path, map_location=map_location, lightning=True, weights_only=weights_only)
+    if not is_lightning_checkpoint(ckpt):
+        raise CheckpointError(f"{path!r} is an ember checkpoint, not a Lightning one: use "
+                              "YourModule.load_from_checkpoint(path) or Trainer(...).fit(..., ckpt_path=path).")
     return ckpt
 
 
@@ -490,6 +523,22 @@ def check_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], path: 
                               "Nothing was loaded.")
 
 
+def match_compiled_keys(module: torch.nn.Module, state_dict: Any) -> Any:
+    """``state_dict`` with its keys renamed to ``module``'s where they differ only by ``torch.compile``'s
+    ``_orig_mod`` level (a submodule compiled when the checkpoint was saved and not now, or the reverse);
+    otherwise ``state_dict`` as it is (``check_state_dict`` then names what does not fit)."""
+    own = list(module.state_dict())
+    if not isinstance(state_dict, dict) or set(state_dict) == set(own):
+        return state_dict
+
+    def plain(key: str) -> str:
+        return key.replace("._orig_mod.", ".").removeprefix("_orig_mod.")
+
+    by_plain = {plain(k): k for k in own}
+    renamed = {by_plain.get(plain(k), k): v for k, v in state_dict.items()}
+    return renamed if len(by_plain) == len(own) and set(renamed) == set(own) else state_dict
+
+
 def _kind(dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return "bool"
@@ -503,7 +552,7 @@ def _short(items: list[str], n: int = 10) -> str:
 
 
 def read_for_module(path: str, cls: type[_M], overrides: dict[str, Any], strict: bool = True,
-                    map_location: Any = "cpu") -> _M:
+                    map_location: Any = "cpu", weights_only: bool = True) -> _M:
     """Build ``cls`` from the hyper-parameters saved in ``path`` (``overrides`` win) and load its weights.
 
     As Lightning: the saved hyper-parameters updated with ``overrides`` are the constructor's keyword
@@ -511,7 +560,7 @@ def read_for_module(path: str, cls: type[_M], overrides: dict[str, Any], strict:
     for the overrides; when ``save_hyperparameters(cfg)`` saved one dict argument (the checkpoint's
     ``hparams_name``), they are passed as that argument.
     """
-    ckpt = load(path, map_location=map_location)
+    ckpt = load(path, map_location=map_location, lightning=True, weights_only=weights_only)
     saved = {**dict(ckpt.get("hyper_parameters") or {}), **overrides}
     params = inspect.signature(cls.__init__).parameters
     names = [n for i, (n, p) in enumerate(params.items())
@@ -535,6 +584,7 @@ def read_for_module(path: str, cls: type[_M], overrides: dict[str, Any], strict:
                               "load_from_checkpoint, or call save_hyperparameters() in __init__.") from err
     module.configure_model()  # layers made there exist before the weights are loaded (a no-op by default)
     module.on_load_checkpoint(ckpt)  # first, as Lightning: it may rewrite ckpt["state_dict"]
+    ckpt["state_dict"] = match_compiled_keys(module, ckpt["state_dict"])
     if strict:
         check_state_dict(module, ckpt["state_dict"], path)
     module.load_state_dict(ckpt["state_dict"], strict=strict)

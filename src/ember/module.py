@@ -2,18 +2,22 @@
 from __future__ import annotations
 
 import inspect
+import numbers
+import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
+from ember import export
 from ember.checkpoint_io import read_for_module
 from ember.hparams import AttributeDict as AttributeDict  # re-exported: ember.module.AttributeDict
 from ember.hparams import HyperparametersMixin
 from ember.types import REDUCE_OPS, parse_reduce_fx
-from ember.utils import move_to_device
+from ember.utils import is_torchmetric, move_to_device
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -29,6 +33,10 @@ class TrainModule(HyperparametersMixin, nn.Module):
     the ones a subclass overrides.
     """
 
+    # Properties TorchScript must not compile (to_torchscript scripts the module).
+    __jit_unused_properties__ = ["trainer", "logger", "loggers", "device", "current_epoch", "global_step",
+                                 "global_rank", "example_input_array", "hparams", "hparams_initial"]
+
     def __init__(self) -> None:
         super().__init__()
         #: With ``False``, ``training_step`` does its own ``optimizers()`` / ``manual_backward`` / ``step``.
@@ -36,14 +44,15 @@ class TrainModule(HyperparametersMixin, nn.Module):
         self._trainer: Trainer | None = None
         # Where ``self.log`` sends values; the Trainer sets it, a DP replica gets its own.
         self._log_sink: Any = None
+        self._example_input_array: Any = None
 
     # ------------------------------------------------------------------ trainer-provided state
     @property
     def trainer(self) -> Trainer:
-        if self._trainer is None:
+        if self._trainer is None and not self.__dict__.get("_exporting"):
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer. "
                                "Call trainer.fit(module, ...) first.")
-        return self._trainer
+        return self._trainer  # type: ignore[return-value]  # None only while exporting: TorchScript reads it
 
     @trainer.setter
     def trainer(self, trainer: Trainer | None) -> None:
@@ -52,6 +61,15 @@ class TrainModule(HyperparametersMixin, nn.Module):
             if isinstance(child, TrainModule):
                 child.trainer = trainer
         self._trainer = trainer
+
+    @property
+    def example_input_array(self) -> Any:
+        """An example input of ``forward``, for ``to_onnx`` and ``to_torchscript(method="trace")`` (None: unset)."""
+        return self.__dict__.get("_example_input_array")
+
+    @example_input_array.setter
+    def example_input_array(self, example: Any) -> None:
+        self._example_input_array = example
 
     @property
     def logger(self) -> Any:
@@ -86,17 +104,20 @@ class TrainModule(HyperparametersMixin, nn.Module):
 
     @classmethod
     def load_from_checkpoint(cls: type[_M], checkpoint_path: str, map_location: Any = "cpu", strict: bool = True,
-                             **overrides: Any) -> _M:
+                             weights_only: bool = True, **overrides: Any) -> _M:
         """Rebuild this module from a checkpoint's saved hyper-parameters and load its weights.
 
         Args:
-            checkpoint_path: an ember checkpoint file.
+            checkpoint_path: an ember checkpoint file, or a PyTorch Lightning one (its weights and hyper-parameters).
+            weights_only: refuse files holding pickled Python objects (they can run code when loaded); pass
+                ``False`` only for a file you trust, e.g. a Lightning checkpoint whose hyper-parameters hold objects.
             map_location: where tensors are loaded (as in ``torch.load``).
             strict: require the checkpoint's keys and shapes to match the module exactly.
             **overrides: constructor arguments that replace the saved hyper-parameters; names the
                 constructor does not take are ignored with a warning (unless it takes ``**kwargs``).
         """
-        return read_for_module(checkpoint_path, cls, overrides, strict=strict, map_location=map_location)
+        return read_for_module(checkpoint_path, cls, overrides, strict=strict, map_location=map_location,
+                               weights_only=weights_only)
 
     # ------------------------------------------------------------------ logging
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
@@ -108,7 +129,10 @@ class TrainModule(HyperparametersMixin, nn.Module):
 
         Args:
             name: key in ``trainer.callback_metrics`` and in the loggers.
-            value: a number or a scalar tensor (detached, and kept as a tensor).
+            value: a number or a scalar tensor (detached, and kept as a tensor), or a ``torchmetrics.Metric``
+                (an attribute of the module): per step its last forward's batch value, per epoch its
+                ``compute()`` at the epoch's end, after which it is ``reset()``. The Metric synchronises
+                across processes itself; under ``dp`` the replicas' updates are merged into it after each step.
             prog_bar: show it in the progress bar.
             logger: send it to the loggers (None: True).
             on_step: keep per-step values (default: True in training steps and batch hooks, else False).
@@ -121,8 +145,8 @@ class TrainModule(HyperparametersMixin, nn.Module):
             sync_dist_group: must be None: ember reduces across all processes.
             add_dataloader_idx: with several evaluation loaders, append ``/dataloader_idx_<i>`` to the name.
             batch_size: weight of this value in the epoch mean; inferred from the batch when omitted.
-            metric_attribute: accepted for compatibility (it names a torchmetrics ``Metric`` attribute in
-                Lightning; ember logs numbers and tensors only).
+            metric_attribute: accepted for compatibility (Lightning uses it to find a logged Metric's attribute
+                when restoring a checkpoint; a Metric's state here is whatever its own ``state_dict`` holds).
             rank_zero_only: accepted for compatibility; ember reduces every key on every rank.
         """
         if self._log_sink is None:
@@ -139,10 +163,69 @@ class TrainModule(HyperparametersMixin, nn.Module):
                            on_epoch=on_epoch, reduce_fx=reduce_fx, batch_size=batch_size, sync_dist=sync_dist,
                            add_dataloader_idx=add_dataloader_idx, enable_graph=enable_graph)
 
-    def log_dict(self, dictionary: dict[str, Any], **kwargs: Any) -> None:
-        """``self.log`` every item of ``dictionary`` with the same options."""
-        for k, v in dictionary.items():
+    def log_dict(self, dictionary: Any, **kwargs: Any) -> None:
+        """``self.log`` every item of ``dictionary`` (a dict, or a ``torchmetrics.MetricCollection``, whose
+        Metrics are logged under their prefixed names) with the same options."""
+        if is_torchmetric(dictionary, "MetricCollection"):
+            # As Lightning: the member Metrics themselves (states shared within a compute group, not copied).
+            items = dictionary.items(keep_base=False, copy_state=False)
+        else:
+            items = dictionary.items()
+        for k, v in items:
             self.log(k, v, **kwargs)
+
+    # ------------------------------------------------------------------ across processes
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every process's ``data``, each tensor stacked along a new first dimension (Lightning's ``all_gather``).
+
+        ``data`` may be a tensor, a number, or lists, tuples and dicts of them (numbers become tensors on
+        ``self.device``). In one process (``single``, ``dp``) the tensors come back without the new dimension,
+        as in Lightning; under ``ddp`` their shape is ``[world_size, *shape]``.
+
+        Args:
+            data: what to gather; every process must pass the same structure, shapes and dtypes.
+            group: the process group (None: all processes).
+            sync_grads: let gradients flow back through the gather to every process's tensors.
+        """
+        strategy = self.trainer.strategy
+        device = self.device
+
+        def gather(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return strategy.all_gather(value.to(device), group=group, sync_grads=sync_grads)
+            return strategy.all_gather(torch.as_tensor(value, device=device), group=group, sync_grads=sync_grads)
+
+        return apply_to_collection(data, (torch.Tensor, numbers.Number), gather)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank zero only (every process is rank zero outside a Trainer)."""
+        if self._trainer is None or self._trainer.is_global_zero:
+            print(*args, **kwargs)
+
+    # ------------------------------------------------------------------ export
+    def to_torchscript(self, file_path: str | os.PathLike | None = None, method: str = "script",
+                       example_inputs: Any = None, **kwargs: Any) -> Any:
+        """This module as TorchScript, in eval mode (Lightning's ``to_torchscript``); saved to ``file_path`` if given.
+
+        Args:
+            file_path: where to ``torch.jit.save`` it (None: only return it).
+            method: "script" (``torch.jit.script``) or "trace" (``torch.jit.trace`` on ``example_inputs``).
+            example_inputs: the input to trace with (default ``self.example_input_array``).
+            **kwargs: passed to ``torch.jit.script`` / ``torch.jit.trace``.
+        """
+        return export.to_torchscript(self, file_path, method, example_inputs, **kwargs)
+
+    def to_onnx(self, file_path: str | os.PathLike | None = None, input_sample: Any = None, **kwargs: Any) -> Any:
+        """Export this module, in eval mode, to ONNX with ``torch.onnx.export`` (Lightning's ``to_onnx``).
+
+        Needs ``pip install 'ember[onnx]'``. Returns what ``torch.onnx.export`` returns (an ``ONNXProgram``).
+
+        Args:
+            file_path: the ``.onnx`` file to write (None: only return the program).
+            input_sample: the input to export with (default ``self.example_input_array``); a tuple is unpacked.
+            **kwargs: passed to ``torch.onnx.export``.
+        """
+        return export.to_onnx(self, file_path, input_sample, **kwargs)
 
     # ------------------------------------------------------------------ optimizers
     def optimizers(self) -> Any:
@@ -369,7 +452,8 @@ def takes_batch_idx(step: Callable[..., Any]) -> bool:
     """
     fn = getattr(step, "__wrapped__", step)  # a decorated step: read the function it wraps
     spec = inspect.getfullargspec(fn)
-    args = spec.args[1:] if inspect.ismethod(step) else spec.args  # a bound method's first one is self
+    # A bound method's first argument is self; so is that of a bound method that a wrapper (torch.compile's) wraps.
+    args = spec.args[1:] if inspect.ismethod(step) or inspect.ismethod(fn) else spec.args
     return "batch_idx" in args or spec.varargs is not None or len(args) >= 2
 
 

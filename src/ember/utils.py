@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -117,3 +118,13 @@ def to_floats(metrics: dict[str, Any]) -> dict[str, float]:
         stacked = torch.stack([metrics[k].detach().to(torch.float64).reshape(()) for k in keys])
         out.update(zip(keys, stacked.tolist()))
     return out
+
+
+def is_torchmetric(value: Any, kind: str = "Metric") -> bool:
+    """Whether ``value`` is a ``torchmetrics.Metric`` (or the class ``kind`` names, e.g. "MetricCollection"),
+    without importing torchmetrics (an optional extra).
+
+    A Metric can only exist once torchmetrics is imported, so a plain tensor costs one dict lookup.
+    """
+    tm = sys.modules.get("torchmetrics")
+    return tm is not None and isinstance(value, getattr(tm, kind))

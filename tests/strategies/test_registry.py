@@ -92,7 +92,8 @@ def test_base_strategy_single_process_verbs_are_identities():
     s = Strategy()
     t = torch.tensor([1.0, 2.0])
     assert s.reduce(t, "sum") is t
-    assert s.all_gather(t).shape == (1, 2)
+    assert s.all_gather(t) is t  # as Lightning's single-device strategy: no leading world dimension
+    assert s.gather_per_rank(t).tolist() == [[1.0, 2.0]]  # what the trainer's own bookkeeping gathers: by rank
     assert s.broadcast({"a": 1}) == {"a": 1}
     assert s.reduce_boolean_decision(True) is True
     assert (s.world_size, s.global_rank, s.local_rank, s.is_global_zero) == (1, 0, 0, True)

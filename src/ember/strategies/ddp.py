@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.utils.data import RandomSampler
 
 from ember.module import TrainModule
+from ember.parallel.all_gather import all_gather
 from ember.parallel.distributed import DistributedDataParallel
 from ember.rng import capture_rng
 from ember.strategies import launcher as launcher_module
@@ -465,13 +466,11 @@ class DDPStrategy(Strategy):
         self._waiting(f"an all-reduce (strategy.reduce, op={op!r})", dist.all_reduce, out, op=_OPS[op])
         return out / self.world_size if op == "mean" else out
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        mine = torch.as_tensor(tensor).to(self.root_device)
         if self.world_size == 1 or not dist.is_initialized():
-            return super().all_gather(tensor)
-        mine = torch.as_tensor(tensor).detach().to(self.root_device).contiguous()
-        out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._waiting("an all-gather (strategy.all_gather)", dist.all_gather, out, mine)
-        return torch.stack(out)
+            return mine.unsqueeze(0) if sync_grads else mine.detach().unsqueeze(0)  # still [world, ...], as Lightning
+        return self._waiting("an all-gather (strategy.all_gather)", all_gather, mine, group, sync_grads)
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         if self.world_size == 1 or not dist.is_initialized():

@@ -12,7 +12,12 @@ module onto as many devices as there are chunks, runs ``training_step`` (or ``va
 - values that replicas ``self.log`` are combined per name into one logged value: weighted by
   chunk size for ``reduce_fx="mean"`` (or by the ``batch_size`` given to ``log``), summed for
   "sum", max/min for "max"/"min". Hooks other than the ``*_step`` methods run once, on the
-  original module.
+  original module;
+- a ``torchmetrics.Metric`` in the module gets, in each replica, a state of its own that starts
+  empty; after the step the replicas' states are merged into the original Metric (so its epoch
+  ``compute()`` covers every sample once), and a Metric logged per step shows its value on the whole
+  batch. (A shallow replica would share the original's ``update``, bound to the original, and the
+  replica threads would race on its state: what PyTorch's DataParallel does with a Metric.)
 
 When this is not one device on the whole batch: whatever depends on the whole batch at once.
 BatchNorm in train mode normalises each chunk with that chunk's statistics (and only the first
@@ -35,6 +40,7 @@ from ember.parallel.parallel_apply import check_parallel_backward_devices
 from ember.parallel.replicate import Replicator
 from ember.parallel.scatter_gather import flatten, gather, scatter_kwargs
 from ember.strategies.strategy import Strategy
+from ember.utils import is_torchmetric
 
 __all__ = ["DataParallelStrategy"]
 
@@ -70,8 +76,49 @@ def _weighted_mean(values: list[Any], weights: list[float], device: torch.device
     return _weighted_sum(values, [w / total for w in weights], device)
 
 
+def _own_metric_state(metric: Any) -> None:
+    """Give a replica's Metric an empty state of its own, and ``update`` / ``compute`` bound to it.
+
+    The replica is a shallow copy: torchmetrics keeps ``update`` and ``compute`` as wrappers around the
+    original's bound methods in the instance dict. Its pickling protocol (``__getstate__`` drops them,
+    ``__setstate__`` wraps this object's own) re-binds them; ``reset`` assigns fresh state tensors and lists.
+    """
+    state = metric.__getstate__()
+    metric.__dict__.clear()
+    metric.__setstate__(state)
+    metric.reset()
+
+
+def _merge_metrics(module: nn.Module, replicas: list[nn.Module], paths: list[str]) -> dict[int, Any]:
+    """Merge every replica's Metric state into the original Metric; returns {id(replica metric): original}."""
+    originals: dict[int, Any] = {}
+    for path in paths:
+        original: Any = module.get_submodule(path)
+        reps: list[Any] = [replica.get_submodule(path) for replica in replicas]
+        originals.update((id(r), original) for r in reps)
+        updated = [r for r in reps if r.update_count]
+        if not updated:
+            continue
+        head, *rest = updated
+        try:
+            for r in rest:  # head gathers the whole batch's state, then goes into the original
+                head.merge_state(r.to(head.device) if r.device != head.device else r)
+            original.merge_state(head.to(original.device) if head.device != original.device else head)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"strategy='dp' cannot merge the replicas' states of {type(original).__name__} ({path!r}): {err} "
+                "Use a Metric with full_state_update=False and dist_sync_on_step=False, or strategy='single' / 'ddp'."
+            ) from err
+        # merge_state does not count updates; without this, compute() would warn that update was never called.
+        original._update_count += max(r.update_count for r in updated)  # noqa: SLF001
+        original._computed = None  # noqa: SLF001  (a cached epoch value is stale now)
+        if head._forward_cache is not None:  # noqa: SLF001  (the step value Lightning logs: the whole batch's)
+            original._forward_cache = head.compute()  # noqa: SLF001
+    return originals
+
+
 def _combine_logs(module: TrainModule, sinks: list[_ReplicaLog], weights: list[int],
-                  device: torch.device) -> None:
+                  device: torch.device, metrics: dict[int, Any]) -> None:
     """Log, on ``module``, one value per name (and per repeated call) from all replicas."""
     order: list[str] = []
     by_name: dict[str, list[list[tuple[Any, dict, int]]]] = {}
@@ -90,6 +137,9 @@ def _combine_logs(module: TrainModule, sinks: list[_ReplicaLog], weights: list[i
         for calls in by_name[name]:
             values = [v for v, _, _ in calls]
             options = dict(calls[0][1])
+            if id(values[0]) in metrics:  # a replica's Metric: log the original, which holds the merged state
+                module.log(name, metrics[id(values[0])], **options)
+                continue
             given = [o.get("batch_size") for _, o, _ in calls]
             fx = options.get("reduce_fx", "mean")
             if fx == "mean":
@@ -130,6 +180,7 @@ class DataParallelStrategy(Strategy):
         self._replicator = Replicator()
         self._leaves_checked = False
         self._cpu_only = False
+        self._metric_paths: list[str] = []
 
     def setup(self, trainer: Any, module: Any) -> None:
         devices = self.parallel_devices or [self.root_device]
@@ -141,6 +192,8 @@ class DataParallelStrategy(Strategy):
             self.parallel_backward = self._cpu_only
         self._replicator = Replicator()
         self._leaves_checked = False
+        # Where the module holds torchmetrics Metrics (their replicas get states of their own each step).
+        self._metric_paths = [name for name, m in module.named_modules() if is_torchmetric(m)]
 
     def teardown(self) -> None:
         self._replicator = Replicator()  # drop the cached structure (and the module it holds)
@@ -187,11 +240,16 @@ class DataParallelStrategy(Strategy):
         args, kwargs = scatter_kwargs(step_args, {}, devices)
         weights = [_chunk_size(a) for a in args]
         sinks: list[_ReplicaLog] = []
+        made: list[nn.Module] = []
+        metric_paths = self._metric_paths
 
         def give_each_replica_a_log(replicas: list[nn.Module]) -> None:
+            made.extend(replicas)
             for replica in replicas:
                 sinks.append(_ReplicaLog())
                 replica.__dict__["_log_sink"] = sinks[-1]
+                for path in metric_paths:
+                    _own_metric_state(replica.get_submodule(path))
 
         parallel_backward = bool(self.parallel_backward)
         check = parallel_backward and training and not self._leaves_checked
@@ -202,8 +260,9 @@ class DataParallelStrategy(Strategy):
         if check and len(args) > 1:
             self._leaves_checked = True
         root = self.root_device
+        metrics = _merge_metrics(module, made, metric_paths) if metric_paths and made else {}
         if sinks:
-            _combine_logs(module, sinks, weights, root)
+            _combine_logs(module, sinks, weights, root, metrics)
         return _combine_outputs(outputs, weights, root, training)
 
 

@@ -184,9 +184,23 @@ class Strategy:
             raise ValueError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
         return tensor
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Stack ``tensor`` from every process along a new first dimension."""
-        return tensor.unsqueeze(0)
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        """Every process's ``tensor``, stacked along a new first dimension (Lightning's ``strategy.all_gather``).
+
+        In one process it is ``tensor`` itself, without the new dimension, as in Lightning.
+
+        Args:
+            tensor: the same shape and dtype on every process.
+            group: the process group (None: all processes).
+            sync_grads: let gradients flow back through the gather to every process's ``tensor``.
+        """
+        return tensor
+
+    def gather_per_rank(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``[world_size, *tensor.shape]``: every process's ``tensor`` by rank, in one process too (detached)."""
+        if self.world_size == 1:
+            return torch.as_tensor(tensor).detach().unsqueeze(0)
+        return self.all_gather(tensor)
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         """Return rank ``src``'s ``obj`` on every process."""

@@ -212,7 +212,7 @@ def _gather_rng(strategy: Any) -> dict[str, Any]:
         return {"world_size": 1, "per_rank": [mine]}
     # Every rank's state travels as fixed-shape tensors through all_gather (one collective each).
     flat = rng_to_tensor(mine)
-    gathered = strategy.all_gather(flat.to(strategy.root_device)).to("cpu")
+    gathered = strategy.gather_per_rank(flat.to(strategy.root_device)).to("cpu")
     return {"world_size": world, "per_rank": [rng_from_tensor(gathered[r], mine) for r in range(world)]}
 
 

@@ -244,7 +244,7 @@ def _raise_empty(strategy: Strategy, batch: Any, batches: Iterator[Any], limit: 
                 exact = False
                 break
             count += 1
-    rows = strategy.all_gather(torch.tensor([count, int(exact)])).tolist()
+    rows = strategy.gather_per_rank(torch.tensor([count, int(exact)])).tolist()
     listed = ", ".join(f"rank {r}: {n}" if e else f"rank {r}: at least {n}" for r, (n, e) in enumerate(rows))
     which = "" if dl_idx is None else f" {dl_idx}"
     name = {"sanity": "validation", "validate": "validation"}.get(stage, stage)

@@ -93,7 +93,7 @@ class Lockstep:
                 if time.monotonic() > deadline:
                     exact = False
                     break
-        rows = self._strategy.all_gather(torch.tensor([count, int(exact)]))
+        rows = self._strategy.gather_per_rank(torch.tensor([count, int(exact)]))
         return [(int(n), bool(e)) for n, e in rows.tolist()]
 
 

@@ -3,6 +3,12 @@
 Hot-path rule: nothing here calls ``.item()`` or otherwise waits for a device. Values stay tensors
 until something actually prints or writes them (the progress bar's refresh, a logger's write),
 and ``to_floats`` converts a whole dict with one stack-and-copy.
+
+A ``torchmetrics.Metric`` may be logged instead of a value (as in Lightning). It keeps its own state,
+so nothing is accumulated here: a per-step value is the batch value its last ``forward`` returned,
+the epoch value is its ``compute()`` at the stage's end, and every logged Metric is ``reset()`` then.
+The Metric synchronises its state across processes itself inside ``compute()``, so its epoch value
+does not go through this module's cross-process reduction (it would be reduced twice).
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.types import ReduceFx, ReduceOp, parse_reduce_fx
-from ember.utils import infer_batch_size
+from ember.utils import infer_batch_size, is_torchmetric
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -38,13 +44,13 @@ _EVAL_STAGES = frozenset({"validate", "test"})
 
 # What a rank that has no value of a key contributes to its cross-rank reduction (with weight 0).
 _IDENTITY: dict[str, float] = {"mean": 0.0, "sum": 0.0, "max": -float("inf"), "min": float("inf")}
-
+_COLLECTION_HINT = "Log a MetricCollection with self.log_dict(collection)."
 _ENTRY_FIELDS = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist")
 
 
 class _Entry:
     __slots__ = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist", "total", "weight",
-                 "step_key", "epoch_key", "loader")
+                 "step_key", "epoch_key", "loader", "metric")
 
     def __init__(self, name: str, prog_bar: bool, logger: bool, on_step: bool, on_epoch: bool,
                  reduce_fx: ReduceOp, sync_dist: bool, suffix: str = "", loader: str = "") -> None:
@@ -60,6 +66,8 @@ class _Entry:
         self.epoch_key = f"{name}_epoch{suffix}" if both else self.name
         #: The evaluation loader (its key suffix) that logged it first.
         self.loader = loader
+        #: The ``torchmetrics.Metric`` logged under this name (None for numbers and tensors).
+        self.metric: Any = None
 
     def accumulate(self, value: Any, batch_size: int) -> None:
         fx = self.reduce_fx
@@ -161,6 +169,8 @@ class MetricCollector:
         saves, so that a resume logs the same epoch values), as plain data on the CPU."""
         out = []
         for e in self._stages.get("train", {}).values():
+            if e.metric is not None:  # its state is the Metric's own (in the module, when persistent)
+                continue
             d: dict[str, Any] = {f: getattr(e, f) for f in _ENTRY_FIELDS}
             d["total"] = e.total.detach().to("cpu") if isinstance(e.total, torch.Tensor) else e.total
             d["weight"] = e.weight.detach().to("cpu") if isinstance(e.weight, torch.Tensor) else e.weight
@@ -214,10 +224,16 @@ class MetricCollector:
             # and logged_metrics hold tensors (on the CPU: a number logged every step would otherwise cost a
             # host-to-device copy each time).
             value = torch.tensor(float(value), dtype=_FLOAT32)
+        elif is_torchmetric(value):
+            self._log_metric(entry, key, value)
+            return
         else:
-            raise TypeError(f"self.log({name!r}, ...) expects a number or a scalar tensor, got {type(value).__name__}.")
-        # A padding batch's own step value describes no new sample: it is dropped. A synced one is every
-        # rank's common value (and every rank must join its collective).
+            hint = _COLLECTION_HINT if is_torchmetric(value, "MetricCollection") else ""
+            raise TypeError(f"self.log({name!r}, ...) expects a number or a scalar tensor, got {type(value).__name__} "
+                            f"(a torchmetrics.Metric may be logged too). {hint}".rstrip())
+        # Inline, not _publish_step: this runs for every logged value. A padding batch's own step value
+        # describes no new sample: it is dropped. A synced one is every rank's common value (and every rank
+        # must join its collective).
         if entry.on_step and (entry.sync_dist or not self.padding):
             step_value = self.strategy.reduce(value, entry.reduce_fx) if entry.sync_dist else value
             step_key = entry.step_key
@@ -239,6 +255,41 @@ class MetricCollector:
                     self.batch_size = infer_batch_size(self._batch)
                 batch_size = self.batch_size
             entry.accumulate(value, batch_size or 1)
+
+    def _publish_step(self, entry: _Entry, key: str, step_value: Any) -> None:
+        # What log() does inline for a number or a tensor, for a Metric's batch value.
+        step_key = entry.step_key
+        if entry.prog_bar:
+            self.progress_bar_metrics[step_key] = step_value
+        if self.stage == "train":
+            self._callback_metrics[step_key] = step_value
+            if entry.on_epoch:
+                self._callback_metrics[key] = step_value
+            if entry.logger:
+                self.pending_step_logs[step_key] = step_value
+        elif entry.logger and self._counting:
+            # As Lightning: an evaluation step value goes to the loggers (at this loader's batch count),
+            # not to callback_metrics.
+            self._eval_step_value(step_key, step_value)
+
+    def _log_metric(self, entry: _Entry, key: str, metric: Any) -> None:
+        # Identity, not ``in``: a Metric's == builds a CompositionalMetric.
+        mixed = entry.total is not None if entry.metric is None else entry.metric is not metric
+        if mixed:
+            raise ValueError(f"self.log({entry.name!r}, ...) got a torchmetrics.Metric where this name already logged "
+                             "another value in this epoch. Log each Metric under a name of its own.")
+        entry.metric = metric
+        if not entry.on_step:
+            return
+        # What the Metric's last forward returned for its batch (None after update() alone: then there is
+        # no batch value, and Lightning logs none). torchmetrics keeps it in this attribute; Lightning reads it too.
+        batch_value = metric._forward_cache  # noqa: SLF001
+        if isinstance(batch_value, torch.Tensor) and batch_value.numel() == 1:
+            self._publish_step(entry, key, batch_value.detach().float().reshape(()))
+        elif batch_value is not None:
+            raise ValueError(f"self.log({entry.name!r}, metric): its forward returned {type(batch_value).__name__}"
+                             f"{tuple(batch_value.shape) if isinstance(batch_value, torch.Tensor) else ''}, not a "
+                             "scalar; only scalars can be logged. Log the values you need under separate names.")
 
     def _new_entry(self, name: str, key: str, suffix: str, prog_bar: bool, logger: bool, on_step: bool | None,
                    on_epoch: bool | None, reduce_fx: ReduceFx, sync_dist: bool) -> _Entry:
@@ -285,7 +336,11 @@ class MetricCollector:
         epoch-end hook, as in Lightning. ``end_stage`` then publishes the final (cross-process) values."""
         cm = self._callback_metrics
         for e in self._entries.values():
-            if e.on_epoch and e.total is not None:
+            if e.on_epoch and e.metric is not None:
+                value = e.metric.compute()  # cached by the Metric until its next update: end_stage reuses it
+                cm[e.epoch_key] = value
+                cm[e.name] = value
+            elif e.on_epoch and e.total is not None:
                 value = e.total / e.weight if e.reduce_fx == "mean" else e.total
                 cm[e.epoch_key] = value
                 cm[e.name] = value
@@ -302,7 +357,8 @@ class MetricCollector:
         self.flush_eval_steps()
         self._epoch_open = False
         cm = self._callback_metrics
-        entries = sorted((e for e in self._entries.values() if e.on_epoch), key=lambda e: e.name)
+        metrics = self._compute_metrics()
+        entries = sorted((e for e in self._entries.values() if e.on_epoch and e.metric is None), key=lambda e: e.name)
         # A key this rank logged only in a padding batch has no value here; it joins the reduction with
         # the reduction's identity (the other ranks logged it in real batches).
         rows = [(e.name, e.reduce_fx, e.total if e.total is not None else _IDENTITY[e.reduce_fx], e.weight)
@@ -312,21 +368,38 @@ class MetricCollector:
             steps = sorted((e for e in self._entries.values() if e.on_step and not e.sync_dist
                             and e.step_key in cm), key=lambda e: e.name)
             rows += [(e.step_key + "/last", e.reduce_fx, cm[e.step_key], 1) for e in steps]
-        if not rows:
+        if not rows and not metrics:
             return {}
-        values = self._reduce_across_processes(rows)
+        values = self._reduce_across_processes(rows) if rows else []
         for entry, value in zip(steps, values[len(entries):]):
             cm[entry.step_key] = value
             if entry.prog_bar:
                 self.progress_bar_metrics[entry.step_key] = value
         out: dict[str, Any] = {}
-        for entry, value in zip(entries, values):
+        for entry, value in [*zip(entries, values), *metrics]:
             key = entry.epoch_key
             out[key] = value
             cm[key] = value
             cm[entry.name] = value
             if entry.prog_bar:
                 self.progress_bar_metrics[key] = value
+        return out
+
+    def _compute_metrics(self) -> list[tuple[_Entry, Any]]:
+        """``compute()`` every Metric logged per epoch (each synchronises across processes: every rank calls
+        them in the same order, by name), then ``reset()`` every logged Metric, as Lightning does."""
+        logged = sorted((e for e in self._entries.values() if e.metric is not None), key=lambda e: e.name)
+        out = []
+        for e in logged:
+            if e.on_epoch:
+                value = e.metric.compute()
+                if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                    raise ValueError(f"self.log({e.name!r}, metric): its compute() returned "
+                                     f"{type(value).__name__}, not a scalar. Log a Metric that computes one "
+                                     "value, or log the elements of its result under separate names.")
+                out.append((e, value.detach().float().reshape(())))
+        for e in logged:
+            e.metric.reset()
         return out
 
     def logger_keys(self) -> set[str]:
@@ -343,7 +416,7 @@ class MetricCollector:
         for _, _, total, weight in rows:
             flat.append(torch.as_tensor(total, dtype=torch.float64, device=device).reshape(()))
             flat.append(torch.as_tensor(weight, dtype=torch.float64, device=device).reshape(()))
-        gathered = self.strategy.all_gather(torch.stack(flat))  # [world, 1 + 2k]
+        gathered = self.strategy.gather_per_rank(torch.stack(flat))  # [world, 1 + 2k]
         if not bool((gathered[:, 0] == gathered[0, 0]).all()):
             raise RuntimeError(
                 "Processes logged different metric names at epoch end, so their values cannot be reduced together. "

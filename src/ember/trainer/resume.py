@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
-from ember.checkpoint_io import CheckpointError, check_state_dict, load
+from ember.checkpoint_io import CheckpointError, check_state_dict, load, match_compiled_keys
 from ember.data import DataModule
 from ember.rng import apply_rng, capture_rng
 from ember.strategies.resumable import SkipFirstBatches, resumable_sampler_of
@@ -68,6 +68,7 @@ class Resume:
                                   "checkpoint.")
         self._validate("modules" if fit else "evaluation")
         # A fit continues training in the saved dtype; evaluation may cast (a float64 file into float32).
+        ckpt["state_dict"] = match_compiled_keys(module, ckpt["state_dict"])  # saved with or without torch.compile
         check_state_dict(module, ckpt["state_dict"], path, exact_dtype=fit)
         # Callbacks and the datamodule restore through state_dict / load_state_dict: copies to put back
         # into those this restore touches (and only those: the others never see a load_state_dict call).

@@ -18,6 +18,7 @@ from ember.hparams import drop_unpicklable
 from ember.module import TrainModule
 from ember.strategies.strategy import Strategy
 from ember.trainer import arguments, checkpoint
+from ember.trainer.compile import is_compiled, unwrap_compiled
 from ember.trainer.evaluation import EvaluationLoop
 from ember.trainer.hooks import Hooks
 from ember.trainer.loaders import FitData, eval_loaders
@@ -390,7 +391,7 @@ class Trainer(TrainerProperties):
                 recent checkpoint when one exists, else start fresh. A restart of a torchrun or SLURM
                 job resumes from the job's own latest checkpoint on its own (``auto_resume.py``).
         """
-        self._check_module(module)
+        module = self._check_module(module)
         if isinstance(train_dataloaders, DataModule) and datamodule is None:  # Lightning's fit(model, dm)
             train_dataloaders, datamodule = None, train_dataloaders
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
@@ -434,12 +435,17 @@ class Trainer(TrainerProperties):
             if self.module is None:
                 raise ValueError("No module given and none was fitted with this Trainer: pass the module.")
             module = self.module
-        self._check_module(module)
-        return module
+        return self._check_module(module)
 
-    @staticmethod
-    def _check_module(module: Any) -> None:
+    def _check_module(self, module: Any) -> TrainModule:
+        """The TrainModule to run (the one inside a ``torch.compile`` result, compiled), checked."""
+        module = unwrap_compiled(module)
         if not isinstance(module, TrainModule):
             raise TypeError(f"Expected an ember.TrainModule, got {type(module).__name__}. Subclass ember.TrainModule.")
         if "_log_sink" not in module.__dict__:
             raise RuntimeError(f"{type(module).__name__}.__init__ did not call super().__init__(); call it first.")
+        if is_compiled(module) and self.strategy.strategy_name == "dp":
+            raise ValueError("strategy='dp' cannot run a torch.compile'd module: its replicas would share the "
+                             "compiled steps of the original. Use strategy='single' or 'ddp', or pass the "
+                             "module uncompiled.")
+        return module
