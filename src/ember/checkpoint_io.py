@@ -56,6 +56,29 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 # ---------------------------------------------------------------------------------------------- writing
+_umask_lock = threading.Lock()
+
+
+def _file_mode(path: str) -> int:
+    """The mode ``open(path, "wb")`` would leave: an existing file's own, else 0o666 less the umask (so a team
+    sharing a filesystem reads the checkpoints as it reads any other file the job writes)."""
+    try:
+        return os.stat(path).st_mode & 0o777
+    except OSError:
+        pass
+    try:  # Linux: the umask, read without changing it (another thread may be creating files)
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _umask_lock:  # elsewhere: set and restore it (only this module's writers are serialised by the lock)
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_atomic(obj: Any, path: str, before_rename: Callable[[str], None] | None = None,
                  background: bool = False) -> None:
     """``torch.save(obj)`` to ``path`` so that a crash never leaves a partial file under ``path``.
@@ -74,6 +97,7 @@ def write_atomic(obj: Any, path: str, before_rename: Callable[[str], None] | Non
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(path), suffix=".tmp", dir=directory)
     try:
+        os.fchmod(fd, _file_mode(path))  # mkstemp's 0600 would hide the file from the user's group
         # torch.save to a path uses its C++ writer (no Python callbacks per chunk): fastest. Meanwhile
         # a thread keeps flushing what is written so far, so the disk works while torch serialises and
         # the final fsync has little left to wait for (about 1.1x a bare torch.save instead of 1.4x).
