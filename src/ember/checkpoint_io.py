@@ -438,7 +438,7 @@ def _short(items: list[str], n: int = 10) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
-def read_for_module(path: str, cls: type[_M], overrides: dict[str, Any], strict: bool = True,
+def read_for_module(path: str, cls: type[_M], overrides: dict[str, Any], strict: bool | None = True,
                     map_location: Any = "cpu") -> _M:
     """Build ``cls`` from the hyper-parameters saved in ``path`` (``overrides`` win) and load its weights.
 
@@ -469,9 +469,18 @@ def read_for_module(path: str, cls: type[_M], overrides: dict[str, Any], strict:
         raise CheckpointError(f"Could not build {cls.__name__} from the hyper-parameters saved in {path!r} "
                               f"({sorted(kwargs)}): {err}. Pass the missing arguments as keyword overrides to "
                               "load_from_checkpoint, or call save_hyperparameters() in __init__.") from err
+    if strict is None:  # the module's own choice (TrainModule.strict_loading)
+        strict = module.strict_loading
+    elif strict and not module.strict_loading:
+        raise ValueError(f"load_from_checkpoint(..., strict=True) conflicts with {cls.__name__}.strict_loading=False. "
+                         "Pass the same value as the module sets, or leave strict out.")
     module.configure_model()  # layers made there exist before the weights are loaded (a no-op by default)
     module.on_load_checkpoint(ckpt)  # first, as Lightning: it may rewrite ckpt["state_dict"]
     if strict:
         check_state_dict(module, ckpt["state_dict"], path)
-    module.load_state_dict(ckpt["state_dict"], strict=strict)
+    keys = module.load_state_dict(ckpt["state_dict"], strict=strict)
+    if not strict and (keys.missing_keys or keys.unexpected_keys):  # as Lightning: said, not silent
+        warnings.warn(f"load_from_checkpoint(strict=False) on {path!r}: keys of {cls.__name__} not in the checkpoint "
+                      f"(left as built): {keys.missing_keys}; keys of the checkpoint not in {cls.__name__} (ignored): "
+                      f"{keys.unexpected_keys}.", UserWarning, stacklevel=3)
     return module

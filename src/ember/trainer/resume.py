@@ -68,7 +68,11 @@ class Resume:
                                   "checkpoint.")
         self._validate("modules" if fit else "evaluation")
         # A fit continues training in the saved dtype; evaluation may cast (a float64 file into float32).
-        check_state_dict(module, ckpt["state_dict"], path, exact_dtype=fit)
+        # A module with strict_loading=False (it saves part of its weights) loads the keys the file holds;
+        # a shape mismatch still raises in load_state_dict, and the undo below puts the weights back.
+        strict = module.strict_loading
+        if strict:
+            check_state_dict(module, ckpt["state_dict"], path, exact_dtype=fit)
         # Callbacks and the datamodule restore through state_dict / load_state_dict: copies to put back
         # into those this restore touches (and only those: the others never see a load_state_dict call).
         weights = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
@@ -88,7 +92,7 @@ class Resume:
         self._undo.append(undo)
         try:
             module.on_load_checkpoint(ckpt)
-            module.load_state_dict(ckpt["state_dict"], strict=True)  # by keyword, as Lightning
+            module.load_state_dict(ckpt["state_dict"], strict=strict)  # by keyword, as Lightning
             if not fit:
                 trainer.ckpt_path = path
             dm = trainer.datamodule
