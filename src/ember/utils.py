@@ -117,3 +117,12 @@ def to_floats(metrics: dict[str, Any]) -> dict[str, float]:
         stacked = torch.stack([metrics[k].detach().to(torch.float64).reshape(()) for k in keys])
         out.update(zip(keys, stacked.tolist()))
     return out
+
+
+def sized_len(obj: Any) -> int | None:
+    """``len(obj)``, or None for an object without a length: no ``__len__`` (TypeError) or one that raises
+    NotImplementedError, as some iterable wrappers do (Lightning treats both as unsized)."""
+    try:
+        return len(obj)
+    except (TypeError, NotImplementedError):
+        return None

@@ -14,6 +14,7 @@ part puts back everything the earlier parts changed, so a bad file leaves the ru
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import warnings
 from collections.abc import Callable
@@ -25,9 +26,12 @@ from ember.data import DataModule
 from ember.rng import apply_rng, capture_rng
 from ember.strategies.resumable import SkipFirstBatches, resumable_sampler_of
 from ember.trainer import checkpoint_check
+from ember.utils import sized_len
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 
 class Resume:
@@ -173,12 +177,19 @@ class Resume:
             raise
         self._undo.clear()  # done: nothing to put back any more
         trainer.ckpt_path = self.path
+        if trainer.is_global_zero:  # as Lightning, which names the file (ember adds where the run continues)
+            p = trainer.progress
+            log.info("Restored all states from the checkpoint at %s (epoch %d, global step %d%s)", self.path,
+                     p.current_epoch, p.global_step, f", batch {p.batch_in_epoch} of the epoch" if p.batch_in_epoch
+                     else "")
 
 
 def restore_for_evaluation(trainer: Trainer, path: str) -> None:
     """validate / test / predict with ``ckpt_path``, as Lightning: the module's ``on_load_checkpoint`` and
     weights, the datamodule's state, the callbacks' ``on_load_checkpoint`` and state (all or nothing)."""
     Resume(trainer, path).modules_and_callbacks(fit=False)
+    if trainer.is_global_zero:
+        log.info("Loaded model weights from the checkpoint at %s", path)
 
 
 def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
@@ -219,11 +230,7 @@ def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) ->
         trainer._data.train_loader = SkipFirstBatches(loader, progress.batch_in_epoch)
 
 
-def _len_or_none(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
+_len_or_none = sized_len
 
 
 def _restore_rng(trainer: Trainer, ckpt: dict[str, Any]) -> None:
