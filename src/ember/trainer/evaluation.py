@@ -21,7 +21,7 @@ import torch
 
 from ember.module import TrainModule, _restore_modes
 from ember.trainer.loaders import batch_transfer
-from ember.utils import to_floats
+from ember.utils import sized_len, to_floats
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -201,9 +201,4 @@ def _check_counts(strategy: Strategy, counts: list[int], stage: str) -> None:
 
 def _has_unsized(loaders: list[Any]) -> bool:
     """Whether any of ``loaders`` has no length."""
-    for loader in loaders:
-        try:
-            len(loader)
-        except TypeError:
-            return True
-    return False
+    return any(sized_len(loader) is None for loader in loaders)
