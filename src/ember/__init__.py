@@ -3,13 +3,34 @@
 The names below are imported on first use (PEP 562), so that ``from ember.parallel import
 DistributedDataParallel`` or a DataLoader worker importing a dataset module does not load the
 trainer, the callbacks and the loggers as well.
+
+ember's messages (``EarlyStopping(verbose=True)``, the checkpoint a resume restored, ...) go to the
+``ember`` logger at INFO, as Lightning's go to its own: a program that configured no logging sees them
+on stderr (global rank zero only), and one that did gets them through its own handlers instead.
 """
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from ember.version import __version__
+
+
+class _UnconfiguredHandler(logging.StreamHandler):
+    """Prints ember's records while the root logger has no handler; once the program configures logging,
+    the records reach its handlers by propagation and this one stays quiet (nothing is printed twice)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers or os.environ.get("RANK", "0") != "0":
+            return
+        super().emit(record)
+
+
+_logger = logging.getLogger(__name__)
+_logger.setLevel(logging.INFO)
+_logger.addHandler(_UnconfiguredHandler())
 
 if TYPE_CHECKING:
     from ember import callbacks, strategies

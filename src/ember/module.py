@@ -45,6 +45,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
         # Where ``self.log`` sends values; the Trainer sets it, a DP replica gets its own.
         self._log_sink: Any = None
         self._example_input_array: Any = None
+        self._strict_loading: bool | None = None
 
     # ------------------------------------------------------------------ trainer-provided state
     @property
@@ -102,9 +103,21 @@ class TrainModule(HyperparametersMixin, nn.Module):
     def global_rank(self) -> int:
         return self._trainer.global_rank if self._trainer is not None else 0
 
+    @property
+    def strict_loading(self) -> bool:
+        """Whether checkpoints must hold exactly this module's keys when a fit resumes, ``validate`` / ``test`` /
+        ``predict`` load ``ckpt_path``, or ``load_from_checkpoint`` is not given ``strict`` (default True).
+        Set it to False, as in Lightning, for a module that saves only part of its weights (e.g. not a
+        frozen backbone): the keys the checkpoint holds are loaded, and the others keep their values."""
+        return self._strict_loading in (None, True)
+
+    @strict_loading.setter
+    def strict_loading(self, value: bool) -> None:
+        self._strict_loading = bool(value)
+
     @classmethod
-    def load_from_checkpoint(cls: type[_M], checkpoint_path: str, map_location: Any = "cpu", strict: bool = True,
-                             weights_only: bool = True, **overrides: Any) -> _M:
+    def load_from_checkpoint(cls: type[_M], checkpoint_path: str, map_location: Any = "cpu",
+                             strict: bool | None = None, weights_only: bool = True, **overrides: Any) -> _M:
         """Rebuild this module from a checkpoint's saved hyper-parameters and load its weights.
 
         Args:
@@ -112,7 +125,9 @@ class TrainModule(HyperparametersMixin, nn.Module):
             weights_only: refuse files holding pickled Python objects (they can run code when loaded); pass
                 ``False`` only for a file you trust, e.g. a Lightning checkpoint whose hyper-parameters hold objects.
             map_location: where tensors are loaded (as in ``torch.load``).
-            strict: require the checkpoint's keys and shapes to match the module exactly.
+            strict: require the checkpoint's keys and shapes to match the module exactly (None: the
+                module's ``strict_loading``; a module that set ``strict_loading = False`` refuses
+                ``strict=True``, as Lightning). Without it, missing and unexpected keys are warned about.
             **overrides: constructor arguments that replace the saved hyper-parameters; names the
                 constructor does not take are ignored with a warning (unless it takes ``**kwargs``).
         """

@@ -128,3 +128,12 @@ def is_torchmetric(value: Any, kind: str = "Metric") -> bool:
     """
     tm = sys.modules.get("torchmetrics")
     return tm is not None and isinstance(value, getattr(tm, kind))
+
+
+def sized_len(obj: Any) -> int | None:
+    """``len(obj)``, or None for an object without a length: no ``__len__`` (TypeError) or one that raises
+    NotImplementedError, as some iterable wrappers do (Lightning treats both as unsized)."""
+    try:
+        return len(obj)
+    except (TypeError, NotImplementedError):
+        return None

@@ -104,6 +104,7 @@ def test_two_trainers_in_one_process_resume_like_two_scripts(tmp_path):
     second = ember.Trainer(max_epochs=3, enable_progress_bar=False, default_root_dir=str(tmp_path), log_every_n_steps=4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "found no checkpoint", no other-directory warning
+        warnings.filterwarnings("ignore", message=".*defines validation_step, but this fit has no validation data")
         second.fit(BoringModel(), regression_loader(), ckpt_path="last")
     assert second.global_step == 12 and second.log_dir == first.log_dir
     assert _versions(tmp_path) == ["version_0"]
@@ -462,7 +463,7 @@ _SPAWN = textwrap.dedent("""
         warnings.simplefilter("always")
         t = ember.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", max_epochs=2,
                           enable_progress_bar=False, default_root_dir=sys.argv[1], log_every_n_steps=1)
-        t.fit(BoringModel(), regression_loader())
+        t.fit(BoringModel(), regression_loader(), regression_loader())  # (validation_step without data warns)
         fit_dir = t.log_dir
         t.test(dataloaders=regression_loader())
         print("DIRS", fit_dir, t.log_dir)

@@ -32,14 +32,17 @@ def test_training_step_returning_none_skips_the_batch_with_a_warning():
     assert not torch.equal(before, module.layer.weight)
 
 
-def test_training_step_returning_none_everywhere_trains_nothing():
+def test_training_step_returning_none_everywhere_trains_nothing_and_warns_once_per_fit():
     module = returning(lambda loss, i: None)
     before = module.layer.weight.detach().clone()
-    trainer = fast_trainer()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(module, regression_loader())
-    assert sum("returned None" in str(w.message) for w in caught) == 4
+    trainer = fast_trainer(max_epochs=2)
+    for _ in range(2):  # each fit says it once, not once per batch (4 batches x 2 epochs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, regression_loader())
+        assert [str(w.message) for w in caught if "returned None" in str(w.message)] == [
+            "training_step returned None for batch 0: skipping its backward and optimizer step, and those of every "
+            "batch that returns None (said once per fit)."]
     assert trainer.global_step == 0 and torch.equal(before, module.layer.weight)
 
 
@@ -183,13 +186,19 @@ def test_train_loader_empty_after_drop_last():
         fast_trainer().fit(BoringModel(), loader)
 
 
-def test_empty_train_stream_without_length():
+def test_empty_train_stream_without_length_ends_its_epochs_with_a_warning():
     class Nothing(IterableDataset):
         def __iter__(self):
             return iter(())
 
-    with pytest.raises(ValueError, match=r"The train dataloader yielded no batch. Check the dataset is not empty"):
-        fast_trainer().fit(BoringModel(), Nothing())
+    trainer = fast_trainer(max_epochs=2)
+    with warnings.catch_warnings(record=True) as caught:  # as Lightning, no error; unlike it, said (once)
+        warnings.simplefilter("always")
+        trainer.fit(BoringModel(), Nothing())
+    said = [str(w.message) for w in caught if "yielded no batch" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("The train dataloader yielded no batch. Check the dataset is not "
+                                                 "empty") and "(epoch 0; it has no length" in said[0]
+    assert trainer.current_epoch == 2 and trainer.global_step == 0
 
 
 def test_fractional_limit_on_a_loader_without_length():

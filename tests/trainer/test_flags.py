@@ -213,8 +213,8 @@ def test_overfit_batches_replaces_both_limits_and_turns_shuffling_off(overfit, p
     with pytest.warns(UserWarning) as record:
         trainer.fit(module, train, val)
     messages = [str(w.message) for w in record if "overfit" in str(w.message)]
-    assert messages == [f"You requested to overfit but enabled {k} dataloader shuffling. Turning off the {k} "
-                        "dataloader shuffling for you." for k in ("val", "train")]
+    assert messages == [f"You requested to overfit but enabled {k} dataloader shuffling. We are turning off the {k} "
+                        "dataloader shuffling for you." for k in ("val", "train")]  # Lightning 2.6.6's words
     assert trainer.limit_train_batches == trainer.limit_val_batches == overfit
     assert (trainer.num_training_batches, trainer.num_val_batches) == (per_epoch, [per_epoch])
     firsts = [-1.126, -0.614][:per_epoch]

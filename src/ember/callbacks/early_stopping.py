@@ -110,6 +110,8 @@ class EarlyStopping(Callback):
 
     # ------------------------------------------------------------------ the check
     def _check(self, trainer: Trainer) -> None:
+        if trainer.fast_dev_run:  # as Lightning: a smoke run of a batch or two decides nothing
+            return
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             available = ", ".join(sorted(metrics)) or "none"

@@ -2,12 +2,15 @@
 
 The Trainer converts collected tensors to floats once per logging event and calls
 ``log_metrics`` on every logger; loggers only write (on global rank zero).
+
+``DummyLogger`` is what ``fast_dev_run`` puts in place of the user's loggers (as Lightning): nothing is
+written, yet a module that calls ``self.logger.experiment.add_image(...)`` runs unchanged.
 """
 from __future__ import annotations
 
 import os
 from argparse import Namespace
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ember.callbacks.callback import Callback
@@ -65,6 +68,53 @@ class Logger(Callback):
     def finalize(self, status: str) -> None:
         """Called once when a run ends: ``"success"``, ``"failed"`` or ``"interrupted"``."""
         self.save()
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class DummyExperiment:
+    """An experiment whose every method does nothing (``experiment.add_scalar(...)``, ``experiment[0]``)."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _no_op
+
+    def __getitem__(self, idx: int) -> DummyExperiment:
+        return self
+
+
+class DummyLogger(Logger):
+    """A logger that writes nothing: ``Trainer(fast_dev_run=...)`` uses it instead of the loggers given, so
+    that ``self.logger.experiment...`` and any other logger method still run (and do nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._experiment = DummyExperiment()
+
+    @property
+    def experiment(self) -> DummyExperiment:
+        return self._experiment
+
+    @property
+    def name(self) -> str:
+        return ""
+
+    @property
+    def version(self) -> str:
+        return ""
+
+    def __getitem__(self, idx: int) -> DummyLogger:  # self.logger[0].experiment...
+        return self
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        # Methods of other loggers (log_image, log_graph, ...) do nothing. Private names and hooks stay
+        # missing, so the Trainer's look-ups of optional callback methods see what a Logger has.
+        if name.startswith("_") or name.startswith("on_"):
+            raise AttributeError(name)
+        return _no_op
 
 
 def hparams_dict(params: Mapping[str, Any] | Namespace | None) -> dict[str, Any]:

@@ -20,6 +20,7 @@ metrics (which live on the device) are converted to numbers only when something 
 """
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import time
@@ -30,6 +31,8 @@ from ember.types import Stage
 from ember.utils import to_floats
 
 _MODES = ("auto", "bar", "lines")
+_SHARED = ("_given_stream", "_stream")  # a copy writes where the original does
+_LIVE = ("_train", "_eval", "_val_pending")  # the bars of a running loop
 
 
 def _fmt(value: float) -> str:
@@ -113,6 +116,9 @@ class ProgressBar(Callback):
     """
 
     uses_step_outputs = False  # the loop need not build {"loss": ...} for this callback
+    # Its epoch-end line runs with the callbacks that watch metrics, after the epoch's values are reduced
+    # (across processes too): it shows this epoch's ``*_epoch`` values, the ones callback_metrics holds.
+    monitors_metrics = True
 
     def __init__(self, refresh_rate: int = 1, leave: bool = True, mode: str = "auto", line_interval: float = 10.0,
                  stream: TextIO | None = None) -> None:
@@ -138,6 +144,20 @@ class ProgressBar(Callback):
         self._validated = False  # this epoch validated
         self._before_val: dict[str, Any] = {}  # the progress-bar metrics when the validation started
         self._val_values: dict[str, Any] = {}  # the values the last validation set (left out once stale)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ProgressBar:
+        """A copy (``copy.deepcopy(trainer.callbacks)``, as Lightning's bars allow) that writes to the same stream
+        (a stream cannot be copied) and has no bar open: the original's bars belong to its own run."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key in _SHARED:
+                new.__dict__[key] = value
+            elif key in _LIVE:
+                new.__dict__[key] = None
+            else:
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
 
     @property
     def is_line_mode(self) -> bool:

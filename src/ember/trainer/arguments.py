@@ -230,6 +230,14 @@ def build_callbacks(trainer: Trainer, callbacks: Any, progress_bar: bool, checkp
         callbacks = [c for c in callbacks if not isinstance(c, checkpoint_cls)]
     return callbacks
 
+def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
+    """``callbacks`` with the checkpointing ones (ModelCheckpoint, OnExceptionCheckpoint) moved to the end, the
+    others keeping their order: as Lightning, so a checkpoint saves what every other callback did at that
+    hook (an EarlyStopping counter, a logger's step) whatever order the user listed them in."""
+    kinds = tuple(getattr(cbs, name) for name in ("ModelCheckpoint", "OnExceptionCheckpoint") if hasattr(cbs, name))
+    return [c for c in callbacks if not isinstance(c, kinds)] + [c for c in callbacks if isinstance(c, kinds)]
+
+
 def build_loggers(trainer: Trainer, logger: Any) -> list[Logger]:
     if logger is None or logger is False:
         return []

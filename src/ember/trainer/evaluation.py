@@ -32,7 +32,7 @@ from ember.module import TrainModule, _restore_modes
 from ember.strategies.resumable import resumable_sampler_of
 from ember.trainer.loaders import batch_transfer
 from ember.trainer.lockstep import COUNT_REST_SECONDS
-from ember.utils import to_floats
+from ember.utils import sized_len, to_floats
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -258,8 +258,4 @@ def _raise_empty(strategy: Strategy, batch: Any, batches: Iterator[Any], limit: 
 
 def _unsized(loader: Any) -> bool:
     """Whether ``loader`` has no length."""
-    try:
-        len(loader)
-    except TypeError:
-        return True
-    return False
+    return sized_len(loader) is None

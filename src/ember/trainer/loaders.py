@@ -7,12 +7,12 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import RandomSampler, SequentialSampler
+from torch.utils.data import IterableDataset, SequentialSampler
 
 from ember.data import DataModule
 from ember.module import TrainModule
 from ember.strategies.resumable import rebuild_with_sampler, shutdown_workers, why_not_swappable
-from ember.utils import move_to_device
+from ember.utils import move_to_device, sized_len
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -21,10 +21,8 @@ if TYPE_CHECKING:
 
 def num_batches(loader: Any, limit: int | float) -> float:
     """How many batches of ``loader`` to run under ``limit`` (int count or float fraction)."""
-    try:
-        n: float = len(loader)
-    except TypeError:
-        n = math.inf
+    sized = sized_len(loader)
+    n: float = math.inf if sized is None else sized
     if isinstance(limit, float):
         if n == math.inf:
             if limit != 1.0:
@@ -57,16 +55,25 @@ def eval_loaders(trainer: Trainer, given: Any, stage: Stage, attr: str, limit: i
     if not loaders:
         raise ValueError(f"{stage} needs data: pass dataloaders or a datamodule.")
     loaders = [trainer.strategy.process_dataloader(d, stage) for d in loaders]
+    for d in loaders:  # as Lightning: the epoch of the last fit (0 for a new Trainer)
+        set_loader_epoch(d, trainer.current_epoch)
     return loaders, [num_batches(d, limit) for d in loaders]
 
 
 def set_loader_epoch(loader: Any, epoch: int) -> None:
-    """Tell the loader's sampler (or batch sampler) which epoch starts, for per-epoch shuffling."""
+    """Tell the loader's samplers which epoch starts, for per-epoch shuffling: as Lightning, the sampler and
+    the batch sampler's sampler (once each when they are one object), and also a batch sampler of
+    its own that has ``set_epoch``. Called for the train loader every epoch and for validation loaders
+    each time they run (some shuffle validation by the training epoch)."""
     batch_sampler = getattr(loader, "batch_sampler", None)
-    for obj in (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
-        if obj is not None and hasattr(obj, "set_epoch"):
-            obj.set_epoch(epoch)
-            return
+    seen: dict[int, Any] = {}
+    for obj in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None), batch_sampler):
+        if obj is not None:
+            seen.setdefault(id(obj), obj)
+    for obj in seen.values():
+        set_epoch = getattr(obj, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
 
 
 def batch_transfer(trainer: Trainer, dataloader_idx: int, input_dtype: Any) -> Callable[[Any], Any]:
@@ -105,13 +112,21 @@ def batch_transfer(trainer: Trainer, dataloader_idx: int, input_dtype: Any) -> C
 
 
 def unshuffled(loader: Any, kind: str) -> Any:
-    """``overfit_batches``: ``loader`` with a shuffling sampler replaced by a sequential one (warned, as
-    Lightning), so every epoch sees the same batches."""
-    if isinstance(getattr(loader, "sampler", None), RandomSampler) and why_not_swappable(loader) is None:
-        warnings.warn(f"You requested to overfit but enabled {kind} dataloader shuffling. Turning off the {kind} "
-                      "dataloader shuffling for you.", UserWarning, stacklevel=2)
-        return rebuild_with_sampler(loader, SequentialSampler(loader.dataset))
-    return loader
+    """``overfit_batches``: ``loader`` with any sampler but a sequential one (a shuffling or a custom one)
+    replaced by a ``SequentialSampler`` (warned, as Lightning), so every epoch sees the same first batches."""
+    sampler = getattr(loader, "sampler", None)
+    if sampler is None or isinstance(sampler, SequentialSampler) or isinstance(loader.dataset, IterableDataset):
+        return loader  # (an iterable dataset has no sampler order to change)
+    reason = why_not_swappable(loader)
+    # Only the sampler is in the way (custom, or drawing with replacement): a copy with a sequential one is exact.
+    if reason is not None and not reason.startswith(("it has a custom sampler", "its RandomSampler")):
+        warnings.warn(f"overfit_batches: the {kind} dataloader's sampler ({type(sampler).__name__}) cannot be made "
+                      f"sequential ({reason}), so its batches may differ between epochs. Pass a loader with "
+                      "shuffle=False.", UserWarning, stacklevel=2)
+        return loader
+    warnings.warn(f"You requested to overfit but enabled {kind} dataloader shuffling. We are turning off the {kind} "
+                  "dataloader shuffling for you.", UserWarning, stacklevel=2)
+    return rebuild_with_sampler(loader, SequentialSampler(loader.dataset))
 
 
 class FitData:
@@ -119,7 +134,8 @@ class FitData:
 
     The validation loader is requested when the sanity check starts (or, without one, just after the
     train loader), the train loader after the sanity check, both only once per fit unless
-    ``reload_dataloaders_every_n_epochs`` asks again.
+    ``reload_dataloaders_every_n_epochs`` asks again: the train loader at the start of an epoch, the
+    validation loader when a validation runs (as Lightning: an epoch that does not validate requests none).
 
     Args:
         trainer: the run's Trainer (its strategy, limits, module and datamodule).
@@ -134,6 +150,7 @@ class FitData:
         self.num_training_batches: float = 0
         self.num_val_batches: list[float] = []
         self._val_requested = False
+        self._val_loaded_at = 0  # the epoch whose validation loaders are in use
 
     @property
     def validates(self) -> bool:
@@ -144,12 +161,28 @@ class FitData:
         t = self._trainer
         if getattr(type(t.module), "validation_step", None) is None or t.limit_val_batches == 0:
             return False
+        return self.val_source_defined()
+
+    def val_source_defined(self) -> bool:
+        """Whether validation data is given to fit or defined (``val_dataloader`` of the datamodule, or else
+        of the module)."""
         if self._given[1] is not None:
             return True
-        dm = t.datamodule
+        dm = self._trainer.datamodule
         if dm is not None:
             return type(dm).val_dataloader is not DataModule.val_dataloader
-        return callable(getattr(t.module, "val_dataloader", None))
+        return callable(getattr(self._trainer.module, "val_dataloader", None))
+
+    def warn_validation_step_without_data(self) -> None:
+        """As Lightning, once at the start of a fit (rank zero): a ``validation_step`` with no validation data
+        to run it on is skipped, and the user is told so."""
+        t = self._trainer
+        step = getattr(type(t.module), "validation_step", None)
+        if step is not None and step is not TrainModule.validation_step and not self.val_source_defined() \
+                and t.is_global_zero:
+            warnings.warn(f"{type(t.module).__name__} defines validation_step, but this fit has no validation data "
+                          "(no val_dataloaders passed to fit and no val_dataloader() on the module or datamodule), "
+                          "so validation is skipped. Pass val_dataloaders to validate.", UserWarning, stacklevel=4)
 
     def request_val(self) -> None:
         """Request the validation loaders (once per fit) and count their batches."""
@@ -157,6 +190,7 @@ class FitData:
             return
         self._val_requested = True
         t = self._trainer
+        self._val_loaded_at = t.current_epoch
         if not self.validates:
             return
         loaders = as_list(request(t, self._given[1], "val_dataloader"))
@@ -179,12 +213,20 @@ class FitData:
                              "dataset, batch_size with drop_last, and limit_train_batches.")
 
     def reload(self) -> None:
-        """``reload_dataloaders_every_n_epochs``: request fresh loaders (those passed to ``fit`` are kept)."""
-        t = self._trainer
+        """``reload_dataloaders_every_n_epochs``: request a fresh train loader (one passed to ``fit`` is kept)."""
         if self._given[0] is None:
-            loader = request(t, None, "train_dataloader")
+            loader = request(self._trainer, None, "train_dataloader")
             if loader is not None:
                 self._set_train(loader)
+
+    def reload_val_if_due(self) -> None:
+        """Before a validation inside fit: request fresh validation loaders when the ones in use were
+        requested ``reload_dataloaders_every_n_epochs`` or more epochs ago (one passed to ``fit`` is kept)."""
+        t = self._trainer
+        every = t.reload_dataloaders_every_n_epochs
+        if not every or t.current_epoch - self._val_loaded_at < every:
+            return
+        self._val_loaded_at = t.current_epoch
         if self._given[1] is None and self.val_loaders:
             self._set_val(as_list(request(t, None, "val_dataloader")))
 

@@ -16,7 +16,8 @@ A fit, as in Lightning::
         [validation due] on_validation_model_zero_grad, validation, its epoch metrics to the loggers
         step boundary: callbacks that save mid-epoch (``on_train_step_boundary``), a pending stop signal
     epoch end: on_train_epoch_end (non-monitoring callbacks, then the module) -> epoch metrics reduced
-        (across processes too) -> monitoring callbacks (checkpoint, early stopping) -> ReduceLROnPlateau
+        (across processes too) -> monitoring callbacks (the progress bar's epoch line, early stopping, then
+        checkpointing: checkpoint callbacks run last) -> ReduceLROnPlateau
     on_train_end
 """
 from __future__ import annotations
@@ -28,9 +29,11 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ember.rng import apply_rng, capture_rng
 from ember.trainer.loaders import batch_transfer, set_loader_epoch
 from ember.trainer.lockstep import Lockstep, uneven_message
 from ember.trainer.step import as_output_dict
+from ember.utils import sized_len
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +51,7 @@ if TYPE_CHECKING:
 
 
 def _has_len(loader: Any) -> bool:
-    try:
-        len(loader)
-    except TypeError:
-        return False
-    return True
+    return sized_len(loader) is not None
 
 
 def _lookahead(iterable: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
@@ -97,6 +96,7 @@ class FitLoop:
         self.log_step = 0
         self._keep_train_stage = False  # the first epoch keeps what on_train_start logged
         self._warned_uneven = False  # ranks' unsized loaders yielded different numbers of batches
+        self._warned_empty = False  # an unsized train loader yielded no batch in an epoch
         self._loaded_at = 0  # the epoch whose loaders are in use (reload_dataloaders_every_n_epochs)
         self._said_continue = False  # the "min_epochs / min_steps not met" line was logged this fit
 
@@ -140,20 +140,26 @@ class FitLoop:
         self.hooks.call("on_train_end")
 
     def _sanity_check(self) -> None:
-        """A few validation batches before training; their metrics are thrown away."""
+        """A few validation batches before training; their metrics are thrown away, and the random
+        generators are put back as they were (as Lightning), so training draws the same numbers with
+        or without a sanity check (a shuffled validation loader or dropout in it would draw from them)."""
         t, metrics = self.trainer, self.metrics
         saved = (dict(metrics.callback_metrics), dict(metrics.progress_bar_metrics))
+        rng = capture_rng()
         t.sanity_checking = True
         try:
             self.hooks.call("on_sanity_check_start")
             self.data.request_val()  # requested here, as in Lightning
             limits = [min(n, t.num_sanity_val_steps) for n in self.data.num_val_batches]
             t.num_sanity_val_batches = limits
+            for loader in self.data.val_loaders:
+                set_loader_epoch(loader, self.progress.current_epoch)
             self.evaluation.run("sanity", self.data.val_loaders, limits)
         finally:
             t.sanity_checking = False
             metrics.callback_metrics, metrics.progress_bar_metrics = saved
         self.hooks.call("on_sanity_check_end")
+        apply_rng(rng)
 
     def can_stop(self) -> bool:
         """Whether ``should_stop`` may end training now: ``min_epochs`` epochs finished and ``min_steps``
@@ -215,6 +221,9 @@ class FitLoop:
         """A validation inside fit: its epoch metrics go to the loggers; training's accumulations continue."""
         if zero_grad:
             self.step.module.on_validation_model_zero_grad()  # frees the gradients during validation (Lightning)
+        self.data.reload_val_if_due()
+        for loader in self.data.val_loaders:
+            set_loader_epoch(loader, self.progress.current_epoch)
         self.evaluation.run("validate", self.data.val_loaders, self.data.num_val_batches)
         self.progress.val_checks_in_epoch += 1
         self.logs.epoch_metrics(self.metrics.callback_metrics)
@@ -275,12 +284,13 @@ class FitLoop:
             else:
                 stream = _lookahead(batches)
         batch_idx = start - 1
-        is_last = exhausted = False
+        is_last = exhausted = refused = False
         for batch, is_last in stream:
             batch_idx += 1
             if batch_idx >= n_batches:
                 break
             is_last = is_last or batch_idx == last_idx
+            p.is_last_batch = is_last
             batch = to_device(batch)
             self.log_step = p.global_step
             metrics.batch = batch
@@ -288,6 +298,12 @@ class FitLoop:
             if batch_start:
                 metrics.fx = "on_train_batch_start"
                 if any(h(batch, batch_idx) == -1 for h in batch_start):
+                    # As Lightning: the rest of the epoch is skipped, and the epoch ends as after its last
+                    # batch (trainer.is_last_batch, the epoch-interval schedulers step).
+                    p.is_last_batch = refused = True
+                    if epoch_schedulers:
+                        self.optim.step_schedulers("epoch", p.current_epoch + 1, metrics.callback_metrics,
+                                                   plateau=False)
                     break
             metrics.fx = "training_step"
             outputs, steps = step(batch, batch_idx, is_last)
@@ -332,12 +348,23 @@ class FitLoop:
         if lockstep is not None and lockstep.uneven:
             self._report_uneven(lockstep, start, p.batch_in_epoch)
         if batch_idx < start and start == 0:  # the loader yielded nothing
-            raise ValueError("The train dataloader yielded no batch. Check the dataset is not empty, that "
-                             "batch_size <= len(dataset) when drop_last=True, and limit_train_batches.")
+            self._no_batch(step.sized)
         # Whether the epoch ran to its last batch: a stop mid-epoch (max_steps, should_stop) leaves
         # the epoch-end schedulers unstepped, as Lightning does.
         ran_last = is_last and p.batch_in_epoch == batch_idx + 1  # (not a batch refused by on_train_batch_start)
-        self._end_epoch(whole=exhausted or ran_last or p.batch_in_epoch >= n_batches)
+        self._end_epoch(whole=exhausted or ran_last or refused or p.batch_in_epoch >= n_batches)
+
+    def _no_batch(self, sized: bool) -> None:
+        """An epoch without a single batch: an error for a loader with a length (its length lied); for one
+        without, the epoch ends empty as in Lightning (a stream may have nothing this epoch), said once per fit."""
+        message = ("The train dataloader yielded no batch. Check the dataset is not empty, that batch_size <= "
+                   "len(dataset) when drop_last=True, and limit_train_batches")
+        if sized:
+            raise ValueError(message + ".")
+        if not self._warned_empty and self.trainer.is_global_zero:
+            warnings.warn(f"{message} (epoch {self.progress.current_epoch}; it has no length, so the epoch ends "
+                          "without training, as Lightning does; said once per fit).", UserWarning, stacklevel=3)
+        self._warned_empty = True
 
     def _report_uneven(self, lockstep: Lockstep, start: int, used: int) -> None:
         """Some rank's loader ran out before the others': say how many batches each had, once per fit.

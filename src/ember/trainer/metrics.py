@@ -106,7 +106,7 @@ class MetricCollector:
         self.batch_size: int | None = None
         #: Latest value of every key: what callbacks (checkpointing, early stopping) read.
         self._callback_metrics: dict[str, Any] = {}
-        self.progress_bar_metrics: dict[str, Any] = {}
+        self._progress_bar_metrics: dict[str, Any] = {}
         #: Step values logged since the last logger write, for keys with ``logger=True``.
         self.pending_step_logs: dict[str, Any] = {}
         #: Until the epoch ends, ``callback_metrics`` read in an epoch-end hook shows the values reduced so far.
@@ -146,6 +146,16 @@ class MetricCollector:
     @callback_metrics.setter
     def callback_metrics(self, value: dict[str, Any]) -> None:
         self._callback_metrics = value
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, Any]:
+        if self._epoch_open and self.fx in _EPOCH_END_HOOKS:  # as callback_metrics: this epoch's values so far
+            self._publish_epoch_so_far()
+        return self._progress_bar_metrics
+
+    @progress_bar_metrics.setter
+    def progress_bar_metrics(self, value: dict[str, Any]) -> None:
+        self._progress_bar_metrics = value
 
     # ------------------------------------------------------------------ loop-facing
     def start_stage(self, stage: str) -> None:
@@ -238,7 +248,7 @@ class MetricCollector:
             step_value = self.strategy.reduce(value, entry.reduce_fx) if entry.sync_dist else value
             step_key = entry.step_key
             if entry.prog_bar:
-                self.progress_bar_metrics[step_key] = step_value
+                self._progress_bar_metrics[step_key] = step_value
             if self.stage == "train":
                 self._callback_metrics[step_key] = step_value
                 if entry.on_epoch:
@@ -332,9 +342,10 @@ class MetricCollector:
 
     # ------------------------------------------------------------------ epoch end
     def _publish_epoch_so_far(self) -> None:
-        """Put the epoch values reduced so far (this process's) into callback_metrics: read inside an
-        epoch-end hook, as in Lightning. ``end_stage`` then publishes the final (cross-process) values."""
-        cm = self._callback_metrics
+        """Put the epoch values reduced so far (this process's) into callback_metrics and, for ``prog_bar``
+        ones, progress_bar_metrics: read inside an epoch-end hook, as in Lightning (not the previous
+        epoch's values). ``end_stage`` then publishes the final (cross-process) values."""
+        cm, bar = self._callback_metrics, self._progress_bar_metrics
         for e in self._entries.values():
             if e.on_epoch and e.metric is not None:
                 value = e.metric.compute()  # cached by the Metric until its next update: end_stage reuses it
@@ -344,6 +355,8 @@ class MetricCollector:
                 value = e.total / e.weight if e.reduce_fx == "mean" else e.total
                 cm[e.epoch_key] = value
                 cm[e.name] = value
+                if e.prog_bar:
+                    bar[e.epoch_key] = value
 
     def end_stage(self) -> dict[str, Any]:
         """Reduce this stage's epoch values (across processes too) and publish them.
@@ -374,7 +387,7 @@ class MetricCollector:
         for entry, value in zip(steps, values[len(entries):]):
             cm[entry.step_key] = value
             if entry.prog_bar:
-                self.progress_bar_metrics[entry.step_key] = value
+                self._progress_bar_metrics[entry.step_key] = value
         out: dict[str, Any] = {}
         for entry, value in [*zip(entries, values), *metrics]:
             key = entry.epoch_key
@@ -382,7 +395,7 @@ class MetricCollector:
             cm[key] = value
             cm[entry.name] = value
             if entry.prog_bar:
-                self.progress_bar_metrics[key] = value
+                self._progress_bar_metrics[key] = value
         return out
 
     def _compute_metrics(self) -> list[tuple[_Entry, Any]]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.module import TrainModule
+from ember.utils import closest
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -127,6 +128,21 @@ def _check_optimizer(opt: Any) -> torch.optim.Optimizer:
     return opt
 
 
+_DICT_KEYS = ("optimizer", "lr_scheduler", "monitor")
+
+
+def _check_dict_keys(conf: dict[str, Any]) -> None:
+    """Refuse a key ``configure_optimizers``' dict does not take: a misspelt ``"scheduler"`` would otherwise
+    train without the scheduler (Lightning warns and drops it; ember refuses, as for a scheduler config)."""
+    unknown = sorted(str(k) for k in conf if k not in _DICT_KEYS)
+    if unknown:
+        hints = [f"{k!r} (did you mean {hint!r}?)" if (hint := closest(k, list(_DICT_KEYS))) else repr(k)
+                 for k in unknown]
+        raise ValueError(f"configure_optimizers returned a dict with the unknown key(s) {', '.join(hints)}; it takes "
+                         f"{', '.join(map(repr, _DICT_KEYS))}, and a scheduler goes under 'lr_scheduler'. Rename "
+                         "or remove the key: it would otherwise be ignored.")
+
+
 def parse_optimizers(result: Any, automatic: bool = True) -> tuple[list[torch.optim.Optimizer],
                                                                    list[SchedulerConfig]]:
     """Normalise what ``configure_optimizers`` returned (``automatic``: the module's optimization mode)."""
@@ -146,6 +162,7 @@ def parse_optimizers(result: Any, automatic: bool = True) -> tuple[list[torch.op
                 if "optimizer" not in d:
                     raise ValueError(f"configure_optimizers returned a dict without 'optimizer' (keys: {sorted(d)}). "
                                      f"It may return {_FORMS}.")
+                _check_dict_keys(d)
                 opts.append(_check_optimizer(d["optimizer"]))
                 sched = d.get("lr_scheduler")
                 if sched is not None:

@@ -20,6 +20,8 @@ class FitProgress:
     total_batches: int = 0
     val_checks_in_epoch: int = 0
     epoch_finished: bool = False
+    # Not a field (no annotation): ``trainer.is_last_batch`` of the batch being run, not saved in checkpoints.
+    is_last_batch = False
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -11,10 +11,10 @@ from ember.callbacks.early_stopping import EarlyStopping
 from ember.callbacks.file_logger import FileLogger
 from ember.callbacks.logger import Logger
 from ember.callbacks.model_checkpoint import ModelCheckpoint
+from ember.module import TrainModule
 
 if TYPE_CHECKING:
     from ember.callbacks.callback import Callback
-    from ember.module import TrainModule
     from ember.strategies.strategy import Strategy
     from ember.trainer.loaders import FitData
     from ember.trainer.loops import FitLoop
@@ -33,6 +33,10 @@ def as_logger_list(value: Any) -> list[Logger]:
         raise TypeError(f"trainer.logger / trainer.loggers take None, an ember Logger or a list of them, got "
                         f"{value!r}. Build one with ember.callbacks.CSVLogger(...) or TensorBoardLogger(...).")
     return loggers
+
+
+def _one_or_list(loaders: list[Any]) -> Any:
+    return loaders[0] if len(loaders) == 1 else loaders or None
 
 
 class TrainerProperties:
@@ -56,6 +60,7 @@ class TrainerProperties:
         _data: FitData
         _loop: FitLoop | None
         _eval_batches: dict[str, list[float]]
+        _eval_loaders: dict[str, list[Any]]
         _precision_name: str
 
     @property
@@ -199,8 +204,33 @@ class TrainerProperties:
 
     @property
     def val_dataloaders(self) -> Any:
-        loaders = self._data.val_loaders
-        return loaders[0] if len(loaders) == 1 else loaders or None
+        """The validation loaders: of the running ``validate``, else of the fit (one loader, a list, or None)."""
+        if self.state == "validating":
+            return _one_or_list(self._eval_loaders.get("validate", []))
+        return _one_or_list(self._data.val_loaders)
+
+    @property
+    def test_dataloaders(self) -> Any:
+        """The loaders of the running (or last) ``test``: one loader, a list, or None before any."""
+        return _one_or_list(self._eval_loaders.get("test", []))
+
+    @property
+    def predict_dataloaders(self) -> Any:
+        """The loaders of the running (or last) ``predict``: one loader, a list, or None before any."""
+        return _one_or_list(self._eval_loaders.get("predict", []))
+
+    @property
+    def enable_validation(self) -> bool:
+        """Whether fit validates, as Lightning decides it: a validation loader given or defined, a
+        ``validation_step``, and ``limit_val_batches`` above 0 (False before a module is attached)."""
+        module = self.module
+        return module is not None and getattr(type(module), "validation_step", None) not in (
+            None, TrainModule.validation_step) and self._data.validates
+
+    @property
+    def is_last_batch(self) -> bool:
+        """Whether the training batch being run is the epoch's last."""
+        return self.progress.is_last_batch
 
     @property
     def num_training_batches(self) -> float:

@@ -14,6 +14,7 @@ part puts back everything the earlier parts changed, so a bad file leaves the ru
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import warnings
 from collections.abc import Callable
@@ -25,9 +26,12 @@ from ember.data import DataModule
 from ember.rng import apply_rng, capture_rng
 from ember.strategies.resumable import SkipFirstBatches, resumable_sampler_of
 from ember.trainer import checkpoint_check
+from ember.utils import sized_len
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 
 class Resume:
@@ -69,7 +73,11 @@ class Resume:
         self._validate("modules" if fit else "evaluation")
         # A fit continues training in the saved dtype; evaluation may cast (a float64 file into float32).
         ckpt["state_dict"] = match_compiled_keys(module, ckpt["state_dict"])  # saved with or without torch.compile
-        check_state_dict(module, ckpt["state_dict"], path, exact_dtype=fit)
+        # A module with strict_loading=False (it saves part of its weights) loads the keys the file holds;
+        # a shape mismatch still raises in load_state_dict, and the undo below puts the weights back.
+        strict = module.strict_loading
+        if strict:
+            check_state_dict(module, ckpt["state_dict"], path, exact_dtype=fit)
         # Callbacks and the datamodule restore through state_dict / load_state_dict: copies to put back
         # into those this restore touches (and only those: the others never see a load_state_dict call).
         weights = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
@@ -89,7 +97,7 @@ class Resume:
         self._undo.append(undo)
         try:
             module.on_load_checkpoint(ckpt)
-            module.load_state_dict(ckpt["state_dict"], strict=True)  # by keyword, as Lightning
+            module.load_state_dict(ckpt["state_dict"], strict=strict)  # by keyword, as Lightning
             if not fit:
                 trainer.ckpt_path = path
             dm = trainer.datamodule
@@ -170,12 +178,19 @@ class Resume:
             raise
         self._undo.clear()  # done: nothing to put back any more
         trainer.ckpt_path = self.path
+        if trainer.is_global_zero:  # as Lightning, which names the file (ember adds where the run continues)
+            p = trainer.progress
+            log.info("Restored all states from the checkpoint at %s (epoch %d, global step %d%s)", self.path,
+                     p.current_epoch, p.global_step, f", batch {p.batch_in_epoch} of the epoch" if p.batch_in_epoch
+                     else "")
 
 
 def restore_for_evaluation(trainer: Trainer, path: str) -> None:
     """validate / test / predict with ``ckpt_path``, as Lightning: the module's ``on_load_checkpoint`` and
     weights, the datamodule's state, the callbacks' ``on_load_checkpoint`` and state (all or nothing)."""
     Resume(trainer, path).modules_and_callbacks(fit=False)
+    if trainer.is_global_zero:
+        log.info("Loaded model weights from the checkpoint at %s", path)
 
 
 def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
@@ -216,11 +231,7 @@ def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) ->
         trainer._data.train_loader = SkipFirstBatches(loader, progress.batch_in_epoch)
 
 
-def _len_or_none(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
+_len_or_none = sized_len
 
 
 def _restore_rng(trainer: Trainer, ckpt: dict[str, Any]) -> None:

@@ -159,6 +159,7 @@ class TrainingStep:
         self.num_batches: float = 0
         self.sized = True
         self.window_has_grad = False
+        self._warned_none = False  # "training_step returned None" is said once per fit (one TrainingStep per fit)
         self._autocast = precision.autocast if precision.autocast_dtype is not None else None
         self._backward_override = _override(module, "backward")
         self._zero_grad_override = _override(module, "optimizer_zero_grad")
@@ -224,9 +225,11 @@ class TrainingStep:
                 self._zero_grad_override(self.progress.current_epoch, batch_idx, optimizer)
             self.window_has_grad = False
         if loss is None:
-            if warn:
+            if warn and not self._warned_none:
+                self._warned_none = True
                 warnings.warn(f"training_step returned None for batch {batch_idx}: skipping its backward and "
-                              "optimizer step.", UserWarning, stacklevel=4)
+                              "optimizer step, and those of every batch that returns None (said once per fit).",
+                              UserWarning, stacklevel=4)
             return outputs, None
         scaled = loss
         if self.k > 1:

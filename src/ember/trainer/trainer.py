@@ -2,6 +2,7 @@
 share (prepare -> setup -> restore -> run -> teardown), and public state."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 import warnings
@@ -12,7 +13,7 @@ import torch
 
 from ember.callbacks.callback import Callback
 from ember.callbacks.fit_summary import print_fit_summary
-from ember.callbacks.logger import Logger
+from ember.callbacks.logger import DummyLogger, Logger
 from ember.data import DataModule
 from ember.hparams import drop_unpicklable
 from ember.module import TrainModule
@@ -30,9 +31,12 @@ from ember.trainer.precision import Precision, normalize_precision
 from ember.trainer.preemption import preemption
 from ember.trainer.progress import FitProgress
 from ember.trainer.properties import TrainerProperties
+from ember.trainer.results_table import print_results
 from ember.trainer.resume import Resume, restore_for_evaluation
 from ember.trainer.step import TrainingStep
 from ember.types import PrecisionInput, Stage, TrainerState
+
+log = logging.getLogger(__name__)
 
 
 class Trainer(TrainerProperties):
@@ -159,14 +163,20 @@ class Trainer(TrainerProperties):
         self.log_every_n_steps = log_every_n_steps
         self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
 
-        self.fast_dev_run = int(fast_dev_run)
+        # As Lightning: True for 1 (and True), else the number of batches (0 or False: off).
+        self.fast_dev_run: bool | int = True if fast_dev_run == 1 else fast_dev_run
+        dummy_logger = False
         if self.fast_dev_run:
-            n = self.fast_dev_run
+            n = int(self.fast_dev_run)
             self.limit_train_batches = self.limit_val_batches = n
             self.limit_test_batches = self.limit_predict_batches = n
             self.max_epochs, self.max_steps, self.num_sanity_val_steps = 1, n, 0
             self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
+            # Nothing written, but a module's self.logger.experiment... still runs (Lightning's DummyLogger).
+            dummy_logger = logger is not None and logger is not False
             logger, enable_checkpointing = False, False
+            log.info("Running in `fast_dev_run` mode: will run the requested loop using %d batch(es). Logging and "
+                     "checkpointing is suppressed.", n)
 
         arguments.set_backend_flags(deterministic, benchmark)
 
@@ -180,7 +190,8 @@ class Trainer(TrainerProperties):
             self, callbacks, enable_progress_bar, enable_checkpointing, enable_model_summary, max_time)
         if not epochs_given and self.max_steps == -1 and arguments.has_timer(self.callbacks):
             self.max_epochs = -1  # as Lightning: the Timer ends the fit, not a default of 1000 epochs
-        self.loggers = arguments.build_loggers(self, logger)  # also adds them to the callbacks
+        self.loggers = [DummyLogger()] if dummy_logger else arguments.build_loggers(self, logger)  # (callbacks too)
+        self.callbacks = arguments.checkpoints_last(self.callbacks)
 
         self.progress = FitProgress()
         self.should_stop = False
@@ -202,9 +213,11 @@ class Trainer(TrainerProperties):
         self._position_offset: tuple[int, int] | None = None
         #: Batches per loader of the current validate / test / predict run, and of the sanity check.
         self._eval_batches: dict[str, list[float]] = {}
+        self._eval_loaders: dict[str, list[Any]] = {}  # (trainer.test_dataloaders, ...)
         self.num_sanity_val_batches: list[float] = []
         self.ckpt_path: str | None = None
         self._return_predictions = True
+        self._verbose = True  # validate / test print their results table
 
     # ------------------------------------------------------------------ one run, in every process
     def _run(self, stage: Stage, module: TrainModule, loaders: tuple[Any, ...], datamodule: DataModule | None,
@@ -242,6 +255,7 @@ class Trainer(TrainerProperties):
         if extra:
             types = {type(c) for c in extra}
             self.callbacks = [c for c in self.callbacks if type(c) not in types] + extra
+        self.callbacks = arguments.checkpoints_last(self.callbacks)
         self._hooks = Hooks(self, self.callbacks, module, self._metrics)
         self._logs = LogWriter(self, self._metrics)
         self.strategy.setup_environment()
@@ -269,6 +283,7 @@ class Trainer(TrainerProperties):
             raise ValueError("accumulate_grad_batches and gradient_clip_val apply to automatic optimization only; "
                              "with automatic_optimization=False, accumulate and clip in training_step yourself.")
         self._data = FitData(self, *loaders)
+        self._data.warn_validation_step_without_data()
         self._precision.convert_module(module)
         # Resuming, in Lightning's order (resume.py): the weights, the datamodule's and the callbacks' state
         # now, before configure_optimizers; the training state and the data position in FitLoop.run.
@@ -290,8 +305,6 @@ class Trainer(TrainerProperties):
                              "them in training_step.")
         self._optim = OptimizerState(optimizers, schedulers, module=module, precision=self._precision,
                                      strategy=self.strategy, hooks=self._hooks)
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
         self.should_stop = False
         self.history = []
         self.progress = FitProgress()
@@ -324,6 +337,7 @@ class Trainer(TrainerProperties):
                            else ("test_dataloader", self.limit_test_batches))
             loaders, limits = eval_loaders(self, given, stage, attr, limit)
         self._eval_batches[stage] = limits
+        self._eval_loaders[stage] = loaders
         self._precision.convert_module(module)
         self.strategy.setup(self, module)
         if path is not None:
@@ -335,8 +349,13 @@ class Trainer(TrainerProperties):
                 return None
             return outputs[0] if len(outputs) == 1 else outputs
         results = evaluation.run(stage, loaders, limits)
-        # As Lightning: trainer.logged_metrics gets them with or without loggers; the loggers also get "epoch".
-        self._logs.write({k: v for r in results for k, v in r.items()})
+        # As Lightning: trainer.logged_metrics gets them with or without loggers; the loggers also get "epoch"
+        # (and nothing at all when nothing was logged).
+        logged = {k: v for r in results for k, v in r.items()}
+        if logged:
+            self._logs.write(logged)
+        if self._verbose and self.is_global_zero:
+            print_results(results, stage)
         return results
 
     def _on_exception(self, exc: BaseException) -> None:
@@ -400,14 +419,16 @@ class Trainer(TrainerProperties):
         self.strategy.launch(self._run, "fit", module, (train_dataloaders, val_dataloaders), datamodule, ckpt_path)
 
     def validate(self, module: TrainModule | None = None, dataloaders: Any = None, datamodule: DataModule | None = None,
-                 ckpt_path: str | None = None) -> list[dict[str, float]]:
-        """Run ``validation_step`` over the loaders; returns one metric dict per loader."""
-        return self._evaluate("validate", module, dataloaders, datamodule, ckpt_path)
+                 ckpt_path: str | None = None, verbose: bool = True) -> list[dict[str, float]]:
+        """Run ``validation_step`` over the loaders; returns one metric dict per loader, and with ``verbose``
+        prints them as a table (on global rank zero), as Lightning."""
+        return self._evaluate("validate", module, dataloaders, datamodule, ckpt_path, verbose)
 
     def test(self, module: TrainModule | None = None, dataloaders: Any = None, datamodule: DataModule | None = None,
-             ckpt_path: str | None = None) -> list[dict[str, float]]:
-        """Run ``test_step`` over the loaders; returns one metric dict per loader."""
-        return self._evaluate("test", module, dataloaders, datamodule, ckpt_path)
+             ckpt_path: str | None = None, verbose: bool = True) -> list[dict[str, float]]:
+        """Run ``test_step`` over the loaders; returns one metric dict per loader, and with ``verbose`` prints
+        them as a table (on global rank zero), as Lightning."""
+        return self._evaluate("test", module, dataloaders, datamodule, ckpt_path, verbose)
 
     def predict(self, module: TrainModule | None = None, dataloaders: Any = None, datamodule: DataModule | None = None,
                 return_predictions: bool | None = None, ckpt_path: str | None = None) -> list[Any] | None:
@@ -423,8 +444,9 @@ class Trainer(TrainerProperties):
         return self.strategy.launch(self._run, "predict", module, (dataloaders,), datamodule, ckpt_path)
 
     def _evaluate(self, stage: Stage, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
-                  ckpt_path: str | None) -> list[dict[str, float]]:
+                  ckpt_path: str | None, verbose: bool) -> list[dict[str, float]]:
         module = self._module_for_eval(module)
+        self._verbose = bool(verbose)
         if isinstance(dataloaders, DataModule) and datamodule is None:  # Lightning's validate/test(model, dm)
             dataloaders, datamodule = None, dataloaders
         self.state = "validating" if stage == "validate" else "testing"
