@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -117,3 +118,24 @@ def to_floats(metrics: dict[str, Any]) -> dict[str, float]:
         stacked = torch.stack([metrics[k].detach().to(torch.float64).reshape(()) for k in keys])
         out.update(zip(keys, stacked.tolist()))
     return out
+
+
+def is_overridden(name: str, obj: Any, base: type) -> bool:
+    """Whether ``obj`` has its own ``name``, as Lightning's ``is_overridden`` decides.
+
+    Looked up on the object, not its class, so an attribute set on the instance counts: a function,
+    a ``functools.partial`` or a mock means overridden, and ``None`` (``model.validation_step = None``)
+    means "not overridden", as in Lightning, rather than a None to call. Otherwise the code object is
+    compared with ``base``'s, which also sees through ``functools.wraps`` decorators.
+    """
+    attr = getattr(obj, name, None)
+    if attr is None:
+        return False
+    if isinstance(attr, functools.partial):
+        attr = attr.func
+    attr = getattr(attr, "__wrapped__", attr)
+    base_attr = getattr(base, name, None)
+    if base_attr is None:
+        return True
+    code = getattr(attr, "__code__", None)
+    return code is None or code is not getattr(base_attr, "__code__", None)

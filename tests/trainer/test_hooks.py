@@ -1,6 +1,9 @@
 """Hook order: a recording callback and module, compared with the expected sequence (Lightning's order)."""
 from __future__ import annotations
 
+import functools
+from unittest import mock
+
 import pytest
 import torch
 
@@ -202,3 +205,45 @@ def test_on_exception_is_called_and_the_error_propagates():
     with pytest.raises(RuntimeError, match="boom"):
         fast_trainer(callbacks=[Catch()]).fit(Boom(), regression_loader())
     assert len(seen) == 1 and str(seen[0]) == "boom"
+
+
+def test_a_step_set_to_none_on_the_instance_switches_its_loop_off():
+    calls, module, trainer = _run(max_epochs=1, limit_train_batches=1, limit_val_batches=1)
+    module.validation_step = None  # Lightning's idiom for "no validation"
+    trainer.fit(module, regression_loader(), regression_loader())
+    assert "Module.validation_step" not in calls
+    assert "Callback.on_validation_start" not in calls and "Callback.on_sanity_check_start" not in calls
+    assert trainer.global_step == 1
+
+
+def test_a_hook_set_to_none_on_the_instance_is_not_called():
+    calls, module, trainer = _run(max_epochs=1, limit_train_batches=1, limit_val_batches=1)
+    module.on_train_epoch_start = None
+    module.on_validation_model_train = None  # the default (modes restored) runs instead
+    trainer.fit(module, regression_loader(), regression_loader())
+    assert "Callback.on_train_epoch_start" in calls and "Module.on_train_epoch_start" not in calls
+    assert module.training
+
+
+def test_a_hook_set_on_the_instance_or_on_a_callback_instance_is_called():
+    calls, module, trainer = _run(max_epochs=1, limit_train_batches=1)
+    module.on_train_epoch_start = lambda: calls.append("instance hook")
+    plain = Callback()
+    plain.on_train_end = lambda trainer, module: calls.append("callback instance hook")
+    trainer.callbacks.append(plain)
+    trainer.fit(module, regression_loader())
+    assert "instance hook" in calls and "callback instance hook" in calls
+
+
+def test_is_overridden_follows_lightning():
+    from ember.utils import is_overridden
+
+    module = RecordingModule()
+    assert is_overridden("on_train_start", module, ember.TrainModule)
+    assert not is_overridden("on_before_batch_transfer", module, ember.TrainModule)
+    module.on_train_start = None
+    assert not is_overridden("on_train_start", module, ember.TrainModule)
+    module.on_before_batch_transfer = functools.partial(ember.TrainModule.on_before_batch_transfer, module)
+    assert not is_overridden("on_before_batch_transfer", module, ember.TrainModule)  # the base's own code
+    module.on_before_batch_transfer = mock.Mock()
+    assert is_overridden("on_before_batch_transfer", module, ember.TrainModule)

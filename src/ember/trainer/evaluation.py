@@ -21,7 +21,7 @@ import torch
 
 from ember.module import TrainModule, _restore_modes
 from ember.trainer.loaders import batch_transfer
-from ember.utils import to_floats
+from ember.utils import is_overridden, to_floats
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -29,10 +29,6 @@ if TYPE_CHECKING:
     from ember.trainer.metrics import MetricCollector
     from ember.trainer.precision import Precision
     from ember.trainer.trainer import Trainer
-
-
-def _overrides(module: Any, name: str) -> bool:
-    return getattr(type(module), name) is not getattr(TrainModule, name)
 
 
 class EvaluationLoop:
@@ -58,7 +54,7 @@ class EvaluationLoop:
         """``on_{hook}_model_eval``: remember each submodule's ``training`` flag, then the hook (default ``eval()``)."""
         module = self.module
         module.__dict__["_ember_saved_modes"] = [(m, m.training) for m in module.modules()]  # read by _restore_modes
-        if _overrides(module, f"on_{hook}_model_eval"):
+        if is_overridden(f"on_{hook}_model_eval", module, TrainModule):
             getattr(module, f"on_{hook}_model_eval")()
         else:
             module.eval()
@@ -68,7 +64,7 @@ class EvaluationLoop:
         module = self.module
         try:
             name = f"on_{hook}_model_train"
-            if hook != "predict" and _overrides(module, name):
+            if hook != "predict" and is_overridden(name, module, TrainModule):
                 getattr(module, name)()
             else:
                 _restore_modes(module)

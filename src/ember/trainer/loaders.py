@@ -12,7 +12,7 @@ from torch.utils.data import RandomSampler, SequentialSampler
 from ember.data import DataModule
 from ember.module import TrainModule
 from ember.strategies.resumable import rebuild_with_sampler, why_not_swappable
-from ember.utils import move_to_device
+from ember.utils import is_overridden, move_to_device
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -83,9 +83,9 @@ def batch_transfer(trainer: Trainer, dataloader_idx: int, input_dtype: Any) -> C
     def owner(name: str) -> Any:
         """Whose hook ``name`` runs: the datamodule's where it overrides it, else the module's, or None."""
         dm = trainer.datamodule
-        if dm is not None and getattr(type(dm), name) is not getattr(DataModule, name):
+        if dm is not None and is_overridden(name, dm, DataModule):
             return getattr(dm, name)
-        if getattr(type(trainer.module), name) is not getattr(TrainModule, name):
+        if is_overridden(name, trainer.module, TrainModule):
             return getattr(trainer.module, name)
         return None
     before = owner("on_before_batch_transfer")
@@ -142,13 +142,13 @@ class FitData:
         module), the module has a ``validation_step`` (``= None`` switches it off) and
         ``limit_val_batches`` is not 0."""
         t = self._trainer
-        if getattr(type(t.module), "validation_step", None) is None or t.limit_val_batches == 0:
+        if getattr(t.module, "validation_step", None) is None or t.limit_val_batches == 0:
             return False
         if self._given[1] is not None:
             return True
         dm = t.datamodule
         if dm is not None:
-            return type(dm).val_dataloader is not DataModule.val_dataloader
+            return is_overridden("val_dataloader", dm, DataModule)
         return callable(getattr(t.module, "val_dataloader", None))
 
     def request_val(self) -> None:
@@ -160,7 +160,7 @@ class FitData:
         if not self.validates:
             return
         loaders = as_list(request(t, self._given[1], "val_dataloader"))
-        if loaders and getattr(type(t.module), "validation_step", None) is TrainModule.validation_step:
+        if loaders and not is_overridden("validation_step", t.module, TrainModule):
             raise ValueError(f"Validation data was given but {type(t.module).__name__} defines no validation_step. "
                              "Define validation_step or do not pass val_dataloaders.")
         self._set_val(loaders)

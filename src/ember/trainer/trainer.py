@@ -32,6 +32,7 @@ from ember.trainer.properties import TrainerProperties
 from ember.trainer.resume import Resume, restore_for_evaluation
 from ember.trainer.step import TrainingStep
 from ember.types import PrecisionInput, Stage, TrainerState
+from ember.utils import is_overridden
 
 
 class Trainer(TrainerProperties):
@@ -317,7 +318,7 @@ class Trainer(TrainerProperties):
             loaders, limits = eval_loaders(self, given, stage, "predict_dataloader", self.limit_predict_batches)
         else:
             hook = "validation" if stage == "validate" else "test"
-            if getattr(type(module), f"{hook}_step") in (None, getattr(TrainModule, f"{hook}_step")):
+            if not is_overridden(f"{hook}_step", module, TrainModule):
                 raise ValueError(f"{type(module).__name__} defines no {hook}_step; define it to {stage}.")
             attr, limit = (("val_dataloader", self.limit_val_batches) if stage == "validate"
                            else ("test_dataloader", self.limit_test_batches))
