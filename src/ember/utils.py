@@ -120,22 +120,20 @@ def to_floats(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def is_overridden(name: str, obj: Any, base: type) -> bool:
-    """Whether ``obj`` has its own ``name``, as Lightning's ``is_overridden`` decides.
+def defines_hook(name: str, obj: Any, base: type) -> bool:
+    """Whether ember must call ``obj``'s ``name`` rather than ``base``'s default (or skip it).
 
     Looked up on the object, not its class, so an attribute set on the instance counts: a function,
-    a ``functools.partial`` or a mock means overridden, and ``None`` (``model.validation_step = None``)
-    means "not overridden", as in Lightning, rather than a None to call. Otherwise the code object is
-    compared with ``base``'s, which also sees through ``functools.wraps`` decorators.
+    a ``functools.partial`` or a mock is called, and ``None`` (``model.on_train_start = None``) means
+    "not overridden", as in Lightning, rather than a None to call. ember calls only the hooks a
+    module or callback overrides, so unlike Lightning's ``is_overridden`` (used where Lightning
+    decides something from it: which loops run, whose batch-transfer hook) a ``functools.wraps``
+    wrapper of the base's own method counts here: it has work to do.
     """
     attr = getattr(obj, name, None)
     if attr is None:
         return False
     if isinstance(attr, functools.partial):
         attr = attr.func
-    attr = getattr(attr, "__wrapped__", attr)
-    base_attr = getattr(base, name, None)
-    if base_attr is None:
-        return True
     code = getattr(attr, "__code__", None)
-    return code is None or code is not getattr(base_attr, "__code__", None)
+    return code is None or code is not getattr(getattr(base, name, None), "__code__", None)

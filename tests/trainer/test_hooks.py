@@ -235,15 +235,45 @@ def test_a_hook_set_on_the_instance_or_on_a_callback_instance_is_called():
     assert "instance hook" in calls and "callback instance hook" in calls
 
 
-def test_is_overridden_follows_lightning():
-    from ember.utils import is_overridden
+def test_defines_hook_looks_at_the_instance():
+    from ember.utils import defines_hook
 
     module = RecordingModule()
-    assert is_overridden("on_train_start", module, ember.TrainModule)
-    assert not is_overridden("on_before_batch_transfer", module, ember.TrainModule)
+    assert defines_hook("on_train_start", module, ember.TrainModule)
+    assert not defines_hook("on_before_batch_transfer", module, ember.TrainModule)
     module.on_train_start = None
-    assert not is_overridden("on_train_start", module, ember.TrainModule)
+    assert not defines_hook("on_train_start", module, ember.TrainModule)
     module.on_before_batch_transfer = functools.partial(ember.TrainModule.on_before_batch_transfer, module)
-    assert not is_overridden("on_before_batch_transfer", module, ember.TrainModule)  # the base's own code
+    assert not defines_hook("on_before_batch_transfer", module, ember.TrainModule)  # the base's own code
     module.on_before_batch_transfer = mock.Mock()
-    assert is_overridden("on_before_batch_transfer", module, ember.TrainModule)
+    assert defines_hook("on_before_batch_transfer", module, ember.TrainModule)
+
+    @functools.wraps(ember.TrainModule.on_before_batch_transfer)
+    def wrapper(batch, dataloader_idx):
+        return batch
+    module.on_before_batch_transfer = wrapper  # a wrapper of the default still has to be called
+    assert defines_hook("on_before_batch_transfer", module, ember.TrainModule)
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate", "test", "predict"])
+def test_every_stage_starts_with_module_zero_grad(stage):
+    """As Lightning's ``_run_stage``: gradients left on the module (by a previous run, or by hand) are gone."""
+    calls, module, trainer = _run(limit_train_batches=1, limit_val_batches=1, limit_test_batches=1,
+                                  limit_predict_batches=1, num_sanity_val_steps=0)
+    seen = []
+    module.zero_grad = lambda set_to_none=True: (calls.append("Module.zero_grad"),
+                                                 torch.nn.Module.zero_grad(module, set_to_none))
+    module.on_fit_start = lambda: calls.append("Module.on_fit_start")
+    first_hook = {"fit": "Module.on_train_start", "validate": "Module.on_validation_start",
+                  "test": "Module.on_test_start", "predict": "Module.on_predict_start"}[stage]
+    module.layer.weight.grad = torch.ones_like(module.layer.weight)
+    record = getattr(module, first_hook.split(".")[1])
+    module.__dict__[first_hook.split(".")[1]] = lambda: (seen.append(module.layer.weight.grad), record())
+    loader = regression_loader()
+    getattr(trainer, stage)(module, loader)
+    assert seen == [None]  # the stale gradient was freed before the stage began
+    zero = calls.index("Module.zero_grad")
+    if stage == "fit":
+        assert calls.index("Module.on_fit_start") < zero < calls.index("Module.on_train_start")
+    else:
+        assert calls.index(f"Module.setup:{stage}") < zero < calls.index(first_hook)

@@ -18,10 +18,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning_utilities.core.overrides import is_overridden
 
 from ember.module import TrainModule, _restore_modes
 from ember.trainer.loaders import batch_transfer
-from ember.utils import is_overridden, to_floats
+from ember.utils import defines_hook, to_floats
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -54,7 +55,7 @@ class EvaluationLoop:
         """``on_{hook}_model_eval``: remember each submodule's ``training`` flag, then the hook (default ``eval()``)."""
         module = self.module
         module.__dict__["_ember_saved_modes"] = [(m, m.training) for m in module.modules()]  # read by _restore_modes
-        if is_overridden(f"on_{hook}_model_eval", module, TrainModule):
+        if defines_hook(f"on_{hook}_model_eval", module, TrainModule):
             getattr(module, f"on_{hook}_model_eval")()
         else:
             module.eval()

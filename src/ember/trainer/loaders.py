@@ -7,12 +7,13 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from lightning_utilities.core.overrides import is_overridden
 from torch.utils.data import RandomSampler, SequentialSampler
 
 from ember.data import DataModule
 from ember.module import TrainModule
 from ember.strategies.resumable import rebuild_with_sampler, why_not_swappable
-from ember.utils import is_overridden, move_to_device
+from ember.utils import defines_hook, move_to_device
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -85,7 +86,7 @@ def batch_transfer(trainer: Trainer, dataloader_idx: int, input_dtype: Any) -> C
         dm = trainer.datamodule
         if dm is not None and is_overridden(name, dm, DataModule):
             return getattr(dm, name)
-        if is_overridden(name, trainer.module, TrainModule):
+        if defines_hook(name, trainer.module, TrainModule):
             return getattr(trainer.module, name)
         return None
     before = owner("on_before_batch_transfer")

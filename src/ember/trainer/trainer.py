@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from lightning_utilities.core.overrides import is_overridden
 
 from ember.callbacks.callback import Callback
 from ember.callbacks.fit_summary import print_fit_summary
@@ -32,7 +33,6 @@ from ember.trainer.properties import TrainerProperties
 from ember.trainer.resume import Resume, restore_for_evaluation
 from ember.trainer.step import TrainingStep
 from ember.types import PrecisionInput, Stage, TrainerState
-from ember.utils import is_overridden
 
 
 class Trainer(TrainerProperties):
@@ -306,6 +306,7 @@ class Trainer(TrainerProperties):
         self._hooks.call("on_fit_start")
         if self.enable_autolog_hparams:
             self._logs.hyperparams()
+        module.zero_grad()  # every stage starts without gradients, as Lightning's _run_stage
         # No module.train() here: as in Lightning, submodules a user put in eval mode stay there.
         with preemption(self) as handler, torch.autograd.set_detect_anomaly(self.detect_anomaly):
             self._loop.run(resume, handler)  # SIGTERM -> checkpoint at the next step boundary -> Preempted exit
@@ -314,6 +315,7 @@ class Trainer(TrainerProperties):
         print_fit_summary(self)  # one line on rank zero: where the logs and checkpoints went
 
     def _evaluate_or_predict(self, stage: Stage, module: TrainModule, given: Any, path: str | None) -> Any:
+        module.zero_grad()  # every stage starts without gradients, as Lightning's _run_stage
         if stage == "predict":
             loaders, limits = eval_loaders(self, given, stage, "predict_dataloader", self.limit_predict_batches)
         else:
