@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import glob
-import inspect
 import os
 import pickle
 import re
@@ -26,13 +25,14 @@ import shutil
 import socket
 import tempfile
 import threading
-import warnings
 import zipfile
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+from ember.hparams import build_from_hparams
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -424,27 +424,13 @@ def read_for_module(path: str, cls: type[_M], overrides: dict[str, Any], strict:
     ``hparams_name``), they are passed as that argument.
     """
     ckpt = load(path, map_location=map_location)
-    saved = {**dict(ckpt.get("hyper_parameters") or {}), **overrides}
-    params = inspect.signature(cls.__init__).parameters
-    names = [n for i, (n, p) in enumerate(params.items())
-             if i > 0 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    hparams_name = ckpt.get("hparams_name")
-    as_one = isinstance(hparams_name, str) and hparams_name in names
-    kwargs: dict[str, Any] = {str(hparams_name): saved} if as_one else dict(saved)
-    kwargs.update(overrides)
-    if not any_keyword:
-        dropped = [] if as_one else [k for k in overrides if k not in names]  # as_one: they went into that dict
-        if dropped:
-            warnings.warn(f"load_from_checkpoint: {cls.__name__}.__init__ takes no argument named {dropped} "
-                          f"(its arguments: {names}); ignored.", UserWarning, stacklevel=3)
-        kwargs = {k: v for k, v in kwargs.items() if k in names}
     try:
-        module = cls(**kwargs)
+        module = build_from_hparams(cls, ckpt.get("hyper_parameters"), ckpt.get("hparams_name"), overrides,
+                                    stacklevel=3)
     except TypeError as err:
-        raise CheckpointError(f"Could not build {cls.__name__} from the hyper-parameters saved in {path!r} "
-                              f"({sorted(kwargs)}): {err}. Pass the missing arguments as keyword overrides to "
-                              "load_from_checkpoint, or call save_hyperparameters() in __init__.") from err
+        raise CheckpointError(f"Could not build {cls.__name__} from the hyper-parameters saved in {path!r}: {err}. "
+                              "Pass the missing arguments as keyword overrides to load_from_checkpoint, or call "
+                              "save_hyperparameters() in __init__.") from err
     module.configure_model()  # layers made there exist before the weights are loaded (a no-op by default)
     module.on_load_checkpoint(ckpt)  # first, as Lightning: it may rewrite ckpt["state_dict"]
     if strict:

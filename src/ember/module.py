@@ -86,13 +86,15 @@ class TrainModule(HyperparametersMixin, nn.Module):
 
     @classmethod
     def load_from_checkpoint(cls: type[_M], checkpoint_path: str, map_location: Any = "cpu", strict: bool = True,
-                             **overrides: Any) -> _M:
+                             weights_only: bool | None = None, **overrides: Any) -> _M:
         """Rebuild this module from a checkpoint's saved hyper-parameters and load its weights.
 
         Args:
             checkpoint_path: an ember checkpoint file.
             map_location: where tensors are loaded (as in ``torch.load``).
             strict: require the checkpoint's keys and shapes to match the module exactly.
+            weights_only: accepted for Lightning's signature (not a constructor override); ember's
+                checkpoints are plain data and always load with ``torch.load(weights_only=True)``.
             **overrides: constructor arguments that replace the saved hyper-parameters; names the
                 constructor does not take are ignored with a warning (unless it takes ``**kwargs``).
         """
