@@ -242,6 +242,9 @@ class Trainer(TrainerProperties):
         if extra:
             types = {type(c) for c in extra}
             self.callbacks = [c for c in self.callbacks if type(c) not in types] + extra
+        for cb in self.callbacks:  # as Lightning: self.log / self.log_dict in a callback log through the module
+            if not hasattr(type(cb), "log"):
+                cb.log, cb.log_dict = module.log, module.log_dict  # type: ignore[attr-defined]
         self._hooks = Hooks(self, self.callbacks, module, self._metrics)
         self._logs = LogWriter(self, self._metrics)
         self.strategy.setup_environment()
