@@ -458,3 +458,49 @@ def test_a_fit_drops_unpicklable_hyperparameters_when_it_starts():
     with pytest.warns(UserWarning, match="'fn' was removed from hparams"):
         fast_trainer(max_steps=1).fit(m, regression_loader())
     assert sorted(m.hparams) == ["lr"] and sorted(m.hparams_initial) == ["fn", "lr"]
+
+
+class _ConfigData(ember.DataModule):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.save_hyperparameters(cfg)
+        self.restored: Any = None
+
+    def train_dataloader(self):
+        return regression_loader()
+
+    def state_dict(self):
+        return {"seen": 3}
+
+    def load_state_dict(self, state):
+        self.restored = state
+
+
+class _PlainData(HPData):
+    def train_dataloader(self):
+        return regression_loader()
+
+
+@pytest.mark.parametrize("data_cls, args", [("_PlainData", {"bs": 8}), ("_ConfigData", {"cfg": {"bs": 8}})])
+def test_a_datamodule_rebuilds_from_the_checkpoint_of_its_fit(tmp_path, data_cls, args):
+    """As Lightning: the checkpoint holds the datamodule's saved hyper-parameters, which
+    DataModule.load_from_checkpoint passes back (overrides win), and its state_dict."""
+    cls = globals()[data_cls]
+    dm = cls(**args)
+    trainer = fast_trainer(max_steps=1)
+    trainer.fit(BoringModel(), datamodule=dm)
+    trainer.save_checkpoint(str(tmp_path / "dm.ckpt"))
+    ckpt = torch.load(tmp_path / "dm.ckpt", weights_only=True)
+    assert ckpt["datamodule_hyper_parameters"]["bs"] == 8 and "hyper_parameters" in ckpt
+    loaded = cls.load_from_checkpoint(str(tmp_path / "dm.ckpt"), weights_only=True)
+    assert isinstance(loaded, cls) and loaded.hparams.bs == 8
+    assert cls.load_from_checkpoint(str(tmp_path / "dm.ckpt"), bs=2).hparams.bs == 2
+    if cls is _ConfigData:
+        assert loaded.restored == {"seen": 3}
+
+
+def test_load_from_checkpoint_takes_weights_only_as_its_own_argument(tmp_path):
+    """Lightning's weights_only is load_from_checkpoint's argument, never a constructor override."""
+    path = _checkpoint(SavedKwargs(lr=0.5), tmp_path / "w.ckpt")
+    for weights_only in (None, True, False):
+        assert dict(SavedKwargs.load_from_checkpoint(path, weights_only=weights_only).hparams) == {"lr": 0.5}

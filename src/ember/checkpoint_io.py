@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import glob
-import inspect
 import os
 import pickle
 import re
@@ -33,6 +32,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+from ember.hparams import build_from_hparams
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -585,27 +586,13 @@ def read_for_module(path: str, cls: type[_M], overrides: dict[str, Any], strict:
     ``hparams_name``), they are passed as that argument.
     """
     ckpt = load(path, map_location=map_location, lightning=True, weights_only=weights_only)
-    saved = {**dict(ckpt.get("hyper_parameters") or {}), **overrides}
-    params = inspect.signature(cls.__init__).parameters
-    names = [n for i, (n, p) in enumerate(params.items())
-             if i > 0 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    hparams_name = ckpt.get("hparams_name")
-    as_one = isinstance(hparams_name, str) and hparams_name in names
-    kwargs: dict[str, Any] = {str(hparams_name): saved} if as_one else dict(saved)
-    kwargs.update(overrides)
-    if not any_keyword:
-        dropped = [] if as_one else [k for k in overrides if k not in names]  # as_one: they went into that dict
-        if dropped:
-            warnings.warn(f"load_from_checkpoint: {cls.__name__}.__init__ takes no argument named {dropped} "
-                          f"(its arguments: {names}); ignored.", UserWarning, stacklevel=3)
-        kwargs = {k: v for k, v in kwargs.items() if k in names}
     try:
-        module = cls(**kwargs)
+        module = build_from_hparams(cls, ckpt.get("hyper_parameters"), ckpt.get("hparams_name"), overrides,
+                                    stacklevel=3)
     except TypeError as err:
-        raise CheckpointError(f"Could not build {cls.__name__} from the hyper-parameters saved in {path!r} "
-                              f"({sorted(kwargs)}): {err}. Pass the missing arguments as keyword overrides to "
-                              "load_from_checkpoint, or call save_hyperparameters() in __init__.") from err
+        raise CheckpointError(f"Could not build {cls.__name__} from the hyper-parameters saved in {path!r}: {err}. "
+                              "Pass the missing arguments as keyword overrides to load_from_checkpoint, or call "
+                              "save_hyperparameters() in __init__.") from err
     if strict is None:  # the module's own choice (TrainModule.strict_loading)
         strict = module.strict_loading
     elif strict and not module.strict_loading:

@@ -5,7 +5,7 @@ import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ember.hparams import HyperparametersMixin
+from ember.hparams import HyperparametersMixin, build_from_hparams
 
 if TYPE_CHECKING:
     from ember.types import Stage
@@ -24,6 +24,28 @@ class DataModule(HyperparametersMixin):
 
     def __init__(self) -> None:
         self.trainer: Any = None
+
+    @classmethod
+    def load_from_checkpoint(cls: type[_D], checkpoint_path: str, map_location: Any = "cpu",
+                             weights_only: bool | None = None, **overrides: Any) -> _D:
+        """Rebuild this datamodule from the hyper-parameters a fit's checkpoint saved for it (its
+        ``save_hyperparameters()``), and give it its saved ``state_dict``, as Lightning's.
+
+        Args:
+            checkpoint_path: a checkpoint written by a fit with this datamodule.
+            map_location: where tensors are loaded (as in ``torch.load``).
+            weights_only: accepted for Lightning's signature; ember's checkpoints are plain data and
+                always load with ``torch.load(weights_only=True)``.
+            **overrides: constructor arguments that replace the saved hyper-parameters.
+        """
+        import torch  # imported where used, as in _loaders_for
+
+        ckpt = torch.load(checkpoint_path, map_location=map_location, weights_only=True)
+        datamodule = build_from_hparams(cls, ckpt.get("datamodule_hyper_parameters"),
+                                        ckpt.get("datamodule_hparams_name"), overrides)
+        if ckpt.get("datamodule"):
+            datamodule.load_state_dict(ckpt["datamodule"])
+        return datamodule
 
     @classmethod
     def from_datasets(cls: type[_D], train_dataset: Any = None, val_dataset: Any = None, test_dataset: Any = None,

@@ -226,3 +226,29 @@ def drop_unpicklable(hparams: MutableMapping[str, Any]) -> list[str]:
                       f"with self.save_hyperparameters(ignore=[{k!r}]) to silence this.", UserWarning, stacklevel=2)
         del hparams[k]
     return dropped
+
+
+def build_from_hparams(cls: Any, saved: Any, hparams_name: Any, overrides: dict[str, Any], stacklevel: int = 3) -> Any:
+    """``cls(...)`` from hyper-parameters saved in a checkpoint (``overrides`` win), as Lightning builds it.
+
+    The saved hyper-parameters updated with ``overrides`` are the constructor's keyword arguments;
+    those it does not accept are left out (unless it takes ``**kwargs``), with a warning for the
+    overrides; when ``save_hyperparameters(cfg)`` saved one dict argument (``hparams_name``), they
+    are passed as that argument. A ``TypeError`` from the constructor propagates. ``stacklevel``: the
+    user's call, counted from the caller.
+    """
+    merged = {**dict(saved or {}), **overrides}
+    params = inspect.signature(cls.__init__).parameters
+    names = [n for i, (n, p) in enumerate(params.items())
+             if i > 0 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    as_one = isinstance(hparams_name, str) and hparams_name in names
+    kwargs: dict[str, Any] = {str(hparams_name): merged} if as_one else dict(merged)
+    kwargs.update(overrides)
+    if not any_keyword:
+        dropped = [] if as_one else [k for k in overrides if k not in names]  # as_one: they went into that dict
+        if dropped:
+            warnings.warn(f"load_from_checkpoint: {cls.__name__}.__init__ takes no argument named {dropped} "
+                          f"(its arguments: {names}); ignored.", UserWarning, stacklevel=stacklevel + 1)
+        kwargs = {k: v for k, v in kwargs.items() if k in names}
+    return cls(**kwargs)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -137,3 +138,22 @@ def sized_len(obj: Any) -> int | None:
         return len(obj)
     except (TypeError, NotImplementedError):
         return None
+
+
+def defines_hook(name: str, obj: Any, base: type) -> bool:
+    """Whether ember must call ``obj``'s ``name`` rather than ``base``'s default (or skip it).
+
+    Looked up on the object, not its class, so an attribute set on the instance counts: a function,
+    a ``functools.partial`` or a mock is called, and ``None`` (``model.on_train_start = None``) means
+    "not overridden", as in Lightning, rather than a None to call. ember calls only the hooks a
+    module or callback overrides, so unlike Lightning's ``is_overridden`` (used where Lightning
+    decides something from it: which loops run, whose batch-transfer hook) a ``functools.wraps``
+    wrapper of the base's own method counts here: it has work to do.
+    """
+    attr = getattr(obj, name, None)
+    if attr is None:
+        return False
+    if isinstance(attr, functools.partial):
+        attr = attr.func
+    code = getattr(attr, "__code__", None)
+    return code is None or code is not getattr(getattr(base, name, None), "__code__", None)

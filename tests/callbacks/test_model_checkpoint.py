@@ -220,3 +220,14 @@ def test_model_checkpoint_save_on_exception(tmp_path):
                       callbacks=[Interrupt(), ModelCheckpoint(dirpath=tmp_path, save_on_exception=True)]).fit(
             Scored(), data())
     assert "on_exception.ckpt" in files(tmp_path)
+
+
+def test_the_saved_current_score_is_the_logged_tensor(tmp_path):
+    """As Lightning: each checkpoint's current_score is the monitored value as logged (a float32 tensor, equal
+    to the number logged), not a float64 rounding of it."""
+    cb = ModelCheckpoint(dirpath=str(tmp_path / "c"), monitor="val/acc", mode="max", save_top_k=-1, save_last=False)
+    fit(tmp_path, cb)
+    scores = sorted(torch.load(os.path.join(cb.dirpath, name), weights_only=True)["callbacks"][cb.state_key]
+                    ["current_score"] for name in files(cb.dirpath))
+    assert all(isinstance(s, torch.Tensor) and s.dtype == torch.float32 for s in scores)
+    assert scores == [0.1, 0.2, 0.3]

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import CSVLogger, TensorBoardLogger, default_logger
+from tests.helpers.models import BoringModel, regression_loader
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -308,3 +309,24 @@ def test_keyboard_interrupt_flushes_both_loggers(tmp_path):
     assert hparams_data(ea)["_hparams_/session_end_info"].session_end_info.status == api_pb2.STATUS_FAILURE
     with open(csv_logger.metrics_file) as fh:
         assert [ln.split(",")[0] for ln in fh.read().splitlines()] == ["step", "0", "1", "2"]
+
+
+def test_sub_dir_and_home_and_variables_in_the_log_dir(tmp_path, monkeypatch):
+    """As Lightning: sub_dir goes inside the version's directory; ~ and $VARS are expanded."""
+    logger = TensorBoardLogger(str(tmp_path), name="n", version="v", sub_dir="s")
+    assert logger.log_dir == os.path.join(str(tmp_path), "n", "v", "s")
+    monkeypatch.setenv("EMBER_TB_TEST_DIR", "somewhere")
+    assert TensorBoardLogger("$EMBER_TB_TEST_DIR/x", name="n", version="v").log_dir == os.path.join(
+        "somewhere", "x", "n", "v")
+    assert TensorBoardLogger("~/x", name="n", version="v").log_dir == os.path.join(
+        os.path.expanduser("~"), "x", "n", "v")
+
+
+def test_a_successful_fit_leaves_an_hparams_yaml_even_with_none_saved(tmp_path):
+    """As Lightning: the run's hparams.yaml exists after a successful fit, empty without hyper-parameters."""
+    logger = TensorBoardLogger(str(tmp_path))
+    trainer = ember.Trainer(max_steps=1, logger=logger, enable_progress_bar=False, accelerator="cpu",
+                            default_root_dir=str(tmp_path))
+    trainer.fit(BoringModel(), regression_loader())  # saves no hyper-parameters; its checkpoint makes the run dir
+    assert os.path.isfile(os.path.join(logger.log_dir, "hparams.yaml"))
+    assert not os.path.isfile(os.path.join(str(tmp_path), "hparams.yaml"))

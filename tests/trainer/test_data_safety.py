@@ -284,6 +284,45 @@ def test_a_failing_callback_load_puts_everything_back(tmp_path):
     assert cb.best_k_models == {} and t.global_step == 0 and t.progress.batch_in_epoch == 0
 
 
+class _Counting(ember.callbacks.Callback):
+    def __init__(self, calls: list[str]):
+        self.calls = calls
+        self.history = [0]
+
+    def state_dict(self):
+        self.calls.append("state_dict")
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state):
+        self.calls.append("load_state_dict")
+        self.history.extend(state["history"])  # mutates in place: the snapshot must be a copy
+
+
+def test_a_restore_calls_each_callback_hook_once_and_a_failure_still_puts_its_attributes_back(tmp_path):
+    """As Lightning, a resume calls load_state_dict once and state_dict never: the copy kept to put a
+    callback back if a later part fails is taken without calling its hooks."""
+    ckpt = _saved(tmp_path)
+    ckpt["callbacks"]["_Counting"] = {"history": [5, 6]}
+    path = tmp_path / "ok.ckpt"
+    torch.save(ckpt, path)
+    calls: list[str] = []
+    counting = _Counting(calls)
+    t = ember.Trainer(max_epochs=3, enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                      callbacks=[counting])
+    t.fit(BoringModel(), regression_loader(), ckpt_path=str(path))
+    assert calls == ["load_state_dict"] and counting.history == [0, 5, 6]
+
+    ckpt["callbacks"]["_Explodes"] = {"n": 2}
+    torch.save(ckpt, path)
+    calls = []
+    counting = _Counting(calls)
+    t = ember.Trainer(max_epochs=3, enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                      callbacks=[counting, _Explodes()])
+    with pytest.raises(RuntimeError, match="cannot load this"):
+        t.fit(BoringModel(), regression_loader(), ckpt_path=str(path))
+    assert calls == ["load_state_dict"] and counting.history == [0]  # loaded, then put back
+
+
 def test_a_valid_checkpoint_still_resumes_after_validation(tmp_path):
     _saved(tmp_path)
     t = ember.Trainer(max_epochs=3, enable_progress_bar=False, logger=False,

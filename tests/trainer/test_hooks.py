@@ -1,6 +1,9 @@
 """Hook order: a recording callback and module, compared with the expected sequence (Lightning's order)."""
 from __future__ import annotations
 
+import functools
+from unittest import mock
+
 import pytest
 import torch
 
@@ -202,3 +205,75 @@ def test_on_exception_is_called_and_the_error_propagates():
     with pytest.raises(RuntimeError, match="boom"):
         fast_trainer(callbacks=[Catch()]).fit(Boom(), regression_loader())
     assert len(seen) == 1 and str(seen[0]) == "boom"
+
+
+def test_a_step_set_to_none_on_the_instance_switches_its_loop_off():
+    calls, module, trainer = _run(max_epochs=1, limit_train_batches=1, limit_val_batches=1)
+    module.validation_step = None  # Lightning's idiom for "no validation"
+    trainer.fit(module, regression_loader(), regression_loader())
+    assert "Module.validation_step" not in calls
+    assert "Callback.on_validation_start" not in calls and "Callback.on_sanity_check_start" not in calls
+    assert trainer.global_step == 1
+
+
+def test_a_hook_set_to_none_on_the_instance_is_not_called():
+    calls, module, trainer = _run(max_epochs=1, limit_train_batches=1, limit_val_batches=1)
+    module.on_train_epoch_start = None
+    module.on_validation_model_train = None  # the default (modes restored) runs instead
+    trainer.fit(module, regression_loader(), regression_loader())
+    assert "Callback.on_train_epoch_start" in calls and "Module.on_train_epoch_start" not in calls
+    assert module.training
+
+
+def test_a_hook_set_on_the_instance_or_on_a_callback_instance_is_called():
+    calls, module, trainer = _run(max_epochs=1, limit_train_batches=1)
+    module.on_train_epoch_start = lambda: calls.append("instance hook")
+    plain = Callback()
+    plain.on_train_end = lambda trainer, module: calls.append("callback instance hook")
+    trainer.callbacks.append(plain)
+    trainer.fit(module, regression_loader())
+    assert "instance hook" in calls and "callback instance hook" in calls
+
+
+def test_defines_hook_looks_at_the_instance():
+    from ember.utils import defines_hook
+
+    module = RecordingModule()
+    assert defines_hook("on_train_start", module, ember.TrainModule)
+    assert not defines_hook("on_before_batch_transfer", module, ember.TrainModule)
+    module.on_train_start = None
+    assert not defines_hook("on_train_start", module, ember.TrainModule)
+    module.on_before_batch_transfer = functools.partial(ember.TrainModule.on_before_batch_transfer, module)
+    assert not defines_hook("on_before_batch_transfer", module, ember.TrainModule)  # the base's own code
+    module.on_before_batch_transfer = mock.Mock()
+    assert defines_hook("on_before_batch_transfer", module, ember.TrainModule)
+
+    @functools.wraps(ember.TrainModule.on_before_batch_transfer)
+    def wrapper(batch, dataloader_idx):
+        return batch
+    module.on_before_batch_transfer = wrapper  # a wrapper of the default still has to be called
+    assert defines_hook("on_before_batch_transfer", module, ember.TrainModule)
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate", "test", "predict"])
+def test_every_stage_starts_with_module_zero_grad(stage):
+    """As Lightning's ``_run_stage``: gradients left on the module (by a previous run, or by hand) are gone."""
+    calls, module, trainer = _run(limit_train_batches=1, limit_val_batches=1, limit_test_batches=1,
+                                  limit_predict_batches=1, num_sanity_val_steps=0)
+    seen = []
+    module.zero_grad = lambda set_to_none=True: (calls.append("Module.zero_grad"),
+                                                 torch.nn.Module.zero_grad(module, set_to_none))
+    module.on_fit_start = lambda: calls.append("Module.on_fit_start")
+    first_hook = {"fit": "Module.on_train_start", "validate": "Module.on_validation_start",
+                  "test": "Module.on_test_start", "predict": "Module.on_predict_start"}[stage]
+    module.layer.weight.grad = torch.ones_like(module.layer.weight)
+    record = getattr(module, first_hook.split(".")[1])
+    module.__dict__[first_hook.split(".")[1]] = lambda: (seen.append(module.layer.weight.grad), record())
+    loader = regression_loader()
+    getattr(trainer, stage)(module, loader)
+    assert seen == [None]  # the stale gradient was freed before the stage began
+    zero = calls.index("Module.zero_grad")
+    if stage == "fit":
+        assert calls.index("Module.on_fit_start") < zero < calls.index("Module.on_train_start")
+    else:
+        assert calls.index(f"Module.setup:{stage}") < zero < calls.index(first_hook)

@@ -358,3 +358,37 @@ def test_logged_metrics_are_kept_with_or_without_loggers(tmp_path, logger):
     assert sorted(trainer.logged_metrics) == ["ep", "loss", "vl"]
     trainer.validate(module, loader)
     assert sorted(trainer.logged_metrics) == ["vl"]
+
+
+def test_logged_and_progress_bar_metrics_show_epoch_values_inside_the_epoch_end_hooks():
+    """Lightning 2.6.6 (this module, logger off): inside on_validation_epoch_end and on_train_epoch_end the
+    epoch values are already in logged_metrics (tensors) and progress_bar_metrics (floats)."""
+    def typed(metrics):
+        return {k: (float(v), type(v).__name__) for k, v in metrics.items()}
+
+    def log(m, at, b, i, dl):
+        if at == "training_step":
+            m.log("t", b[0].mean(), on_step=True, on_epoch=True, prog_bar=True)
+            m.log("q", b[0].mean(), on_epoch=True)
+        elif at == "validation_step":
+            m.log("v", b[0].mean(), prog_bar=True)
+        else:
+            m.seen[at] = (typed(m.trainer.logged_metrics), typed(m.trainer.progress_bar_metrics))
+
+    module = Logs(log)
+    trainer = trainer_with()
+    trainer.fit(module, value_loader(VALUES), value_loader(VALUES))
+    steps = {"t_step": (6.5, "Tensor"), "q_step": (6.5, "Tensor"), "v": (4.5, "Tensor")}
+    assert module.seen["on_validation_epoch_end"] == (steps, {"t_step": (6.5, "float"), "v": (4.5, "float")})
+    in_train_end = ({**steps, "t_epoch": (4.5, "Tensor"), "q_epoch": (4.5, "Tensor")},
+                    {"t_step": (6.5, "float"), "v": (4.5, "float"), "t_epoch": (4.5, "float")})
+    assert module.seen["on_train_epoch_end"] == in_train_end
+    assert (typed(trainer.logged_metrics), typed(trainer.progress_bar_metrics)) == in_train_end
+
+
+def test_progress_bar_metrics_keep_the_same_float_while_a_value_is_unchanged():
+    trainer = trainer_with()
+    trainer.fit(Logs(lambda m, at, b, i, dl: m.log("v", b[0].mean(), prog_bar=True)
+                     if at == "validation_step" else None), value_loader(VALUES), value_loader(VALUES))
+    first, second = trainer.progress_bar_metrics, trainer.progress_bar_metrics
+    assert first == {"v": 4.5} and type(first["v"]) is float and first["v"] is second["v"]

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ember
-from tests.helpers.models import RecordingLogger, fast_trainer, value_loader
+from ember.callbacks import Callback
+from tests.helpers.models import BoringModel, RecordingLogger, fast_trainer, regression_loader, value_loader
 
 
 class Logs(ember.TrainModule):
@@ -329,3 +330,18 @@ def test_values_logged_in_on_train_start_belong_to_the_first_epoch(sanity):
     # Written with the first epoch's values, at (as Lightning) the index of its last step: 2 steps, so 1.
     assert logger.steps_with("at_start") == [1]
     assert trainer.callback_metrics["at_start"] == 3.0
+
+
+def test_a_callback_logs_with_self_log_through_the_module():
+    """As Lightning: a callback's self.log / self.log_dict log as the module's would, from that hook."""
+    class Logs(Callback):
+        def on_train_epoch_start(self, trainer, module):
+            self.log("epoch_start", 2.0)
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.log_dict({"batch_end": 3.0})
+
+    trainer = fast_trainer(limit_train_batches=1, callbacks=[Logs()])
+    trainer.fit(BoringModel(), regression_loader())
+    assert {k: float(v) for k, v in trainer.callback_metrics.items() if k != "train_loss"} == {
+        "epoch_start": 2.0, "batch_end": 3.0}

@@ -231,3 +231,32 @@ def test_plateau_keys_are_ignored_with_a_warning_in_manual_optimization():
                                             r"ignored"):
         trainer.fit(Module(), regression_loader())
     assert trainer.lr_scheduler_configs[0].monitor is None
+
+
+def test_on_before_optimizer_step_runs_after_the_closure_inside_the_step():
+    """As Lightning: opt.step(closure) runs the closure (its backward) first, then on_before_optimizer_step,
+    then the update; so the hook sees the closure's gradients. Without a closure, the hook runs first."""
+    calls: list[str] = []
+
+    class Closure(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+
+            def closure():
+                calls.append("closure")
+                opt.zero_grad()
+                loss = F.mse_loss(self(batch[0]), batch[1])
+                self.manual_backward(loss)
+                return loss
+
+            opt.step(closure if batch_idx == 0 else None)
+
+        def on_before_optimizer_step(self, optimizer):
+            calls.append(f"hook sees grad: {self.layer.weight.grad is not None}")
+
+    fast_trainer(limit_train_batches=2).fit(Closure(), regression_loader())
+    assert calls == ["closure", "hook sees grad: True", "hook sees grad: True"]

@@ -131,13 +131,18 @@ class FileLogger(Logger):
         if not self._writes:
             return
         self.hparams.update(hparams_dict(params))
-        os.makedirs(self.log_dir, exist_ok=True)
-        tmp = os.path.join(self.log_dir, HPARAMS_FILE + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(to_yaml(self.hparams))
-        os.replace(tmp, os.path.join(self.log_dir, HPARAMS_FILE))
+        write_hparams_file(self.log_dir, self.hparams)
         if metrics:
             self.log_metrics(metrics, 0 if step is None else step)
 
     def _state_key_args(self) -> dict[str, Any]:
         return {"name": self._name, "version": self._version}
+
+
+def write_hparams_file(log_dir: str, hparams: dict[str, Any]) -> None:
+    """Write ``hparams`` to ``<log_dir>/hparams.yaml`` atomically (a reader never sees half a file)."""
+    os.makedirs(log_dir, exist_ok=True)
+    tmp = os.path.join(log_dir, HPARAMS_FILE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(to_yaml(hparams))
+    os.replace(tmp, os.path.join(log_dir, HPARAMS_FILE))

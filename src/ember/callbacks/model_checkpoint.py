@@ -188,7 +188,8 @@ class ModelCheckpoint(CheckpointFiles, Callback):
             "kth_value": None if self.kth_value is None else float(self.kth_value),
             "best_model_path": self.best_model_path,
             "best_model_score": None if self.best_model_score is None else float(self.best_model_score),
-            "current_score": None if self.current_score is None else float(self.current_score),
+            # As Lightning: the logged value itself (a float32 tensor compares equal to the number logged).
+            "current_score": None if self.current_score is None else self.current_score.detach().to("cpu").clone(),
             "last_model_path": self.last_model_path, "last_global_step_saved": self._last_global_step_saved,
         }
 

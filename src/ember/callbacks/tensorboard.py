@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.callbacks.file_logger import FileLogger
+from ember.callbacks.file_logger import HPARAMS_FILE, FileLogger, write_hparams_file
 
 if TYPE_CHECKING:
     from argparse import Namespace
@@ -46,6 +46,7 @@ class TensorBoardLogger(FileLogger):
             a run ends, successfully or with an error.
         max_queue: scalar events queued before they are written (and for ``experiment``, the
             ``SummaryWriter`` for your own images, histograms...).
+        sub_dir: a directory inside the version's, where this logger writes (as Lightning's).
         **writer_kwargs: passed on to ``torch.utils.tensorboard.SummaryWriter`` (``experiment``).
 
     Scalars and hyper-parameters are written by this logger itself, from the training thread, rather
@@ -57,8 +58,9 @@ class TensorBoardLogger(FileLogger):
 
     def __init__(self, save_dir: str | os.PathLike[str] | None = None, name: str = "ember_logs",
                  version: int | str | None = None, prefix: str = "", flush_secs: float = 30.0,
-                 max_queue: int = 10, **writer_kwargs: Any) -> None:
+                 max_queue: int = 10, sub_dir: str | os.PathLike[str] | None = None, **writer_kwargs: Any) -> None:
         super().__init__(save_dir, name, version, prefix)
+        self.sub_dir = os.fspath(sub_dir) if sub_dir is not None else None
         if flush_secs <= 0:
             raise ValueError(f"flush_secs must be positive, got {flush_secs!r}.")
         self.flush_secs = flush_secs
@@ -69,6 +71,14 @@ class TensorBoardLogger(FileLogger):
         self._metric_tags: dict[str, None] = {}  # ordered set of scalar tags written
         self._session_started = False
         self._experiment_written = False
+
+    @property
+    def log_dir(self) -> str:
+        """``<root_dir>/<version>[/<sub_dir>]``, with ``~`` and ``$VARS`` expanded, as Lightning's."""
+        log_dir = super().log_dir
+        if self.sub_dir is not None:
+            log_dir = os.path.join(log_dir, self.sub_dir)
+        return os.path.expanduser(os.path.expandvars(log_dir))
 
     @property
     def experiment(self) -> SummaryWriter | None:
@@ -113,10 +123,15 @@ class TensorBoardLogger(FileLogger):
         self._session_started = True
 
     def save(self) -> None:
+        """Flush what was written; as Lightning, an ``hparams.yaml`` (empty if nothing was logged) is
+        written once the run's directory exists."""
         if self._events is not None:
             self._events.flush()
         if self._writer is not None:
             self._writer.flush()
+        hparams_file = os.path.join(self.log_dir, HPARAMS_FILE)
+        if self._writes and os.path.isdir(self.log_dir) and not os.path.isfile(hparams_file):
+            write_hparams_file(self.log_dir, self.hparams)
 
     def finalize(self, status: str) -> None:
         """Record the run's metric names and end status for the HParams dashboard, then flush and close."""
@@ -129,6 +144,8 @@ class TensorBoardLogger(FileLogger):
                 self._experiment_written = True
             file_writer.add_summary(_hparams_summary(session_end=status))
         self._close()
+        if status == "success":
+            self.save()  # as Lightning: hparams.yaml exists after a successful run, empty if nothing was logged
 
     def teardown(self, trainer: Trainer, module: TrainModule, stage: Stage) -> None:
         # validate/test/predict log without a finalize; never leave the writer's thread running.

@@ -135,4 +135,6 @@ class SkipFirstBatches:
         return len(self.loader)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (a copy being built by copy/pickle): no endless lookup
+            raise AttributeError(name)
         return getattr(self.loader, name)

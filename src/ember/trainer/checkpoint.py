@@ -8,6 +8,7 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so it
 ``state_dict``         the module's weights (unwrapped from any strategy wrapper)
 ``hyper_parameters``   what ``save_hyperparameters`` stored (entries that are not plain data are dropped)
 ``hparams_name``       the argument a config object was saved from (``save_hyperparameters(cfg)``), or None
+``datamodule_hyper_parameters``, ``datamodule_hparams_name``  the same for the datamodule, when it saved some
 ``module_class``       ``"package.module.ClassName"`` of the module, for messages
 ``weights_only``       True when only the above was saved (``save_weights_only``)
 ``optimizer_states``   one ``state_dict`` per optimizer
@@ -74,11 +75,10 @@ from ember.trainer import auto_resume
 from ember.version import __version__
 
 if TYPE_CHECKING:
-    from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
 
 
-def _plain_hparams(module: TrainModule) -> dict[str, Any]:
+def _plain_hparams(module: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in dict(module.hparams).items():
         try:
@@ -89,6 +89,14 @@ def _plain_hparams(module: TrainModule) -> dict[str, Any]:
             continue
         out[k] = v
     return out
+
+
+def _datamodule_hparams(datamodule: Any) -> dict[str, Any]:
+    """As Lightning: a datamodule's saved hyper-parameters, for ``DataModule.load_from_checkpoint``."""
+    if datamodule is None or not datamodule.__dict__.get("_hparams"):
+        return {}
+    return {"datamodule_hyper_parameters": _plain_hparams(datamodule),
+            "datamodule_hparams_name": getattr(datamodule, "_hparams_name", None)}
 
 
 def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
@@ -107,6 +115,7 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
         # As Lightning: the argument a single config object (dict, Namespace) was saved from, so that
         # load_from_checkpoint passes it back as that argument.
         "hparams_name": getattr(module, "_hparams_name", None),
+        **_datamodule_hparams(trainer.datamodule),
         "weights_only": weights_only,
         "epoch": trainer.progress.current_epoch,
         "global_step": trainer.progress.global_step,

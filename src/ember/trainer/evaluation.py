@@ -27,12 +27,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
+from lightning_utilities.core.overrides import is_overridden
 
 from ember.module import TrainModule, _restore_modes
 from ember.strategies.resumable import resumable_sampler_of
 from ember.trainer.loaders import batch_transfer
 from ember.trainer.lockstep import COUNT_REST_SECONDS
-from ember.utils import sized_len, to_floats
+from ember.utils import defines_hook, sized_len, to_floats
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -44,10 +45,6 @@ if TYPE_CHECKING:
 
 _END = object()
 _Batches = Iterator[tuple[Any, bool]]  # (batch, whether it is a padding batch)
-
-
-def _overrides(module: Any, name: str) -> bool:
-    return getattr(type(module), name) is not getattr(TrainModule, name)
 
 
 class EvaluationLoop:
@@ -73,7 +70,7 @@ class EvaluationLoop:
         """``on_{hook}_model_eval``: remember each submodule's ``training`` flag, then the hook (default ``eval()``)."""
         module = self.module
         module.__dict__["_ember_saved_modes"] = [(m, m.training) for m in module.modules()]  # read by _restore_modes
-        if _overrides(module, f"on_{hook}_model_eval"):
+        if defines_hook(f"on_{hook}_model_eval", module, TrainModule):
             getattr(module, f"on_{hook}_model_eval")()
         else:
             module.eval()
@@ -83,7 +80,7 @@ class EvaluationLoop:
         module = self.module
         try:
             name = f"on_{hook}_model_train"
-            if hook != "predict" and _overrides(module, name):
+            if hook != "predict" and is_overridden(name, module, TrainModule):
                 getattr(module, name)()
             else:
                 _restore_modes(module)

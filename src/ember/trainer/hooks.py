@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
 from ember.module import TrainModule
+from ember.utils import defines_hook
 
 if TYPE_CHECKING:
     from ember.trainer.metrics import MetricCollector
@@ -49,12 +50,11 @@ class Hooks:
         for cb in self._callbacks:
             if monitoring is not None and bool(cb.monitors_metrics) != monitoring:
                 continue
-            if base is not None and getattr(type(cb), name, base) is not base:
+            if base is not None and defines_hook(name, cb, Callback):
                 table.append(functools.partial(getattr(cb, name), self._trainer, self._module))
         module = self._module
-        mod_base = getattr(TrainModule, name, None)
-        if (module is not None and monitoring is not True and mod_base is not None
-                and getattr(type(module), name) is not mod_base):
+        if (module is not None and monitoring is not True and hasattr(TrainModule, name)
+                and defines_hook(name, module, TrainModule)):
             table.append(getattr(module, name))
         self._table[key] = table
         return table

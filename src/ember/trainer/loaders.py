@@ -7,12 +7,13 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from lightning_utilities.core.overrides import is_overridden
 from torch.utils.data import IterableDataset, SequentialSampler
 
 from ember.data import DataModule
 from ember.module import TrainModule
 from ember.strategies.resumable import rebuild_with_sampler, shutdown_workers, why_not_swappable
-from ember.utils import move_to_device, sized_len
+from ember.utils import defines_hook, move_to_device, sized_len
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -90,9 +91,9 @@ def batch_transfer(trainer: Trainer, dataloader_idx: int, input_dtype: Any) -> C
     def owner(name: str) -> Any:
         """Whose hook ``name`` runs: the datamodule's where it overrides it, else the module's, or None."""
         dm = trainer.datamodule
-        if dm is not None and getattr(type(dm), name) is not getattr(DataModule, name):
+        if dm is not None and is_overridden(name, dm, DataModule):
             return getattr(dm, name)
-        if getattr(type(trainer.module), name) is not getattr(TrainModule, name):
+        if defines_hook(name, trainer.module, TrainModule):
             return getattr(trainer.module, name)
         return None
     before = owner("on_before_batch_transfer")
@@ -159,7 +160,7 @@ class FitData:
         module), the module has a ``validation_step`` (``= None`` switches it off) and
         ``limit_val_batches`` is not 0."""
         t = self._trainer
-        if getattr(type(t.module), "validation_step", None) is None or t.limit_val_batches == 0:
+        if getattr(t.module, "validation_step", None) is None or t.limit_val_batches == 0:
             return False
         return self.val_source_defined()
 
@@ -170,15 +171,14 @@ class FitData:
             return True
         dm = self._trainer.datamodule
         if dm is not None:
-            return type(dm).val_dataloader is not DataModule.val_dataloader
+            return is_overridden("val_dataloader", dm, DataModule)
         return callable(getattr(self._trainer.module, "val_dataloader", None))
 
     def warn_validation_step_without_data(self) -> None:
         """As Lightning, once at the start of a fit (rank zero): a ``validation_step`` with no validation data
         to run it on is skipped, and the user is told so."""
         t = self._trainer
-        step = getattr(type(t.module), "validation_step", None)
-        if step is not None and step is not TrainModule.validation_step and not self.val_source_defined() \
+        if is_overridden("validation_step", t.module, TrainModule) and not self.val_source_defined() \
                 and t.is_global_zero:
             warnings.warn(f"{type(t.module).__name__} defines validation_step, but this fit has no validation data "
                           "(no val_dataloaders passed to fit and no val_dataloader() on the module or datamodule), "
@@ -194,7 +194,7 @@ class FitData:
         if not self.validates:
             return
         loaders = as_list(request(t, self._given[1], "val_dataloader"))
-        if loaders and getattr(type(t.module), "validation_step", None) is TrainModule.validation_step:
+        if loaders and not is_overridden("validation_step", t.module, TrainModule):
             raise ValueError(f"Validation data was given but {type(t.module).__name__} defines no validation_step. "
                              "Define validation_step or do not pass val_dataloaders.")
         self._set_val(loaders)

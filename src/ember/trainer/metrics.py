@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.types import ReduceFx, ReduceOp, parse_reduce_fx
-from ember.utils import infer_batch_size, is_torchmetric
+from ember.utils import infer_batch_size, is_torchmetric, to_floats
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -109,8 +109,12 @@ class MetricCollector:
         self._progress_bar_metrics: dict[str, Any] = {}
         #: Step values logged since the last logger write, for keys with ``logger=True``.
         self.pending_step_logs: dict[str, Any] = {}
-        #: Until the epoch ends, ``callback_metrics`` read in an epoch-end hook shows the values reduced so far.
+        #: Until the epoch ends, the metrics read in an epoch-end hook show the values reduced so far.
         self._epoch_open = False
+        #: The logger-bound epoch values reduced so far, shown in ``logged_metrics`` inside an epoch-end hook.
+        self._epoch_logs_so_far: dict[str, Any] = {}
+        #: ``progress_bar_metrics`` as floats: key -> (the tensor converted, its float), reused while unchanged.
+        self._pbar_floats: dict[str, tuple[Any, float]] = {}
         #: In validate / test: batches seen per loader (by key suffix) in this run; the per-step values of the
         #: last batch that logged some (written when another batch logs, or when the stage ends) and their
         #: (loader, step).
@@ -139,8 +143,7 @@ class MetricCollector:
 
     @property
     def callback_metrics(self) -> dict[str, Any]:
-        if self._epoch_open and self.fx in _EPOCH_END_HOOKS:
-            self._publish_epoch_so_far()
+        self.epoch_so_far()
         return self._callback_metrics
 
     @callback_metrics.setter
@@ -156,6 +159,25 @@ class MetricCollector:
     @progress_bar_metrics.setter
     def progress_bar_metrics(self, value: dict[str, Any]) -> None:
         self._progress_bar_metrics = value
+
+    def epoch_so_far(self) -> dict[str, Any]:
+        """Inside an epoch-end hook, publish the epoch values reduced so far (as Lightning's metrics
+        show them there) and return the logger-bound ones; elsewhere, return nothing."""
+        if self._epoch_open and self.fx in _EPOCH_END_HOOKS:
+            self._publish_epoch_so_far()
+            return self._epoch_logs_so_far
+        return {}
+
+    def progress_bar_floats(self) -> dict[str, float]:
+        """``progress_bar_metrics`` as Python floats, as Lightning's. Read on demand (never per step); a
+        value converted before and unchanged since is the same float object, so that a reader can tell
+        what changed by identity."""
+        self.epoch_so_far()
+        raw, cache = self.progress_bar_metrics, self._pbar_floats
+        stale = {k: v for k, v in raw.items() if k not in cache or cache[k][0] is not v}
+        if stale:
+            cache.update((k, (stale[k], f)) for k, f in to_floats(stale).items())
+        return {k: cache[k][1] for k in raw}
 
     # ------------------------------------------------------------------ loop-facing
     def start_stage(self, stage: str) -> None:
@@ -343,20 +365,25 @@ class MetricCollector:
     # ------------------------------------------------------------------ epoch end
     def _publish_epoch_so_far(self) -> None:
         """Put the epoch values reduced so far (this process's) into callback_metrics and, for ``prog_bar``
-        ones, progress_bar_metrics: read inside an epoch-end hook, as in Lightning (not the previous
-        epoch's values). ``end_stage`` then publishes the final (cross-process) values."""
-        cm, bar = self._callback_metrics, self._progress_bar_metrics
+        and ``logger`` ones, progress_bar_metrics and the logged metrics: read inside an epoch-end hook, as in
+        Lightning (not the previous epoch's values). ``end_stage`` then publishes the final (cross-process)
+        values."""
+        cm, bar, logs = self._callback_metrics, self._progress_bar_metrics, self._epoch_logs_so_far
         for e in self._entries.values():
-            if e.on_epoch and e.metric is not None:
+            if not e.on_epoch:
+                continue
+            if e.metric is not None:
                 value = e.metric.compute()  # cached by the Metric until its next update: end_stage reuses it
-                cm[e.epoch_key] = value
-                cm[e.name] = value
-            elif e.on_epoch and e.total is not None:
+            elif e.total is not None:
                 value = e.total / e.weight if e.reduce_fx == "mean" else e.total
-                cm[e.epoch_key] = value
-                cm[e.name] = value
-                if e.prog_bar:
-                    bar[e.epoch_key] = value
+            else:
+                continue
+            cm[e.epoch_key] = value
+            cm[e.name] = value
+            if e.prog_bar:
+                bar[e.epoch_key] = value
+            if e.logger:
+                logs[e.epoch_key] = value
 
     def end_stage(self) -> dict[str, Any]:
         """Reduce this stage's epoch values (across processes too) and publish them.
@@ -369,6 +396,7 @@ class MetricCollector:
         """
         self.flush_eval_steps()
         self._epoch_open = False
+        self._epoch_logs_so_far.clear()
         cm = self._callback_metrics
         metrics = self._compute_metrics()
         entries = sorted((e for e in self._entries.values() if e.on_epoch and e.metric is None), key=lambda e: e.name)

@@ -187,6 +187,8 @@ class StepWith:
         return self.optimizer.step(closure, **self.kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":  # not set yet (a copy being built by copy/pickle): no endless lookup
+            raise AttributeError(name)
         return getattr(self.optimizer, name)
 
 
@@ -200,13 +202,15 @@ class ReadThroughOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":  # not set yet (a copy being built by copy/pickle): no endless lookup
+            raise AttributeError(name)
         return getattr(self.optimizer, name)
 
 
 class OptimizerProxy(ReadThroughOptimizer):
     """What ``self.optimizers()`` hands out in manual optimization.
 
-    ``step`` runs ``on_before_optimizer_step`` (once per call, as Lightning) and steps through the
+    ``step`` runs ``on_before_optimizer_step`` (after the closure, as Lightning) and steps through the
     precision plugin (GradScaler) and the strategy; the fit loop counts the calls into ``global_step``.
     """
 
@@ -218,11 +222,23 @@ class OptimizerProxy(ReadThroughOptimizer):
         """Step the optimizer; keyword arguments go on to its ``step``, as in Lightning."""
         state = self._state
         state.steps_taken += 1
-        if state.hooks is not None:
-            state.hooks.call("on_before_optimizer_step", self.optimizer)
+        hooks = state.hooks
+        if hooks is not None and hooks.get("on_before_optimizer_step"):
+            if closure is None:
+                hooks.call("on_before_optimizer_step", self.optimizer)
+            else:  # as Lightning: the hook runs after the closure (its backward), inside the optimizer's step
+                closure = _then_hook(closure, hooks, self.optimizer)
         assert state.precision is not None and state.strategy is not None  # set for every fit
         optimizer: Any = StepWith(self.optimizer, kwargs) if kwargs else self.optimizer
         return state.precision.optimizer_step(optimizer, state.strategy, closure)
+
+
+def _then_hook(closure: Callable[[], Any], hooks: Hooks, optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+    def run() -> Any:
+        out = closure()
+        hooks.call("on_before_optimizer_step", optimizer)
+        return out
+    return run
 
 
 class OptimizerState:

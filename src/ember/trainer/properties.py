@@ -100,7 +100,8 @@ class TrainerProperties:
         """The last value of every key logged with ``logger=True``: what went to the loggers, and, as in
         Lightning, the latest step values even when no write was due (merged on read, not per step)."""
         logged = self._logged_metrics
-        for pending in (self._metrics.pending_step_logs, self._metrics.pending_eval_step_logs):
+        for pending in (self._metrics.pending_step_logs, self._metrics.pending_eval_step_logs,
+                        self._metrics.epoch_so_far()):
             if pending:  # as Lightning: the current batch's step values are visible before they are written
                 logged.update(pending)
         return logged
@@ -110,8 +111,9 @@ class TrainerProperties:
         self._logged_metrics = value
 
     @property
-    def progress_bar_metrics(self) -> dict[str, Any]:
-        return self._metrics.progress_bar_metrics
+    def progress_bar_metrics(self) -> dict[str, float]:
+        """What the progress bar shows, as floats (as Lightning's); epoch values so far in an epoch-end hook."""
+        return self._metrics.progress_bar_floats()
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:

@@ -78,22 +78,23 @@ class Resume:
         strict = module.strict_loading
         if strict:
             check_state_dict(module, ckpt["state_dict"], path, exact_dtype=fit)
-        # Callbacks and the datamodule restore through state_dict / load_state_dict: copies to put back
-        # into those this restore touches (and only those: the others never see a load_state_dict call).
+        # Callbacks and the datamodule restore through their hooks (load_state_dict, on_load_checkpoint).
+        # The copies to put back, should a later part fail, are of their attributes, taken without
+        # calling any of their hooks: a Lightning user sees each hook called exactly as Lightning calls it.
         weights = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
         saved = ckpt.get("callbacks") or {}
         touched: list[tuple[Callback | DataModule, dict[str, Any]]] = []
+        shared = {id(o): o for o in (trainer, module, trainer.datamodule, *trainer.callbacks) if o is not None}
 
         def touch(owner: Callback | DataModule) -> None:
-            touched.append((owner, copy.deepcopy(owner.state_dict())))
+            if hasattr(owner, "__dict__") and all(owner is not o for o, _ in touched):
+                touched.append((owner, _snapshot(vars(owner), shared)))
 
         def undo() -> None:
             module.load_state_dict(weights)
-            for owner, state in reversed(touched):
-                try:
-                    owner.load_state_dict(state)
-                except Exception:  # the callback that failed to load fails again: the first error is the one to see
-                    pass
+            for owner, attributes in reversed(touched):
+                vars(owner).clear()
+                vars(owner).update(attributes)
         self._undo.append(undo)
         try:
             module.on_load_checkpoint(ckpt)
@@ -246,3 +247,15 @@ def _restore_rng(trainer: Trainer, ckpt: dict[str, Any]) -> None:
                       UserWarning)
     if rank < len(per_rank):
         apply_rng(per_rank[rank])
+
+
+def _snapshot(attributes: dict[str, Any], shared: dict[int, Any]) -> dict[str, Any]:
+    """A copy of an object's attributes to put back: deep where it can be (the trainer, the module and
+    the callbacks it refers to stay shared), shallow for a value that cannot be copied (a lock, a file)."""
+    out = {}
+    for name, value in attributes.items():
+        try:
+            out[name] = copy.deepcopy(value, dict(shared))
+        except Exception:
+            out[name] = value
+    return out

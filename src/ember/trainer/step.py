@@ -28,6 +28,7 @@ import torch
 
 from ember.module import TrainModule
 from ember.trainer.optim import ReadThroughOptimizer, StepWith
+from ember.utils import defines_hook
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -79,8 +80,8 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _override(module: TrainModule, name: str) -> Callable[..., Any] | None:
-    """``module``'s bound ``name`` when its class overrides TrainModule's, else None."""
-    return getattr(module, name) if getattr(type(module), name) is not getattr(TrainModule, name) else None
+    """``module``'s ``name`` when it overrides TrainModule's (None on the instance does not), else None."""
+    return getattr(module, name) if defines_hook(name, module, TrainModule) else None
 
 
 class _Closure:

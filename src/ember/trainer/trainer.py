@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from lightning_utilities.core.overrides import is_overridden
 
 from ember.callbacks.callback import Callback
 from ember.callbacks.fit_summary import print_fit_summary
@@ -256,6 +257,9 @@ class Trainer(TrainerProperties):
             types = {type(c) for c in extra}
             self.callbacks = [c for c in self.callbacks if type(c) not in types] + extra
         self.callbacks = arguments.checkpoints_last(self.callbacks)
+        for cb in self.callbacks:  # as Lightning: self.log / self.log_dict in a callback log through the module
+            if not hasattr(type(cb), "log"):
+                cb.log, cb.log_dict = module.log, module.log_dict  # type: ignore[attr-defined]
         self._hooks = Hooks(self, self.callbacks, module, self._metrics)
         self._logs = LogWriter(self, self._metrics)
         self.strategy.setup_environment()
@@ -319,6 +323,7 @@ class Trainer(TrainerProperties):
         self._hooks.call("on_fit_start")
         if self.enable_autolog_hparams:
             self._logs.hyperparams()
+        module.zero_grad()  # every stage starts without gradients, as Lightning's _run_stage
         # No module.train() here: as in Lightning, submodules a user put in eval mode stay there.
         with preemption(self) as handler, torch.autograd.set_detect_anomaly(self.detect_anomaly):
             self._loop.run(resume, handler)  # SIGTERM -> checkpoint at the next step boundary -> Preempted exit
@@ -327,11 +332,12 @@ class Trainer(TrainerProperties):
         print_fit_summary(self)  # one line on rank zero: where the logs and checkpoints went
 
     def _evaluate_or_predict(self, stage: Stage, module: TrainModule, given: Any, path: str | None) -> Any:
+        module.zero_grad()  # every stage starts without gradients, as Lightning's _run_stage
         if stage == "predict":
             loaders, limits = eval_loaders(self, given, stage, "predict_dataloader", self.limit_predict_batches)
         else:
             hook = "validation" if stage == "validate" else "test"
-            if getattr(type(module), f"{hook}_step") in (None, getattr(TrainModule, f"{hook}_step")):
+            if not is_overridden(f"{hook}_step", module, TrainModule):
                 raise ValueError(f"{type(module).__name__} defines no {hook}_step; define it to {stage}.")
             attr, limit = (("val_dataloader", self.limit_val_batches) if stage == "validate"
                            else ("test_dataloader", self.limit_test_batches))
