@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.callbacks.callback import Callback
+from ember.callbacks.callback import overrides
 from ember.callbacks.checkpoint_writer import writers_of
 from ember.callbacks.file_logger import FileLogger
 from ember.checkpoint_io import (  # noqa: F401  (file-level API, re-exported here)
@@ -128,7 +128,7 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
         ckpt["epoch_metrics"] = _train_accumulators(trainer)
         ckpt["rng"] = _gather_rng(strategy)
         for cb in trainer.callbacks:
-            if type(cb).on_save_checkpoint is not Callback.on_save_checkpoint:
+            if overrides(cb, "on_save_checkpoint"):
                 cb.on_save_checkpoint(trainer, module, ckpt)
     module.on_save_checkpoint(ckpt)
     return ckpt

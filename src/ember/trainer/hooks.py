@@ -5,7 +5,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ember.callbacks.callback import Callback
+from ember.callbacks.callback import Callback, overrides
 from ember.module import TrainModule
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class Hooks:
         for cb in self._callbacks:
             if monitoring is not None and bool(cb.monitors_metrics) != monitoring:
                 continue
-            if base is not None and getattr(type(cb), name, base) is not base:
+            if base is not None and overrides(cb, name):
                 table.append(functools.partial(getattr(cb, name), self._trainer, self._module))
         module = self._module
         mod_base = getattr(TrainModule, name, None)

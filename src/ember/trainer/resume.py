@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ember.callbacks.callback import Callback
+from ember.callbacks.callback import Callback, overrides
 from ember.checkpoint_io import CheckpointError, check_state_dict, load
 from ember.data import DataModule
 from ember.rng import apply_rng, capture_rng
@@ -96,7 +96,7 @@ class Resume:
                 touch(dm)
                 dm.load_state_dict(ckpt["datamodule"])
             for cb in trainer.callbacks:
-                if type(cb).on_load_checkpoint is not Callback.on_load_checkpoint:
+                if overrides(cb, "on_load_checkpoint"):
                     touch(cb)
                     cb.on_load_checkpoint(trainer, module, ckpt)
             for cb in trainer.callbacks:
