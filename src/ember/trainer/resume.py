@@ -207,6 +207,11 @@ def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) ->
                 trainer._position_offset = (progress.current_epoch,
                                             saved["position"] - progress.batch_in_epoch * batch_size * world)
         return
+    saved_loader = ckpt.get("loader")
+    if saved_loader is not None and callable(getattr(loader, "load_state_dict", None)):
+        if progress.batch_in_epoch and not progress.epoch_finished:
+            loader.load_state_dict(saved_loader)  # continues each inner loader where it was (CombinedLoader)
+        return
     if progress.batch_in_epoch and not progress.epoch_finished:
         warnings.warn(f"Resuming mid-epoch from {path!r} with a train loader ember cannot resume at the sampler level: "
                       f"the first {progress.batch_in_epoch} batches of the epoch are loaded again and skipped, and the "
