@@ -25,6 +25,7 @@ _LAZY = {
     "GradientAccumulationScheduler": "ember.callbacks.gradient_accumulation",
     "BaseFinetuning": "ember.callbacks.finetuning",
     "BackboneFinetuning": "ember.callbacks.backbone_finetuning",
+    "DeviceStatsMonitor": "ember.callbacks.device_stats",
 }
 
 __all__ = ["Callback", "Logger", *_LAZY]
