@@ -166,3 +166,18 @@ def test_backbone_finetuning_under_ddp_keeps_the_ranks_identical():
     weights = [{k: v for k, v in r[1].items() if "running" not in k and "num_batches" not in k} for r in ranks]
     for name in weights[0]:  # (BatchNorm statistics are each rank's own)
         assert torch.equal(weights[0][name], weights[1][name]), name
+
+
+def test_backbone_finetuning_under_dp_trains_as_one_device():
+    """strategy="dp" replicates the module every step, so the backbone unfrozen at epoch 1 trains on every
+    replica and the weights equal a single device's."""
+    results = []
+    for kwargs in (dict(), dict(strategy="dp", devices=2, accelerator="cpu")):
+        torch.manual_seed(0)
+        module = Net()
+        module.backbone[1] = torch.nn.Identity()  # BatchNorm statistics are per replica under dp
+        ember.Trainer(max_epochs=3, enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                      callbacks=[BackboneFinetuning(1)], **kwargs).fit(module, DataLoader(data(), batch_size=4))
+        results.append({k: v.clone() for k, v in module.state_dict().items()})
+    for name, value in results[0].items():
+        torch.testing.assert_close(results[1][name], value, msg=name)

@@ -150,3 +150,16 @@ def test_under_ddp_each_inner_loader_is_sharded():
                        ("val", 0, 0, [0, 2]), ("val", 0, 1, [50])]
     assert seen[1] == [("train", 0, [1, 3], [101, 103]), ("train", 1, [5, 7], [101, 103]),
                        ("val", 0, 0, [1, 3]), ("val", 0, 1, [51])]
+
+
+def test_dp_trains_on_combined_batches_as_one_device_does():
+    """strategy="dp" scatters each combined (dict) batch over 2 replicas; the weights equal one device's."""
+    results = []
+    for kwargs in (dict(), dict(strategy="dp", devices=2, accelerator="cpu")):
+        torch.manual_seed(0)
+        module = Two()
+        trainer(**kwargs).fit(module, {"a": DataLoader(data(8, 0), batch_size=4),
+                                       "b": DataLoader(data(4, 100), batch_size=4)})
+        results.append([p.detach().clone() for p in module.parameters()])
+    for single, dp in zip(*results):
+        torch.testing.assert_close(dp, single)
