@@ -156,3 +156,18 @@ def test_custom_callback_stops_and_custom_logger_writes_json_lines(tmp_path):
     # the logger has a save_dir, so the checkpoints went beside its file
     assert "checkpoints in " + os.path.join("jsonl", "version_0", "checkpoints") in proc.stdout
     assert (tmp_path / "jsonl" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+# ---------------------------------------------------------------- finetune.py
+@pytest.mark.timeout(150)
+def test_finetune_trains_the_head_first_then_the_backbone(tmp_path):
+    """``python examples/finetune.py``: BackboneFinetuning keeps the pretrained backbone frozen in epoch 0,
+    adds it at epoch 1 with a tenth of the head's rate, doubles that rate each epoch; the default checkpoint
+    and logger are written, and the finetuned model classifies the ten digits."""
+    proc = run_example(tmp_path, str(EXAMPLES / "finetune.py"), "--max-epochs", "3", "--pretrain-epochs", "2",
+                       timeout=140)
+    assert proc.returncode == 0, _fail(proc)
+    assert "backbone frozen in epoch 0, trained from epoch 1 (lr 0.0003 -> 0.0006)" in proc.stdout
+    acc = float(proc.stdout.split("validation accuracy ")[1].split()[0])
+    assert acc > 0.7, proc.stdout
+    assert (tmp_path / "ember_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()

@@ -20,6 +20,12 @@ _LAZY = {
     "Timer": "ember.callbacks.timer",
     "ModelCheckpoint": "ember.callbacks.model_checkpoint",
     "OnExceptionCheckpoint": "ember.callbacks.checkpoint_files",
+    "TQDMProgressBar": "ember.callbacks.tqdm_progress",
+    "LambdaCallback": "ember.callbacks.lambda_function",
+    "GradientAccumulationScheduler": "ember.callbacks.gradient_accumulation",
+    "BaseFinetuning": "ember.callbacks.finetuning",
+    "BackboneFinetuning": "ember.callbacks.backbone_finetuning",
+    "DeviceStatsMonitor": "ember.callbacks.device_stats",
 }
 
 __all__ = ["Callback", "Logger", *_LAZY]

@@ -90,6 +90,13 @@ class Callback:
     def on_load_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None: ...
 
 
+def overrides(callback: Callback, name: str) -> bool:
+    """Whether ``callback`` runs hook ``name``: its class overrides it, or the instance was given its own
+    (``LambdaCallback``, or ``cb.on_train_end = fn`` as Lightning allows; called as ``fn(trainer, module, ...)``)."""
+    base = getattr(Callback, name)
+    return getattr(type(callback), name, base) is not base or name in getattr(callback, "__dict__", ())
+
+
 #: Hook names, for dispatch tables and tests.
 HOOKS: tuple[str, ...] = tuple(
     n for n, v in vars(Callback).items() if n.startswith(("on_", "setup", "teardown")) and callable(v)

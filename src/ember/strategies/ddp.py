@@ -131,6 +131,7 @@ class DDPStrategy(Strategy):
         self._launcher: Launcher | None = None
         self._owns_group = False
         self._buffers_stale = False
+        self._trainable: list[int] = []  # ids of the parameters the reducer synchronises
         self._threads_before: int | None = None
         self._beacon = Beacon()
         self._watchdog: Watchdog | None = None
@@ -318,10 +319,27 @@ class DDPStrategy(Strategy):
     def setup(self, trainer: Any, module: Any) -> None:
         super().setup(trainer, module)
         if trainer.state == "fitting":
-            device_ids = [self.root_device] if self.root_device.type == "cuda" else None
-            self.ddp = self._waiting("the broadcast of rank 0's weights (DistributedDataParallel setup)",
-                                     DistributedDataParallel, module, device_ids=device_ids, **self.ddp_kwargs)
-            self._buffers_stale = False
+            self._wrap(module)
+
+    def _wrap(self, module: Any) -> None:
+        device_ids = [self.root_device] if self.root_device.type == "cuda" else None
+        self.ddp = self._waiting("the broadcast of rank 0's weights (DistributedDataParallel setup)",
+                                 DistributedDataParallel, module, device_ids=device_ids, **self.ddp_kwargs)
+        self._buffers_stale = False
+        self._trainable = [id(p) for p in module.parameters() if p.requires_grad]
+
+    def sync_trainable_parameters(self) -> None:
+        # The reducer all-reduces the gradients of the parameters that required grad when it was
+        # built; a parameter unfrozen later (BackboneFinetuning) would train on each rank's own
+        # gradient and the ranks' weights would drift apart (PyTorch's DDP, and so Lightning, does
+        # that silently). Once per epoch: any rank that sees a change makes every rank re-wrap.
+        ddp = self.ddp
+        if ddp is None:
+            return
+        changed = [id(p) for p in ddp.module.parameters() if p.requires_grad] != self._trainable
+        if self.reduce_boolean_decision(changed, all=False):
+            ddp.reducer.remove_hooks()
+            self._wrap(ddp.module)
 
     def teardown(self) -> None:
         if self._watchdog is not None:

@@ -123,6 +123,11 @@ class Strategy:
     def teardown(self) -> None:
         """Release what ``setup`` and ``setup_environment`` acquired. Must be safe to call twice."""
 
+    def sync_trainable_parameters(self) -> None:
+        """Called on every process when each training epoch starts, after ``on_train_epoch_start`` (where
+        finetuning callbacks freeze and unfreeze): a strategy that synchronises gradients takes in the
+        parameters that require grad now. Nothing to do in one process."""
+
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: Any, stage: Stage) -> Any:
         """Return the loader to iterate for ``stage`` ("fit", "validate", "test", "predict").

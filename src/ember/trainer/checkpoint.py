@@ -16,6 +16,7 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so it
 ``precision``          GradScaler state (empty unless 16-mixed)
 ``progress``           epoch, global step, batches consumed in the epoch, validation progress
 ``sampler``            ``{"seed", "epoch", "position"}`` of the training sampler, or None
+``loader``             a train loader's own ``state_dict()`` (a ``CombinedLoader``: each inner loader's), or None
 ``callbacks``          ``{callback.state_key: callback.state_dict()}``
 ``callback_metrics``   the latest logged values (what monitors compare against)
 ``rng``                torch / CUDA / Python / NumPy generator states, one entry per rank
@@ -55,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.callbacks.callback import Callback
+from ember.callbacks.callback import overrides
 from ember.callbacks.checkpoint_writer import writers_of
 from ember.callbacks.file_logger import FileLogger
 from ember.checkpoint_io import (  # noqa: F401  (file-level API, re-exported here)
@@ -130,6 +131,7 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
         if trainer.state == "fitting" and trainer._metrics.stage == "validate":  # inside a validation not yet counted
             ckpt["progress"]["val_checks_in_epoch"] += 1
         ckpt["sampler"] = _sampler_state(trainer)
+        ckpt["loader"] = _loader_state(trainer) if ckpt["sampler"] is None else None
         ckpt["callbacks"] = {cb.state_key: cb.state_dict() for cb in trainer.callbacks}
         if trainer.datamodule is not None:
             ckpt["datamodule"] = trainer.datamodule.state_dict()
@@ -138,7 +140,7 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
         ckpt["epoch_metrics"] = _train_accumulators(trainer)
         ckpt["rng"] = _gather_rng(strategy)
         for cb in trainer.callbacks:
-            if type(cb).on_save_checkpoint is not Callback.on_save_checkpoint:
+            if overrides(cb, "on_save_checkpoint"):
                 cb.on_save_checkpoint(trainer, module, ckpt)
     module.on_save_checkpoint(ckpt)
     return ckpt
@@ -195,6 +197,20 @@ def _sampler_state(trainer: Trainer) -> dict[str, Any] | None:
     state["epoch"] = trainer.progress.current_epoch
     state["batch_size"] = batch_size
     return state
+
+
+def _loader_state(trainer: Trainer) -> dict[str, Any] | None:
+    """The state of a train loader that keeps its own position (a ``CombinedLoader``: each inner loader's),
+    when it has a length: then the loop takes exactly the batches it yields (no look-ahead), so its
+    count is the loop's."""
+    loader = trainer._data.train_loader
+    if not callable(getattr(loader, "state_dict", None)) or not callable(getattr(loader, "load_state_dict", None)):
+        return None
+    try:
+        len(loader)
+    except TypeError:
+        return None
+    return loader.state_dict()
 
 
 def _train_accumulators(trainer: Trainer) -> list[dict[str, Any]]:

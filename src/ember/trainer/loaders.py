@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning_utilities.core.overrides import is_overridden
@@ -13,6 +13,7 @@ from torch.utils.data import IterableDataset, SequentialSampler
 from ember.data import DataModule
 from ember.module import TrainModule
 from ember.strategies.resumable import rebuild_with_sampler, shutdown_workers, why_not_swappable
+from ember.utilities.combined_loader import CombinedLoader
 from ember.utils import defines_hook, move_to_device, sized_len
 
 if TYPE_CHECKING:
@@ -34,10 +35,59 @@ def num_batches(loader: Any, limit: int | float) -> float:
 
 
 def as_list(loaders: Any) -> list[Any]:
-    """One loader or a list/tuple of them, as a list (None: empty)."""
+    """Evaluation's loaders as a list (None: empty): one loader, a list, tuple or dict of them (in order), or a
+    ``CombinedLoader``: in ``sequential`` mode its loaders one after the other (each its own
+    ``dataloader_idx``, as a list), in the other modes one loader of combined batches."""
     if loaders is None:
         return []
+    if isinstance(loaders, CombinedLoader):
+        return loaders.flattened if loaders.mode == "sequential" else [loaders]
+    if isinstance(loaders, Mapping):
+        return list(loaders.values())
     return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+class CombinedBatches:
+    """What the loops iterate for a ``CombinedLoader``: its batches, without the ``(batch_idx,
+    dataloader_idx)`` it yields beside them (the loops count those themselves). Its length, epoch and
+    resumable state are the combined loader's."""
+
+    def __init__(self, combined: CombinedLoader) -> None:
+        self.combined = combined
+
+    def __iter__(self) -> Iterator[Any]:
+        return (batch for batch, _, _ in self.combined)
+
+    def __len__(self) -> int:
+        return len(self.combined)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.combined.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.combined.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.combined.load_state_dict(state)
+
+
+def process(trainer: Trainer, loader: Any, stage: Stage) -> Any:
+    """``loader`` as the strategy runs it for ``stage``; a CombinedLoader's inner loaders each (every one
+    sharded under ddp and, for fit, resumable, as Lightning processes each)."""
+    if isinstance(loader, CombinedLoader):
+        loader.flattened = [trainer.strategy.process_dataloader(d, stage) for d in loader.flattened]
+        return CombinedBatches(loader)
+    return trainer.strategy.process_dataloader(loader, stage)
+
+
+def combined_train(loader: Any) -> Any:
+    """fit's loader: a dict, list or tuple of loaders is combined as Lightning does (``max_size_cycle``)."""
+    if isinstance(loader, (Mapping, list, tuple)):
+        return CombinedLoader(loader, "max_size_cycle")
+    if isinstance(loader, CombinedLoader) and loader.mode == "sequential":
+        raise ValueError("fit does not support CombinedLoader(mode='sequential') for training: each step trains on "
+                         "one batch of each loader. Use 'max_size_cycle', 'min_size' or 'max_size'.")
+    return loader
 
 
 def request(trainer: Trainer, given: Any, attr: str) -> Any:
@@ -55,7 +105,7 @@ def eval_loaders(trainer: Trainer, given: Any, stage: Stage, attr: str, limit: i
     loaders = as_list(request(trainer, given, attr))
     if not loaders:
         raise ValueError(f"{stage} needs data: pass dataloaders or a datamodule.")
-    loaders = [trainer.strategy.process_dataloader(d, stage) for d in loaders]
+    loaders = [process(trainer, d, stage) for d in loaders]
     for d in loaders:  # as Lightning: the epoch of the last fit (0 for a new Trainer)
         set_loader_epoch(d, trainer.current_epoch)
     return loaders, [num_batches(d, limit) for d in loaders]
@@ -66,6 +116,9 @@ def set_loader_epoch(loader: Any, epoch: int) -> None:
     the batch sampler's sampler (once each when they are one object), and also a batch sampler of
     its own that has ``set_epoch``. Called for the train loader every epoch and for validation loaders
     each time they run (some shuffle validation by the training epoch)."""
+    if isinstance(loader, CombinedBatches):
+        loader.set_epoch(epoch)
+        return
     batch_sampler = getattr(loader, "batch_sampler", None)
     seen: dict[int, Any] = {}
     for obj in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None), batch_sampler):
@@ -238,16 +291,20 @@ class FitData:
     def _set_train(self, loader: Any) -> None:
         t = self._trainer
         shutdown_workers(self.train_loader)  # a reload replaces it
+        loader = combined_train(loader)
         if t.overfit_batches:
-            loader = unshuffled(loader, "train")
-        self.train_loader = t.strategy.process_dataloader(loader, "fit")
+            if isinstance(loader, CombinedLoader):
+                loader.flattened = [unshuffled(d, "train") for d in loader.flattened]
+            else:
+                loader = unshuffled(loader, "train")
+        self.train_loader = process(t, loader, "fit")
         self.num_training_batches = num_batches(self.train_loader, t.limit_train_batches)
 
     def _set_val(self, loaders: list[Any]) -> None:
         t = self._trainer
         if t.overfit_batches:
             loaders = [unshuffled(v, "val") for v in loaders]
-        self.val_loaders = [t.strategy.process_dataloader(v, "validate") for v in loaders]
+        self.val_loaders = [process(t, v, "validate") for v in loaders]
         self.num_val_batches = [num_batches(v, t.limit_val_batches) for v in self.val_loaders]
 
     @property

@@ -247,6 +247,7 @@ class FitLoop:
         self._keep_train_stage = False
         if start == 0:  # a mid-epoch resume continues the epoch: it already started (as in Lightning)
             self.hooks.call("on_train_epoch_start")
+        t.strategy.sync_trainable_parameters()  # after on_train_epoch_start, where finetuning unfreezes
         loader, n_batches = data.train_loader, data.num_training_batches
         set_loader_epoch(loader, p.current_epoch)
 
@@ -263,6 +264,7 @@ class FitLoop:
         preemption_polls = preemption is not None and t.strategy.world_size > 1
         may_validate = data.will_validate
         max_steps, k = t.max_steps, t.accumulate_grad_batches
+        step.k = k  # read once per epoch, after on_train_epoch_start (GradientAccumulationScheduler sets it)
         schedulers = self.optim.schedulers if step.automatic else []  # manual optimization steps its own
         # As Lightning: step-interval schedulers step before on_train_batch_end, and epoch-interval ones
         # (except ReduceLROnPlateau, which waits for the epoch's metrics) after the epoch's last batch.

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ember.callbacks.callback import Callback
+from ember.callbacks.callback import Callback, overrides
 from ember.checkpoint_io import CheckpointError, check_state_dict, load, match_compiled_keys
 from ember.data import DataModule
 from ember.rng import apply_rng, capture_rng
@@ -106,7 +106,7 @@ class Resume:
                 touch(dm)
                 dm.load_state_dict(ckpt["datamodule"])
             for cb in trainer.callbacks:
-                if type(cb).on_load_checkpoint is not Callback.on_load_checkpoint:
+                if overrides(cb, "on_load_checkpoint"):
                     touch(cb)
                     cb.on_load_checkpoint(trainer, module, ckpt)
             for cb in trainer.callbacks:
@@ -223,6 +223,11 @@ def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) ->
                 # this epoch record where it really is.
                 trainer._position_offset = (progress.current_epoch,
                                             saved["position"] - progress.batch_in_epoch * batch_size * world)
+        return
+    saved_loader = ckpt.get("loader")
+    if saved_loader is not None and callable(getattr(loader, "load_state_dict", None)):
+        if progress.batch_in_epoch and not progress.epoch_finished:
+            loader.load_state_dict(saved_loader)  # continues each inner loader where it was (CombinedLoader)
         return
     if progress.batch_in_epoch and not progress.epoch_finished:
         warnings.warn(f"Resuming mid-epoch from {path!r} with a train loader ember cannot resume at the sampler level: "
