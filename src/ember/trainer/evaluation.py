@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.module import TrainModule, _restore_modes
+from ember.profilers.base import wrap
 from ember.trainer.loaders import batch_transfer
 from ember.utils import to_floats
 
@@ -81,7 +82,8 @@ class EvaluationLoop:
         """Run ``{hook}_step`` with its batch hooks over the first ``limit`` batches of ``loader``, under
         no_grad and autocast; append each output to ``keep`` (predict). Returns the batches run."""
         metrics = self.metrics
-        step_fn = getattr(self.strategy, f"{hook}_step")
+        step_fn = wrap(self.trainer.profiler, f"[Strategy]{type(self.strategy).__name__}.{hook}_step",
+                       getattr(self.strategy, f"{hook}_step"))  # (the method itself when not profiling)
         batch_start = self.hooks.get(f"on_{hook}_batch_start")
         batch_end = self.hooks.get(f"on_{hook}_batch_end")
         fx_start, fx_step, fx_end = f"on_{hook}_batch_start", f"{hook}_step", f"on_{hook}_batch_end"
