@@ -12,16 +12,18 @@ from typing import TYPE_CHECKING, Any
 from ember.version import __version__
 
 if TYPE_CHECKING:
-    from ember import callbacks, strategies
+    from ember import callbacks, profilers, strategies, tuner
     from ember.data import DataModule
     from ember.module import TrainModule
     from ember.seed import seed_everything
     from ember.trainer import Trainer
 
-__all__ = ["Trainer", "TrainModule", "DataModule", "seed_everything", "callbacks", "strategies", "__version__"]
+__all__ = ["Trainer", "TrainModule", "DataModule", "seed_everything", "callbacks", "strategies", "profilers", "tuner",
+           "__version__"]
 
 _WHERE = {"Trainer": "ember.trainer", "TrainModule": "ember.module", "DataModule": "ember.data",
-          "seed_everything": "ember.seed", "callbacks": "ember.callbacks", "strategies": "ember.strategies"}
+          "seed_everything": "ember.seed", "callbacks": "ember.callbacks", "strategies": "ember.strategies",
+          "profilers": "ember.profilers", "tuner": "ember.tuner"}
 
 
 def __getattr__(name: str) -> Any:
