@@ -168,3 +168,15 @@ def test_mistakes_are_explained(tmp_path):
     with pytest.raises(ValueError, match="0 < min_lr < max_lr"):
         tuner.lr_find(Net(), regression_loader(), min_lr=1.0, max_lr=0.1)
     assert Tuner(trainer(tmp_path, fast_dev_run=True)).lr_find(Net(), regression_loader()) is None
+
+
+def test_the_sweep_is_not_profiled_and_the_profiler_is_given_back(tmp_path, capsys):
+    from ember.profilers import SimpleProfiler
+
+    profiler = SimpleProfiler()
+    t = trainer(tmp_path, logger=False, profiler=profiler, max_epochs=2)
+    Tuner(t).lr_find(Net(), regression_loader(), num_training=8)
+    assert "Profiler Report" not in capsys.readouterr().out
+    assert t.profiler is profiler
+    t.fit(Net(), regression_loader())
+    assert "FIT Profiler Report" in capsys.readouterr().out

@@ -3,7 +3,7 @@
 A sweep is a short ``trainer.fit`` on the user's own Trainer (so it runs on the same strategy,
 devices and precision, and under ddp in every rank, as the real fit will), with a few settings
 swapped: only the sweep's callback (no checkpoints, loggers or progress bar), a step limit, no
-validation. Everything swapped, and the counters and metrics a fit leaves behind, are put back
+validation, no profiling. Everything swapped, and the counters and metrics a fit leaves behind, are put back
 afterwards, whether the sweep succeeded or raised. The module's weights are copied before and
 loaded back after, in memory: nothing is written to disk.
 """
@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from ember.profilers import PassThroughProfiler
+
 if TYPE_CHECKING:
     from ember.callbacks.callback import Callback
     from ember.data import DataModule
@@ -21,9 +23,9 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 #: Trainer attributes a sweep may change; they are restored to the user's values after it.
-_KEPT = ("callbacks", "max_steps", "max_epochs", "limit_train_batches", "limit_val_batches", "limit_test_batches",
-         "limit_predict_batches", "num_sanity_val_steps", "should_stop", "progress", "history", "state", "ckpt_path",
-         "val_check_interval")
+_KEPT = ("callbacks", "profiler", "max_steps", "max_epochs", "limit_train_batches", "limit_val_batches",
+         "limit_test_batches", "limit_predict_batches", "num_sanity_val_steps", "should_stop", "progress", "history",
+         "state", "ckpt_path", "val_check_interval")
 
 
 @contextmanager
@@ -39,6 +41,7 @@ def borrowed(trainer: Trainer, module: TrainModule, callback: Callback | None, *
     try:
         trainer.loggers = []
         trainer.callbacks = [callback] if callback is not None else []
+        trainer.profiler = PassThroughProfiler()  # a profiler reports on the user's runs, not on the sweeps
         for name, value in settings.items():
             setattr(trainer, name, value)
         yield
