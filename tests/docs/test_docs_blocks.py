@@ -74,7 +74,7 @@ EXPECT: dict[tuple[str, int], list[str]] = {
     ],
     # The tuners' short fits print no profiler report; the real fit prints one.
     ("tuning-and-profiling.md", 0): [r"^batch size 64, \d+ rates tried, suggested lr [0-9.e+-]+\nFIT Profiler Report",
-                                     r"\|  \[Strategy\]SingleDeviceStrategy\.backward\s+\|  [0-9.e-]+\s+\|  120 "],
+                                     r"\|  \[Strategy\]SingleDeviceStrategy\.backward\s+\|  [0-9.e-]+\s+\|  64 "],
     ("failures.md", 0): [],  # fails on purpose: see STATUS
     ("failures.md", 1): [],
     ("failures.md", 2): [
