@@ -161,3 +161,14 @@ def test_mistakes_are_explained(tmp_path):
 def test_validate_is_sized_by_its_own_batches(tmp_path):
     module = Capped(cap=40)
     assert Tuner(trainer(tmp_path, logger=False)).scale_batch_size(module, method="validate") == 32
+
+
+def test_the_size_returned_always_ran(tmp_path):
+    """Lightning 2.6.6 returns 128 for max_val=100 (never tried) and 64 for init_val=64 that ran out of
+    memory; ember returns a size whose trial ran."""
+    module = Capped()
+    assert Tuner(trainer(tmp_path, logger=False)).scale_batch_size(module, max_val=100) == 100
+    assert max(module.sizes) == 100
+    module = Capped(cap=10)
+    assert Tuner(trainer(tmp_path, logger=False)).scale_batch_size(module, init_val=64) == 8
+    assert 8 in module.sizes
