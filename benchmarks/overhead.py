@@ -65,6 +65,8 @@ def plain_loop(batches: list) -> float:
 CONFIGS = {
     "bare": dict(log=False, trainer=dict(enable_progress_bar=False, logger=False)),
     "bar+log": dict(log=True, trainer=dict(enable_progress_bar=True, logger=False, log_every_n_steps=1)),
+    # What turning the simple profiler on costs (off, the default, is "bare").
+    "bare+profiler=simple": dict(log=False, trainer=dict(enable_progress_bar=False, logger=False, profiler="simple")),
 }
 
 

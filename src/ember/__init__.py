@@ -33,18 +33,19 @@ _logger.setLevel(logging.INFO)
 _logger.addHandler(_UnconfiguredHandler())
 
 if TYPE_CHECKING:
-    from ember import callbacks, strategies
+    from ember import callbacks, loggers, profilers, strategies, tuner
     from ember.checkpoint_io import load_lightning_checkpoint
     from ember.data import DataModule
     from ember.module import TrainModule
     from ember.seed import seed_everything
     from ember.trainer import Trainer
 
-__all__ = ["Trainer", "TrainModule", "DataModule", "seed_everything", "callbacks", "strategies",
-           "load_lightning_checkpoint", "__version__"]
+__all__ = ["Trainer", "TrainModule", "DataModule", "seed_everything", "callbacks", "strategies", "loggers",
+           "profilers", "tuner", "load_lightning_checkpoint", "__version__"]
 
 _WHERE = {"Trainer": "ember.trainer", "TrainModule": "ember.module", "DataModule": "ember.data",
           "seed_everything": "ember.seed", "callbacks": "ember.callbacks", "strategies": "ember.strategies",
+          "loggers": "ember.loggers", "profilers": "ember.profilers", "tuner": "ember.tuner",
           "load_lightning_checkpoint": "ember.checkpoint_io"}
 
 

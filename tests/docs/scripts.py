@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def run_script(directory: Path, source: str, timeout: float) -> subprocess.CompletedProcess:
     script = directory / "script.py"
     script.write_text(source)
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    # The checkout's own src first: the blocks test this tree's ember, not whichever one is installed.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT])}
     return subprocess.run([sys.executable, str(script)], cwd=directory, capture_output=True, text=True,
                           timeout=timeout, env=env)

@@ -16,7 +16,8 @@ from tests.docs.scripts import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(ROOT, "docs")
-GUIDES = ["quickstart.md", "from-lightning.md", "strategies.md", "checkpoints.md", "logging.md", "failures.md"]
+GUIDES = ["quickstart.md", "from-lightning.md", "strategies.md", "checkpoints.md", "logging.md", "failures.md",
+          "tuning-and-profiling.md"]
 
 
 def _blocks(guide: str) -> list[tuple[str, str]]:
@@ -71,6 +72,9 @@ EXPECT: dict[tuple[str, int], list[str]] = {
         r"history 0 4 \['epoch', 'loss', 'loss_epoch_mean', 'max_logit', 'step', 'val_loss'\]\n"
         r"history 1 8 ",
     ],
+    # The tuners' short fits print no profiler report; the real fit prints one.
+    ("tuning-and-profiling.md", 0): [r"^batch size 64, \d+ rates tried, suggested lr [0-9.e+-]+\nFIT Profiler Report",
+                                     r"\|  \[Strategy\]SingleDeviceStrategy\.backward\s+\|  [0-9.e-]+\s+\|  64 "],
     ("failures.md", 0): [],  # fails on purpose: see STATUS
     ("failures.md", 1): [],
     ("failures.md", 2): [

@@ -14,6 +14,7 @@ import torch
 import ember.callbacks as cbs
 from ember.callbacks.callback import Callback
 from ember.callbacks.logger import Logger
+from ember.profilers import PROFILERS, PassThroughProfiler, Profiler
 from ember.strategies.launcher import detect_world
 from ember.strategies.registry import get_strategy
 from ember.strategies.strategy import Strategy
@@ -118,7 +119,6 @@ def check_limit(name: str, value: int | float | None) -> int | float:
 #: Lightning ``Trainer`` arguments ember does not take, and why (named in the error instead of a guess).
 NOT_TAKEN = {
     "num_nodes": "ember's ddp reads the world (nodes included) from torchrun or SLURM; start it with torchrun",
-    "profiler": "ember has no profiler integration; wrap trainer.fit in torch.profiler.profile(...) yourself",
     "plugins": "ember has no plugin system; pass precision= and strategy= instead",
     "barebones": "ember has no barebones mode; turn off enable_progress_bar, logger and enable_checkpointing",
     "inference_mode": "ember always evaluates under torch.no_grad() (see the README's differences from Lightning)",
@@ -145,6 +145,20 @@ def reject_unknown(unknown: dict[str, Any], init: Callable[..., Any]) -> None:
     close = difflib.get_close_matches(name, names, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else " See help(ember.Trainer) for the arguments it takes."
     raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}.{hint}")
+
+
+def resolve_profiler(profiler: str | Profiler | None) -> Profiler:
+    """``Trainer(profiler=...)``: a name, a Profiler, or None (the pass-through, which costs nothing)."""
+    if profiler is None:
+        return PassThroughProfiler()
+    if isinstance(profiler, Profiler):
+        return profiler
+    if isinstance(profiler, str) and profiler.lower() in PROFILERS:
+        return PROFILERS[profiler.lower()]()
+    names = ", ".join(repr(n) for n in PROFILERS)
+    close = difflib.get_close_matches(str(profiler).lower(), list(PROFILERS), n=1) if isinstance(profiler, str) else []
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"profiler must be one of {names}, an ember.profilers.Profiler or None, got {profiler!r}.{hint}")
 
 
 def resolve_devices(accelerator: str, devices: Any) -> tuple[str, list[torch.device]]:

@@ -30,6 +30,7 @@ import torch
 from lightning_utilities.core.overrides import is_overridden
 
 from ember.module import TrainModule, _restore_modes
+from ember.profilers.base import wrap
 from ember.strategies.resumable import resumable_sampler_of
 from ember.trainer.loaders import batch_transfer
 from ember.trainer.lockstep import COUNT_REST_SECONDS
@@ -94,7 +95,8 @@ class EvaluationLoop:
         padding batch where this rank has fewer than another), under no_grad and autocast; append each
         output of a real batch to ``keep`` (predict)."""
         metrics = self.metrics
-        step_fn = getattr(self.strategy, f"{hook}_step")
+        step_fn = wrap(self.trainer.profiler, f"[Strategy]{type(self.strategy).__name__}.{hook}_step",
+                       getattr(self.strategy, f"{hook}_step"))  # (the method itself when not profiling)
         batch_start = self.hooks.get(f"on_{hook}_batch_start")
         batch_end = self.hooks.get(f"on_{hook}_batch_end")
         fx_start, fx_step, fx_end = f"on_{hook}_batch_start", f"{hook}_step", f"on_{hook}_batch_end"

@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ember.profilers.base import iterate, wrap
 from ember.rng import apply_rng, capture_rng
 from ember.trainer.loaders import batch_transfer, set_loader_epoch
 from ember.trainer.lockstep import Lockstep, uneven_message
@@ -133,10 +134,11 @@ class FitLoop:
             self.metrics.resume_stage("train")  # mid-epoch resume: keep the restored accumulations
         self.hooks.call("on_train_start")
         self._loaded_at = p.current_epoch
+        run_epoch = wrap(t.profiler, "run_training_epoch", self.run_epoch)  # (itself when not profiling)
         while not self._done():
             if t.should_stop and self.can_stop():  # also a stop requested before the first epoch, as Lightning
                 break
-            self.run_epoch(preemption)
+            run_epoch(preemption)
         self.hooks.call("on_train_end")
 
     def _sanity_check(self) -> None:
@@ -285,6 +287,9 @@ class FitLoop:
                 stream = lockstep = Lockstep(batches, t.strategy)
             else:
                 stream = _lookahead(batches)
+        # With a profiler: each next batch and each batch's step timed (without: the same objects).
+        stream = iterate(t.profiler, "[FitLoop].train_dataloader_next", stream)
+        run_step = wrap(t.profiler, "run_training_batch", step)
         batch_idx = start - 1
         is_last = exhausted = refused = False
         for batch, is_last in stream:
@@ -308,7 +313,7 @@ class FitLoop:
                                                    plateau=False)
                     break
             metrics.fx = "training_step"
-            outputs, steps = step(batch, batch_idx, is_last)
+            outputs, steps = run_step(batch, batch_idx, is_last)
             p.batch_in_epoch = batch_idx + 1
             p.total_batches += 1
             if steps:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.module import TrainModule
+from ember.profilers.base import Profiler, wrap
 from ember.trainer.optim import ReadThroughOptimizer, StepWith
 from ember.utils import defines_hook
 
@@ -145,11 +146,14 @@ class TrainingStep:
         hooks: callback and module hooks of this run.
         progress: the epoch passed to ``optimizer_step`` / ``optimizer_zero_grad``.
         accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm: the Trainer's arguments.
+        profiler: times the step's parts (training_step, backward, optimizer_step); None or the
+            pass-through leaves the bound methods unwrapped.
     """
 
     def __init__(self, *, strategy: Strategy, module: TrainModule, precision: Precision, optim: OptimizerState,
                  metrics: MetricCollector, hooks: Hooks, progress: FitProgress, accumulate_grad_batches: int,
-                 gradient_clip_val: float | None, gradient_clip_algorithm: str) -> None:
+                 gradient_clip_val: float | None, gradient_clip_algorithm: str,
+                 profiler: Profiler | None = None) -> None:
         self.strategy, self.module, self.precision, self.optim = strategy, module, precision, optim
         self.metrics, self.hooks, self.progress = metrics, hooks, progress
         self.k = accumulate_grad_batches
@@ -167,6 +171,7 @@ class TrainingStep:
         self._clip_override = _override(module, "configure_gradient_clipping") or (
             module.configure_gradient_clipping if _override(module, "clip_gradients") else None)
         self._hooks_bound = False
+        self._profiler = profiler
         if self.automatic and optim.optimizers:
             self._optimizer = optim.optimizers[0]
             self.optimizer = _SteppingOptimizer(self._optimizer, self)
@@ -174,7 +179,12 @@ class TrainingStep:
 
     def bind_hooks(self) -> None:
         """Look up the per-step hooks (once per run: the hook table does not change during it)."""
-        hooks = self.hooks
+        hooks, profiler, strategy = self.hooks, self._profiler, type(self.strategy).__name__
+        # The callables each step makes, timed when a profiler is on (otherwise the methods themselves).
+        self._training_step = wrap(profiler, f"[Strategy]{strategy}.training_step", self.strategy.training_step)
+        self._backward = wrap(profiler, f"[Strategy]{strategy}.backward", self.strategy.backward)
+        self._optimizer_step = wrap(profiler, f"[TrainModule]{type(self.module).__name__}.optimizer_step",
+                                    self.module.optimizer_step)
         self._h_zero_grad = hooks.get("on_before_zero_grad")
         self._h_before_backward = hooks.get("on_before_backward")
         self._h_after_backward = hooks.get("on_after_backward")
@@ -198,7 +208,7 @@ class TrainingStep:
             return outputs, 0
         self.batch_idx = batch_idx
         closure = _Closure(self, batch, batch_idx, pos)
-        self.module.optimizer_step(self.progress.current_epoch, batch_idx, self.optimizer, closure)
+        self._optimizer_step(self.progress.current_epoch, batch_idx, self.optimizer, closure)
         if not closure.called:
             raise RuntimeError(f"{type(self.module).__name__}.optimizer_step did not call optimizer_closure (batch "
                                f"{batch_idx}): pass it to optimizer.step(closure=optimizer_closure), or call it "
@@ -209,10 +219,10 @@ class TrainingStep:
     def forward_backward(self, batch: Any, batch_idx: int, pos: int, warn: bool = True) -> tuple[Any, Any]:
         """training_step, then (first batch of a window) zero_grad, then backward; returns (outputs, loss)."""
         if self._autocast is None:
-            outputs = self.strategy.training_step(batch, batch_idx)
+            outputs = self._training_step(batch, batch_idx)
         else:
             with self._autocast():
-                outputs = self.strategy.training_step(batch, batch_idx)
+                outputs = self._training_step(batch, batch_idx)
         # The usual return (a scalar tensor that requires grad) needs no further checking.
         loss = outputs if type(outputs) is torch.Tensor and outputs.requires_grad and not outputs.ndim \
             else check_loss(outputs)
@@ -243,7 +253,7 @@ class TrainingStep:
                 h(loss)
         if self.precision.scaler is not None:
             scaled = self.precision.scale_loss(scaled)
-        self.strategy.backward(scaled, self._backward_override)
+        self._backward(scaled, self._backward_override)
         if self._h_after_backward:
             self.metrics.fx = "on_after_backward"
             for h in self._h_after_backward:
@@ -310,7 +320,7 @@ class TrainingStep:
     def _manual(self, batch: Any, batch_idx: int) -> tuple[Any, int]:
         before = self.optim.steps_taken
         with self.precision.autocast():
-            outputs = self.strategy.training_step(batch, batch_idx)
+            outputs = self._training_step(batch, batch_idx)
         return outputs, self.optim.steps_taken - before
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:

@@ -18,6 +18,7 @@ from ember.callbacks.logger import DummyLogger, Logger
 from ember.data import DataModule
 from ember.hparams import drop_unpicklable
 from ember.module import TrainModule
+from ember.profilers import Profiler
 from ember.strategies.strategy import Strategy
 from ember.trainer import arguments, checkpoint
 from ember.trainer.compile import is_compiled, unwrap_compiled
@@ -84,6 +85,9 @@ class Trainer(TrainerProperties):
         enable_model_summary: print a table of the model's layers at fit start.
         reload_dataloaders_every_n_epochs: request the loaders from the module or datamodule again
             every n epochs (0: once per fit).
+        profiler: "simple", "advanced", "pytorch" or a ``ember.profilers.Profiler``: times the hooks,
+            the step, backward, the optimizer step and fetching batches, and reports at the end of each
+            run (None: no profiling, at no cost per step).
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class Trainer(TrainerProperties):
         enable_model_summary: bool = False,
         reload_dataloaders_every_n_epochs: int = 0,
         enable_autolog_hparams: bool = True,
+        profiler: str | Profiler | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -180,6 +185,7 @@ class Trainer(TrainerProperties):
                      "checkpointing is suppressed.", n)
 
         arguments.set_backend_flags(deterministic, benchmark)
+        self.profiler: Profiler = arguments.resolve_profiler(profiler)
 
         self._precision_name = normalize_precision(precision)
         accelerator_name, device_list = arguments.resolve_devices(accelerator, devices)
@@ -280,6 +286,8 @@ class Trainer(TrainerProperties):
         if type(module).configure_model is not TrainModule.configure_model:
             self._metrics.fx = "configure_model"
             module.configure_model()
+        # After the loggers' setup: their run folder is the report's default home.
+        self.profiler.setup(stage, self.global_rank if self.world_size > 1 else None, self.log_dir)
         return path
 
     def _fit(self, module: TrainModule, loaders: tuple[Any, ...], path: str | None) -> None:
@@ -313,7 +321,7 @@ class Trainer(TrainerProperties):
         self.history = []
         self.progress = FitProgress()
         step = TrainingStep(strategy=self.strategy, module=module, precision=self._precision, optim=self._optim,
-                            metrics=self._metrics, hooks=self._hooks, progress=self.progress,
+                            metrics=self._metrics, hooks=self._hooks, progress=self.progress, profiler=self.profiler,
                             accumulate_grad_batches=self.accumulate_grad_batches,
                             gradient_clip_val=self.gradient_clip_val,
                             gradient_clip_algorithm=self.gradient_clip_algorithm)
@@ -390,10 +398,13 @@ class Trainer(TrainerProperties):
             if self.module is not None:
                 self._hooks.call("teardown", stage=stage)
         finally:
-            if stage == "fit":
-                self._data.close()
-            self.strategy.teardown()
-            self.state = "finished"
+            try:
+                if stage == "fit":
+                    self._data.close()
+                self.profiler.describe()  # the report: written to its file, or printed on rank zero
+            finally:
+                self.strategy.teardown()
+                self.state = "finished"
 
     def save_checkpoint(self, filepath: str, weights_only: bool = False) -> None:
         """Save the full training state (or only the weights) to ``filepath``, atomically, on rank zero.
