@@ -35,7 +35,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
 
     # Properties TorchScript must not compile (to_torchscript scripts the module).
     __jit_unused_properties__ = ["trainer", "logger", "loggers", "device", "current_epoch", "global_step",
-                                 "global_rank", "example_input_array", "hparams", "hparams_initial"]
+                                 "global_rank", "example_input_array", "hparams", "hparams_initial", "strict_loading"]
 
     def __init__(self) -> None:
         super().__init__()

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning_utilities.core.overrides import is_overridden
 from torch.utils.data import IterableDataset, SequentialSampler
 
@@ -80,9 +81,20 @@ def process(trainer: Trainer, loader: Any, stage: Stage) -> Any:
     return trainer.strategy.process_dataloader(loader, stage)
 
 
+def _holds_tensors(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_holds_tensors(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensors(v) for v in obj)
+    return False
+
+
 def combined_train(loader: Any) -> Any:
-    """fit's loader: a dict, list or tuple of loaders is combined as Lightning does (``max_size_cycle``)."""
-    if isinstance(loader, (Mapping, list, tuple)):
+    """fit's loader: a dict, list or tuple of loaders is combined as Lightning does (``max_size_cycle``).
+    A list of batches (tensors in it: ready-made batches, not loaders) is the loader itself, as before."""
+    if isinstance(loader, (Mapping, list, tuple)) and not _holds_tensors(loader):
         return CombinedLoader(loader, "max_size_cycle")
     if isinstance(loader, CombinedLoader) and loader.mode == "sequential":
         raise ValueError("fit does not support CombinedLoader(mode='sequential') for training: each step trains on "
