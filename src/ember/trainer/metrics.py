@@ -289,10 +289,11 @@ class MetricCollector:
             entry.accumulate(value, batch_size or 1)
 
     def _publish_step(self, entry: _Entry, key: str, step_value: Any) -> None:
-        # What log() does inline for a number or a tensor, for a Metric's batch value.
+        # What log() does inline for a number or a tensor (inline there because it runs for every logged
+        # value), for a Metric's batch value.
         step_key = entry.step_key
         if entry.prog_bar:
-            self.progress_bar_metrics[step_key] = step_value
+            self._progress_bar_metrics[step_key] = step_value
         if self.stage == "train":
             self._callback_metrics[step_key] = step_value
             if entry.on_epoch:
