@@ -28,6 +28,7 @@ save, making the checkpoint and copying it; every byte is copied before the hook
 Targets: background stall <= 10% of the synchronous stall (median over rounds of the per-round
 median ratio), and fit time with a background save every step <= 1.2x the fit time without saves.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,8 +80,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="background: paired rounds")
     parser.add_argument("--steps", type=int, default=6, help="background: timed steps per fit")
     parser.add_argument("--step-ms", type=float, default=1000.0, help="background: the length of a step")
-    parser.add_argument("--step", choices=("cpu", "sleep"), default="cpu",
-                        help="background: a step is CPU work on one thread, or a sleep (device compute)")
+    parser.add_argument(
+        "--step",
+        choices=("cpu", "sleep"),
+        default="cpu",
+        help="background: a step is CPU work on one thread, or a sleep (device compute)",
+    )
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -115,13 +120,16 @@ def main() -> None:
             results["ember save_checkpoint"].append(timed(ember_save))
         size = os.path.getsize(ember_path)
     base = statistics.median(results["bare torch.save"])
-    print(f"model: {nbytes / 2**20:.1f} MiB of parameters; checkpoint file {size / 2**20:.1f} MiB; "
-          f"{args.repeats} repeats")
+    print(
+        f"model: {nbytes / 2**20:.1f} MiB of parameters; checkpoint file {size / 2**20:.1f} MiB; {args.repeats} repeats"
+    )
     best = min(results["bare torch.save"])
     for name, times in results.items():
         med, low = statistics.median(times), min(times)
-        print(f"  {name:24s} median {med * 1000:7.1f} ms ({med / base:4.2f}x bare)   "
-              f"min {low * 1000:7.1f} ms ({low / best:4.2f}x bare)   {nbytes / 2**20 / med:6.0f} MiB/s")
+        print(
+            f"  {name:24s} median {med * 1000:7.1f} ms ({med / base:4.2f}x bare)   "
+            f"min {low * 1000:7.1f} ms ({low / best:4.2f}x bare)   {nbytes / 2**20 / med:6.0f} MiB/s"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- background
@@ -183,6 +191,7 @@ class StepClock(ember.callbacks.Callback):
                         return inner_wait(*args, **kwargs)
                     finally:
                         self._waited += time.perf_counter() - t0
+
                 writer.wait = timed_wait  # type: ignore[method-assign]
 
             def timed_boundary(trainer, module) -> None:
@@ -191,6 +200,7 @@ class StepClock(ember.callbacks.Callback):
                 inner(trainer, module)
                 self.saves.append(time.perf_counter() - t0)
                 self.own.append(self.saves[-1] - self._waited)
+
             checkpoint.on_train_step_boundary = timed_boundary  # type: ignore[method-assign]
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
@@ -210,12 +220,24 @@ def background(args: argparse.Namespace) -> None:
 
     def fit(kind: str, root: str) -> tuple[float, StepClock]:
         directory = tempfile.mkdtemp(dir=root)  # each fit writes into a directory of its own
-        cb = None if kind == "none" else ember.callbacks.ModelCheckpoint(
-            dirpath=directory, every_n_train_steps=1, async_save=kind == "background")
+        cb = (
+            None
+            if kind == "none"
+            else ember.callbacks.ModelCheckpoint(
+                dirpath=directory, every_n_train_steps=1, async_save=kind == "background"
+            )
+        )
         clock = StepClock(cb)
-        trainer = ember.Trainer(max_steps=steps, enable_progress_bar=False, logger=False, num_sanity_val_steps=0,
-                                default_root_dir=directory, enable_checkpointing=cb is not None,
-                                callbacks=[clock] + ([cb] if cb is not None else []), enable_model_summary=False)
+        trainer = ember.Trainer(
+            max_steps=steps,
+            enable_progress_bar=False,
+            logger=False,
+            num_sanity_val_steps=0,
+            default_root_dir=directory,
+            enable_checkpointing=cb is not None,
+            callbacks=[clock] + ([cb] if cb is not None else []),
+            enable_model_summary=False,
+        )
         with contextlib.redirect_stdout(io.StringIO()):  # the fit's summary line
             t0 = time.perf_counter()
             trainer.fit(module, data)
@@ -248,28 +270,43 @@ def background(args: argparse.Namespace) -> None:
                 stall[kind].append(med(c.saves[i] + c.steps[i + 1] for i in range(1, len(c.saves) - 1)) - step)
             stall_ratio.append(stall["background"][-1] / stall["synchronous"][-1])
             time_ratio.append(fits["background"][-1] / fits["none"][-1])
-            print(f"  round {r}: stall sync {stall['synchronous'][-1] * 1000:6.1f} ms, background "
-                  f"{stall['background'][-1] * 1000:6.1f} ms (held {held['background'][-1] * 1000:5.1f} ms) "
-                  f"({stall_ratio[-1]:.3f}x); fit none {fits['none'][-1]:5.2f} s, sync "
-                  f"{fits['synchronous'][-1]:5.2f} s, background {fits['background'][-1]:5.2f} s "
-                  f"({time_ratio[-1]:.3f}x)", flush=True)
+            print(
+                f"  round {r}: stall sync {stall['synchronous'][-1] * 1000:6.1f} ms, background "
+                f"{stall['background'][-1] * 1000:6.1f} ms (held {held['background'][-1] * 1000:5.1f} ms) "
+                f"({stall_ratio[-1]:.3f}x); fit none {fits['none'][-1]:5.2f} s, sync "
+                f"{fits['synchronous'][-1]:5.2f} s, background {fits['background'][-1]:5.2f} s "
+                f"({time_ratio[-1]:.3f}x)",
+                flush=True,
+            )
     step_s = med(fits["none"]) / steps
-    print(f"model: {nbytes / 2**20:.1f} MiB of parameters; {args.rounds} paired rounds of {steps} steps "
-          f"({args.steps} saves timed per fit), a step = {step_s * 1000:.0f} ms of "
-          f"{'CPU work on one thread' if args.step == 'cpu' else 'sleep'}")
-    print(f"  stall per save (hook + next step's loss)  synchronous {med(stall['synchronous']) * 1000:7.1f} ms   "
-          f"background {med(stall['background']) * 1000:6.1f} ms   ratio (median of rounds) "
-          f"{med(stall_ratio):.3f}   target <= 0.10")
-    print(f"  time a save holds the step boundary      synchronous {med(held['synchronous']) * 1000:7.1f} ms   "
-          f"background {med(held['background']) * 1000:6.1f} ms")
-    print(f"    of which not waiting for the previous write  synchronous {med(own['synchronous']) * 1000:7.1f} ms   "
-          f"background {med(own['background']) * 1000:6.1f} ms (making the checkpoint and copying it)")
-    print(f"  fit of {steps} steps      no saves {med(fits['none']):6.2f} s   save every step: synchronous "
-          f"{med(fits['synchronous']):6.2f} s, background {med(fits['background']):6.2f} s   "
-          f"background / no saves (median of rounds) {med(time_ratio):.3f}   target <= 1.2")
+    print(
+        f"model: {nbytes / 2**20:.1f} MiB of parameters; {args.rounds} paired rounds of {steps} steps "
+        f"({args.steps} saves timed per fit), a step = {step_s * 1000:.0f} ms of "
+        f"{'CPU work on one thread' if args.step == 'cpu' else 'sleep'}"
+    )
+    print(
+        f"  stall per save (hook + next step's loss)  synchronous {med(stall['synchronous']) * 1000:7.1f} ms   "
+        f"background {med(stall['background']) * 1000:6.1f} ms   ratio (median of rounds) "
+        f"{med(stall_ratio):.3f}   target <= 0.10"
+    )
+    print(
+        f"  time a save holds the step boundary      synchronous {med(held['synchronous']) * 1000:7.1f} ms   "
+        f"background {med(held['background']) * 1000:6.1f} ms"
+    )
+    print(
+        f"    of which not waiting for the previous write  synchronous {med(own['synchronous']) * 1000:7.1f} ms   "
+        f"background {med(own['background']) * 1000:6.1f} ms (making the checkpoint and copying it)"
+    )
+    print(
+        f"  fit of {steps} steps      no saves {med(fits['none']):6.2f} s   save every step: synchronous "
+        f"{med(fits['synchronous']):6.2f} s, background {med(fits['background']):6.2f} s   "
+        f"background / no saves (median of rounds) {med(time_ratio):.3f}   target <= 1.2"
+    )
     write = med(held["synchronous"])
-    print(f"  the write ({write * 1000:.0f} ms, a synchronous save) is "
-          f"{'shorter' if write < step_s else 'LONGER'} than a step ({step_s * 1000:.0f} ms)")
+    print(
+        f"  the write ({write * 1000:.0f} ms, a synchronous save) is "
+        f"{'shorter' if write < step_s else 'LONGER'} than a step ({step_s * 1000:.0f} ms)"
+    )
 
 
 if __name__ == "__main__":

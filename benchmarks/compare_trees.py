@@ -8,6 +8,7 @@ PyTorch loop on the same batches, alternately, three times, and reports the medi
 The two trees' ratios of the same round are compared, so machine load that shifts both cancels; the
 median and quartiles of b/a over the rounds are printed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,11 +65,19 @@ def main() -> None:
         rng.shuffle(order)
         for name in order:
             env = dict(os.environ, PYTHONPATH=os.path.join(trees[name], "src"))
-            out = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps)], env=env,
-                                 capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", "--steps", str(args.steps)],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             ratios[name].append(float(out.strip().splitlines()[-1]))
-        print(f"round {len(ratios['a'])}: a {ratios['a'][-1]:.3f}x  b {ratios['b'][-1]:.3f}x  "
-              f"b/a {ratios['b'][-1] / ratios['a'][-1]:.3f}", flush=True)
+        print(
+            f"round {len(ratios['a'])}: a {ratios['a'][-1]:.3f}x  b {ratios['b'][-1]:.3f}x  "
+            f"b/a {ratios['b'][-1] / ratios['a'][-1]:.3f}",
+            flush=True,
+        )
     paired = [b / a for a, b in zip(ratios["a"], ratios["b"])]
     q1, q2, q3 = statistics.quantiles(paired, n=4)
     print(f"ember 'bare' per step / plain loop, median of {args.rounds} rounds x {args.steps} steps:")

@@ -11,6 +11,7 @@ compiled module once, in a shuffled order, and the reported ratio is the median 
 
 torch.compile's default backend (inductor) needs a C compiler on the CPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,13 @@ class Mlp(ember.TrainModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
-                                       torch.nn.ReLU(), torch.nn.Linear(512, 10))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(256, 512),
+            torch.nn.ReLU(),
+            torch.nn.Linear(512, 512),
+            torch.nn.ReLU(),
+            torch.nn.Linear(512, 10),
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -54,8 +60,14 @@ class StepClock(Callback):
 def fit_steps(module, batches: list, steps: int) -> float:
     """The median time of one training step over ``steps`` batches (the first interval starts at batch 1)."""
     clock = StepClock()
-    trainer = ember.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
-                            enable_checkpointing=False, callbacks=[clock])
+    trainer = ember.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        callbacks=[clock],
+    )
     trainer.fit(module, batches[:steps])
     return statistics.median(b - a for a, b in zip(clock.ends, clock.ends[1:]))
 
@@ -67,8 +79,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(128, 256, generator=g), torch.randint(0, 10, (128,), generator=g))
-               for _ in range(args.steps)]
+    batches = [
+        (torch.randn(128, 256, generator=g), torch.randint(0, 10, (128,), generator=g)) for _ in range(args.steps)
+    ]
     eager, compiled = Mlp(), torch.compile(Mlp())
     start = time.perf_counter()
     fit_steps(compiled, batches, 3)  # compiles forward and training_step; later fits reuse the compiled code
@@ -83,10 +96,15 @@ def main() -> None:
             times[name].append(t)
         ratios.append(this["compiled"] / this["eager"])
     for name, ts in times.items():
-        print(f"{name:>8}: median step {statistics.median(ts) * 1e3:.3f} ms  (rounds: "
-              + ", ".join(f"{t * 1e3:.3f}" for t in ts) + ")")
-    print(f"compiled / eager step time: {statistics.median(ratios):.3f}  (median of {args.rounds} paired rounds; "
-          f"per round: {', '.join(f'{r:.3f}' for r in ratios)})")
+        print(
+            f"{name:>8}: median step {statistics.median(ts) * 1e3:.3f} ms  (rounds: "
+            + ", ".join(f"{t * 1e3:.3f}" for t in ts)
+            + ")"
+        )
+    print(
+        f"compiled / eager step time: {statistics.median(ratios):.3f}  (median of {args.rounds} paired rounds; "
+        f"per round: {', '.join(f'{r:.3f}' for r in ratios)})"
+    )
 
 
 if __name__ == "__main__":

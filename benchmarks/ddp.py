@@ -23,6 +23,7 @@ returned on free), where the high-water mark follows the live tensors.
 
 Run: ``python benchmarks/ddp.py --model many-small`` (``--help`` for options).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,6 +72,7 @@ def wrap(variant: str, model: nn.Module) -> nn.Module:
     if variant.startswith("torch"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
+
         ddp = DistributedDataParallel(model)
         if variant.endswith("bf16"):
             # torch refuses its bf16 hook by name unless NCCL >= 2.10 is present, although
@@ -78,9 +80,11 @@ def wrap(variant: str, model: nn.Module) -> nn.Module:
             # same computation.
             def bf16_on_gloo(state, bucket):
                 return default_hooks.bf16_compress_hook(state, bucket)
+
             ddp.register_comm_hook(None, bf16_on_gloo)
         return ddp
     from ember.parallel.distributed import DistributedDataParallel
+
     return DistributedDataParallel(model, comm_hook="bf16" if variant.endswith("bf16") else None)
 
 
@@ -115,7 +119,7 @@ def time_worker(rank: int, args: argparse.Namespace) -> dict[str, list[float]]:
         for _ in range(args.warmup):
             runner.step()
     for r in range(args.rounds):
-        for v, runner in (runners.items() if r % 2 == 0 else reversed(runners.items())):
+        for v, runner in runners.items() if r % 2 == 0 else reversed(runners.items()):
             if v == "single":
                 dist.barrier()  # keep the ranks in step, as DDP does for the others
             blocks[v].append(statistics.median(runner.step() for _ in range(args.block)) * 1e3)
@@ -130,8 +134,15 @@ def memory_worker(rank: int, args: argparse.Namespace, variant: str) -> dict[str
     return {"peak": peak, "growth": peak - runner.rss_before_wrap}
 
 
-def _entry(rank: int, world: int, port: int, fn_name: str, args: argparse.Namespace,
-           extra: tuple, results: multiprocessing.Queue) -> None:
+def _entry(
+    rank: int,
+    world: int,
+    port: int,
+    fn_name: str,
+    args: argparse.Namespace,
+    extra: tuple,
+    results: multiprocessing.Queue,
+) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=600))
@@ -148,15 +159,18 @@ def _entry(rank: int, world: int, port: int, fn_name: str, args: argparse.Namesp
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 
 
-def launch(fn_name: str, args: argparse.Namespace, *extra: object,
-           env: dict[str, str] | None = None) -> list[dict[str, float]]:
+def launch(
+    fn_name: str, args: argparse.Namespace, *extra: object, env: dict[str, str] | None = None
+) -> list[dict[str, float]]:
     ctx = multiprocessing.get_context("spawn")
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})  # read by the ranks' C library when they start
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(r, args.world_size, store.port, fn_name, args,
-                                              extra, results)) for r in range(args.world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, args.world_size, store.port, fn_name, args, extra, results))
+        for r in range(args.world_size)
+    ]
     try:
         for p in procs:
             p.start()
@@ -183,8 +197,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--model", choices=sorted(BATCH), default="mlp")
-    parser.add_argument("--batch", type=int, default=None,
-                        help="per-rank batch (default: the model's, see above)")
+    parser.add_argument("--batch", type=int, default=None, help="per-rank batch (default: the model's, see above)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--block", type=int, default=5, help="steps per variant per round")
@@ -195,13 +208,15 @@ def main() -> None:
         args.batch = BATCH[args.model]
 
     tensors = sum(1 for p in make_model(args.model).parameters())
-    print(f"model {args.model} ({tensors} parameter tensors), "
-          f"torch {torch.__version__}, {args.world_size} ranks over gloo, 1 thread each, "
-          f"per-rank batch {args.batch}, {args.rounds * args.block} timed steps per variant")
+    print(
+        f"model {args.model} ({tensors} parameter tensors), "
+        f"torch {torch.__version__}, {args.world_size} ranks over gloo, 1 thread each, "
+        f"per-rank batch {args.batch}, {args.rounds * args.block} timed steps per variant"
+    )
     timing = launch("time_worker", args)
     memory: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     for repeat in range(args.memory_repeats):
-        for v in (VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]):
+        for v in VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]:
             result: dict[str, float] = {}
             for suffix, env in (("", None), (" mmap", MMAP_ENV)):
                 ranks = launch("memory_worker", args, v, env=env)
@@ -225,14 +240,14 @@ def main() -> None:
     print(f"{'':<22}{'default malloc':>30}{'large blocks mmapped':>30}")
     print(f"{'variant':<12}{'step ms':>10}" + f"{'peak RSS MiB':>15}{'RSS growth MiB':>15}" * 2)
     for v in VARIANTS:
-        print(f"{v:<12}{ms(v):>10.1f}" + "".join(
-            f"{mib(v, 'peak' + s):>15.1f}{mib(v, 'growth' + s):>15.1f}" for s in ("", " mmap")))
+        print(
+            f"{v:<12}{ms(v):>10.1f}"
+            + "".join(f"{mib(v, 'peak' + s):>15.1f}{mib(v, 'growth' + s):>15.1f}" for s in ("", " mmap"))
+        )
     for hook in ("", "+bf16"):
         t = paired("ember" + hook, "torch" + hook)
-        m, mm = (mib("ember" + hook, "peak" + s) / mib("torch" + hook, "peak" + s)
-                 for s in ("", " mmap"))
-        print(f"ember/torch{hook or ' fp32'}: step time {t:.3f}, peak memory {m:.3f} "
-              f"(large blocks mmapped: {mm:.3f})")
+        m, mm = (mib("ember" + hook, "peak" + s) / mib("torch" + hook, "peak" + s) for s in ("", " mmap"))
+        print(f"ember/torch{hook or ' fp32'}: step time {t:.3f}, peak memory {m:.3f} (large blocks mmapped: {mm:.3f})")
 
 
 if __name__ == "__main__":

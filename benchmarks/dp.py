@@ -20,6 +20,7 @@ time per variant is reported, with ratios.
 
 Run: ``python benchmarks/dp.py`` (``--help`` for options).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,9 @@ def mlp(sizes: list[int]) -> nn.Module:
 class Step:
     """One training step of ``model`` (which wraps or is ``params_of``) on a fixed batch."""
 
-    def __init__(self, model: nn.Module, params_of: nn.Module, x: torch.Tensor,
-                 y: torch.Tensor, threads: int | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, params_of: nn.Module, x: torch.Tensor, y: torch.Tensor, threads: int | None = None
+    ) -> None:
         self.model, self.x, self.y, self.threads = model, x, y, threads
         self.opt = torch.optim.SGD(params_of.parameters(), lr=1e-4)
 
@@ -75,8 +77,7 @@ class Step:
             torch.set_num_threads(saved)
 
 
-def interleaved(variants: dict[str, Callable[[], float]], rounds: int,
-                warmup: int = 2) -> dict[str, float]:
+def interleaved(variants: dict[str, Callable[[], float]], rounds: int, warmup: int = 2) -> dict[str, float]:
     """Median seconds per call of each variant, measured in interleaved rounds."""
     times: dict[str, list[float]] = defaultdict(list)
     for r in range(warmup + rounds):
@@ -92,6 +93,7 @@ def timed_call(fn: Callable[[], object]) -> Callable[[], float]:
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
+
     return run
 
 
@@ -99,38 +101,51 @@ def overhead(rounds: int) -> None:
     print("== 1. Overhead of the DataParallel machinery ==")
     model = mlp([512, 1024, 1024, 10])
     x, y = torch.randn(128, 512), torch.randint(0, 10, (128,))
-    res = interleaved({
-        "plain": Step(model, model, x, y),
-        "dp-1": Step(DataParallel(model, ["cpu"]), model, x, y),
-    }, rounds)
+    res = interleaved(
+        {
+            "plain": Step(model, model, x, y),
+            "dp-1": Step(DataParallel(model, ["cpu"]), model, x, y),
+        },
+        rounds,
+    )
     print(f"MLP 512-1024-1024-10, batch 128, {torch.get_num_threads()} threads")
     print(f"  plain module            {res['plain'] * 1e3:8.2f} ms/step")
-    print(f"  DataParallel, 1 device  {res['dp-1'] * 1e3:8.2f} ms/step   "
-          f"overhead {100 * (res['dp-1'] / res['plain'] - 1):+.1f} %  (target <= 5 %)")
+    print(
+        f"  DataParallel, 1 device  {res['dp-1'] * 1e3:8.2f} ms/step   "
+        f"overhead {100 * (res['dp-1'] / res['plain'] - 1):+.1f} %  (target <= 5 %)"
+    )
 
     small = nn.Linear(8, 8)
-    deep = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU())
-                           for _ in range(60)])
+    deep = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU()) for _ in range(60)])
     xs, xd = torch.randn(16, 8), torch.randn(16, 64)
     dp_small, dp_deep = DataParallel(small, ["cpu", "cpu"]), DataParallel(deep, ["cpu", "cpu"])
     cached = Replicator()
-    res = interleaved({
-        "small-plain": timed_call(lambda: small(xs)),
-        "small-dp": timed_call(lambda: dp_small(xs)),
-        "deep-plain": timed_call(lambda: deep(xd)),
-        "deep-dp": timed_call(lambda: dp_deep(xd)),
-        "replicate-cached": timed_call(lambda: cached.replicate(deep, ["cpu", "cpu"], "leaf")),
-        "replicate-fresh": timed_call(lambda: Replicator().replicate(deep, ["cpu", "cpu"], "leaf")),
-    }, rounds * 10)
+    res = interleaved(
+        {
+            "small-plain": timed_call(lambda: small(xs)),
+            "small-dp": timed_call(lambda: dp_small(xs)),
+            "deep-plain": timed_call(lambda: deep(xd)),
+            "deep-dp": timed_call(lambda: dp_deep(xd)),
+            "replicate-cached": timed_call(lambda: cached.replicate(deep, ["cpu", "cpu"], "leaf")),
+            "replicate-fresh": timed_call(lambda: Replicator().replicate(deep, ["cpu", "cpu"], "leaf")),
+        },
+        rounds * 10,
+    )
     n_modules = len(list(deep.modules()))
     print("Forward with grad, 2 CPU replicas, microseconds (machinery dominates at this size):")
-    print(f"  Linear(8, 8), batch 16:       plain {res['small-plain'] * 1e6:7.0f}   "
-          f"DataParallel {res['small-dp'] * 1e6:7.0f}")
-    print(f"  {n_modules}-module MLP, batch 16:     plain {res['deep-plain'] * 1e6:7.0f}   "
-          f"DataParallel {res['deep-dp'] * 1e6:7.0f}")
-    print(f"  replicate {n_modules} modules x 2: cached plan {res['replicate-cached'] * 1e6:7.0f}"
-          f"   fresh traversal {res['replicate-fresh'] * 1e6:7.0f}   "
-          f"(saved {100 * (1 - res['replicate-cached'] / res['replicate-fresh']):.0f} %)")
+    print(
+        f"  Linear(8, 8), batch 16:       plain {res['small-plain'] * 1e6:7.0f}   "
+        f"DataParallel {res['small-dp'] * 1e6:7.0f}"
+    )
+    print(
+        f"  {n_modules}-module MLP, batch 16:     plain {res['deep-plain'] * 1e6:7.0f}   "
+        f"DataParallel {res['deep-dp'] * 1e6:7.0f}"
+    )
+    print(
+        f"  replicate {n_modules} modules x 2: cached plan {res['replicate-cached'] * 1e6:7.0f}"
+        f"   fresh traversal {res['replicate-fresh'] * 1e6:7.0f}   "
+        f"(saved {100 * (1 - res['replicate-cached'] / res['replicate-fresh']):.0f} %)"
+    )
 
 
 class Breakdown:
@@ -151,6 +166,7 @@ class Breakdown:
                 return original(*args, **kwargs)
             finally:
                 self.total[phase] += time.perf_counter() - start
+
         setattr(owner, name, wrapper)
         self._undo.append(lambda: setattr(owner, name, original))
 
@@ -173,14 +189,18 @@ def scaling(rounds: int) -> None:
     x, y = torch.randn(512, 1024), torch.randint(0, 10, (512,))
     two = DataParallel(model, ["cpu", "cpu"], threads_per_replica=1)
     serial = DataParallel(model, ["cpu", "cpu"], threads_per_replica=1, parallel_backward=False)
-    res = interleaved({
-        "one": Step(model, model, x, y, threads=1),
-        "two": Step(two, model, x, y, threads=1),
-        "two-caller2": Step(two, model, x, y, threads=2),
-        "two-serial": Step(serial, model, x, y, threads=1),
-    }, rounds)
-    print(f"MLP 1024-2048-2048-10 ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
-          f"parameters), batch 512, SGD")
+    res = interleaved(
+        {
+            "one": Step(model, model, x, y, threads=1),
+            "two": Step(two, model, x, y, threads=1),
+            "two-caller2": Step(two, model, x, y, threads=2),
+            "two-serial": Step(serial, model, x, y, threads=1),
+        },
+        rounds,
+    )
+    print(
+        f"MLP 1024-2048-2048-10 ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters), batch 512, SGD"
+    )
     rows = [
         ("one", "1 replica, 1 thread"),
         ("two", "2 replicas, parallel backward (caller 1 thread)"),
@@ -188,8 +208,7 @@ def scaling(rounds: int) -> None:
         ("two-serial", "2 replicas, one graph: backward serial (caller 1 thread)"),
     ]
     for key, label in rows:
-        print(f"  {label:58s} {res[key] * 1e3:7.1f} ms/step   "
-              f"throughput x{res['one'] / res[key]:.2f}")
+        print(f"  {label:58s} {res[key] * 1e3:7.1f} ms/step   throughput x{res['one'] / res[key]:.2f}")
     print("  (target: 2 replicas >= 1.5x the throughput of 1)")
 
     steps = max(3, rounds // 2)
@@ -201,8 +220,10 @@ def scaling(rounds: int) -> None:
     print(f"Where a 2-replica step goes (mean of {steps} steps, {wall / steps * 1e3:.1f} ms):")
     for phase in Breakdown.PHASES:
         print(f"  {phase:18s} {bd.total[phase] / steps * 1e3:7.2f} ms")
-    print(f"  {'the rest':18s} {(wall - accounted) / steps * 1e3:7.2f} ms  "
-          "(loss, summing leaf gradients, optimizer step, thread start-up)")
+    print(
+        f"  {'the rest':18s} {(wall - accounted) / steps * 1e3:7.2f} ms  "
+        "(loss, summing leaf gradients, optimizer step, thread start-up)"
+    )
 
 
 def cuda(rounds: int) -> None:
@@ -222,15 +243,18 @@ def cuda(rounds: int) -> None:
             step()
             torch.cuda.synchronize()
             return time.perf_counter() - start
+
         return run
 
-    res = interleaved({
-        "torch": synced(Step(torch.nn.DataParallel(model, ids), model, x, y)),
-        "ember": synced(Step(DataParallel(model, ids), model, x, y)),
-    }, rounds)
+    res = interleaved(
+        {
+            "torch": synced(Step(torch.nn.DataParallel(model, ids), model, x, y)),
+            "ember": synced(Step(DataParallel(model, ids), model, x, y)),
+        },
+        rounds,
+    )
     print(f"  torch.nn.DataParallel {res['torch'] * 1e3:8.2f} ms/step")
-    print(f"  ember DataParallel    {res['ember'] * 1e3:8.2f} ms/step   "
-          f"ratio {res['ember'] / res['torch']:.2f}")
+    print(f"  ember DataParallel    {res['ember'] * 1e3:8.2f} ms/step   ratio {res['ember'] / res['torch']:.2f}")
 
 
 class _Classifier(ember.TrainModule):
@@ -256,19 +280,20 @@ class _StepTimer(ember.callbacks.Callback):
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
         self._start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx > 0:  # the first step of a fit pays for warm-up
             self.times.append(time.perf_counter() - self._start)
 
 
-def _fit_step_times(variants: dict[str, tuple[str, int, int]], sizes: list[int], batch: int,
-                    steps: int, rounds: int) -> dict[str, float]:
+def _fit_step_times(
+    variants: dict[str, tuple[str, int, int]], sizes: list[int], batch: int, steps: int, rounds: int
+) -> dict[str, float]:
     """Median step time per variant: (strategy, devices, caller threads), interleaved fits."""
     g = torch.Generator().manual_seed(0)
     n = batch * steps
-    data = torch.utils.data.TensorDataset(torch.randn(n, sizes[0], generator=g),
-                                          torch.randint(0, sizes[-1], (n,), generator=g))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(n, sizes[0], generator=g), torch.randint(0, sizes[-1], (n,), generator=g)
+    )
     loader = torch.utils.data.DataLoader(data, batch_size=batch)
     timers = {name: _StepTimer() for name in variants}
     saved = torch.get_num_threads()
@@ -276,9 +301,16 @@ def _fit_step_times(variants: dict[str, tuple[str, int, int]], sizes: list[int],
         for _ in range(rounds):
             for name, (strategy, devices, threads) in variants.items():
                 torch.set_num_threads(threads)
-                trainer = ember.Trainer(strategy=strategy, devices=devices, accelerator="cpu",
-                                        max_epochs=1, callbacks=[timers[name]], logger=False,
-                                        enable_progress_bar=False, enable_checkpointing=False)
+                trainer = ember.Trainer(
+                    strategy=strategy,
+                    devices=devices,
+                    accelerator="cpu",
+                    max_epochs=1,
+                    callbacks=[timers[name]],
+                    logger=False,
+                    enable_progress_bar=False,
+                    enable_checkpointing=False,
+                )
                 trainer.fit(_Classifier(sizes), loader)
     finally:
         torch.set_num_threads(saved)
@@ -289,33 +321,40 @@ def trainer(rounds: int) -> None:
     print("\n== 4. The Trainer: strategy='dp' vs strategy='single' ==")
     fits = max(2, rounds // 4)
     threads = torch.get_num_threads()
-    res = _fit_step_times({"single": ("single", 1, threads), "dp-1": ("dp", 1, threads)},
-                          [512, 1024, 1024, 10], 128, 12, fits)
+    res = _fit_step_times(
+        {"single": ("single", 1, threads), "dp-1": ("dp", 1, threads)}, [512, 1024, 1024, 10], 128, 12, fits
+    )
     print(f"MLP 512-1024-1024-10, batch 128, {threads} threads, median of {fits} x 11 steps")
     print(f"  single              {res['single'] * 1e3:8.2f} ms/step")
-    print(f"  dp, 1 device        {res['dp-1'] * 1e3:8.2f} ms/step   "
-          f"overhead {100 * (res['dp-1'] / res['single'] - 1):+.1f} %  (target <= 5 %)")
-    res = _fit_step_times({"single": ("single", 1, 1), "dp-2": ("dp", 2, 1)},
-                          [1024, 2048, 2048, 10], 512, 8, fits)
-    print(f"MLP 1024-2048-2048-10, batch 512, one intra-op thread per replica, median of "
-          f"{fits} x 7 steps")
+    print(
+        f"  dp, 1 device        {res['dp-1'] * 1e3:8.2f} ms/step   "
+        f"overhead {100 * (res['dp-1'] / res['single'] - 1):+.1f} %  (target <= 5 %)"
+    )
+    res = _fit_step_times({"single": ("single", 1, 1), "dp-2": ("dp", 2, 1)}, [1024, 2048, 2048, 10], 512, 8, fits)
+    print(f"MLP 1024-2048-2048-10, batch 512, one intra-op thread per replica, median of {fits} x 7 steps")
     print(f"  single, 1 thread    {res['single'] * 1e3:8.1f} ms/step")
-    print(f"  dp, 2 CPU replicas  {res['dp-2'] * 1e3:8.1f} ms/step   "
-          f"throughput x{res['single'] / res['dp-2']:.2f}  (target >= 1.5x)")
+    print(
+        f"  dp, 2 CPU replicas  {res['dp-2'] * 1e3:8.1f} ms/step   "
+        f"throughput x{res['single'] / res['dp-2']:.2f}  (target >= 1.5x)"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15, help="measured rounds per variant")
-    parser.add_argument("--only", choices=["overhead", "scaling", "cuda", "trainer"],
-                        action="append",
-                        help="run only these sections (repeatable)")
+    parser.add_argument(
+        "--only",
+        choices=["overhead", "scaling", "cuda", "trainer"],
+        action="append",
+        help="run only these sections (repeatable)",
+    )
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads by default, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (other processes "
-          "running on these CPUs distort the ratios)\n")
-    sections = (("overhead", overhead), ("scaling", scaling), ("cuda", cuda),
-                ("trainer", trainer))
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads by default, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (other processes "
+        "running on these CPUs distort the ratios)\n"
+    )
+    sections = (("overhead", overhead), ("scaling", scaling), ("cuda", cuda), ("trainer", trainer))
     for name, section in sections:
         if not args.only or name in args.only:
             section(args.rounds)

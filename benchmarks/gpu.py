@@ -25,6 +25,7 @@ Each fit's time is measured inside the fit, from the first batch start to the la
 
 Run: ``python benchmarks/gpu.py`` (about 90 s on an H200; ``--quick`` about 30 s).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,11 @@ class Block(nn.Module):
         self.bn1 = nn.BatchNorm2d(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
-        self.skip = nn.Identity() if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        self.skip = (
+            nn.Identity()
+            if stride == 1 and cin == cout
+            else nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
@@ -89,12 +93,15 @@ def mlp() -> nn.Module:
 class Workload:
     """One model, its batches (pinned CPU tensors, as a pin_memory loader gives) and precision."""
 
-    def __init__(self, name: str, make: Callable[[], nn.Module], shape: tuple[int, ...], steps: int,
-                 precision: str) -> None:
+    def __init__(
+        self, name: str, make: Callable[[], nn.Module], shape: tuple[int, ...], steps: int, precision: str
+    ) -> None:
         self.name, self.make, self.precision = name, make, precision
         g = torch.Generator().manual_seed(0)
-        self.batches = [(torch.randn(*shape, generator=g).pin_memory(),
-                         torch.randint(0, 10, (shape[0],), generator=g).pin_memory()) for _ in range(steps)]
+        self.batches = [
+            (torch.randn(*shape, generator=g).pin_memory(), torch.randint(0, 10, (shape[0],), generator=g).pin_memory())
+            for _ in range(steps)
+        ]
         self.autocast = torch.bfloat16 if precision == "bf16-mixed" else None
 
 
@@ -193,9 +200,17 @@ def ember_fit(w: Workload, root: str, *, full: bool, replicas: int = 0) -> float
         kwargs = dict(enable_progress_bar=True, logger=TensorBoardLogger(save_dir=root), log_every_n_steps=50)
     if replicas:
         kwargs["strategy"] = DataParallelStrategy(devices=[torch.device("cuda", 0)] * replicas)
-    trainer = ember.Trainer(max_epochs=1, accelerator="cuda", devices=1, precision=w.precision,
-                            enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=root,
-                            callbacks=callbacks, **kwargs)
+    trainer = ember.Trainer(
+        max_epochs=1,
+        accelerator="cuda",
+        devices=1,
+        precision=w.precision,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+        callbacks=callbacks,
+        **kwargs,
+    )
     try:
         trainer.fit(Module(w.make, log=full), _Batches(w.batches))
     finally:
@@ -244,10 +259,19 @@ def lightning_fit(w: Workload, root: str) -> float:
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             clock.end(batch_idx)
 
-    trainer = L.Trainer(max_epochs=1, accelerator="cuda", devices=1, precision=w.precision,
-                        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        log_every_n_steps=50, logger=lightning_tensorboard(root),
-                        callbacks=[Clock()], default_root_dir=root)
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cuda",
+        devices=1,
+        precision=w.precision,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=50,
+        logger=lightning_tensorboard(root),
+        callbacks=[Clock()],
+        default_root_dir=root,
+    )
     trainer.fit(LitModule(), _Batches(w.batches))
     return clock.per_step()
 
@@ -276,8 +300,9 @@ def quiet() -> Any:
         yield
 
 
-def measure(runs: dict[str, Callable[[Workload, str], float]], w: Workload, rounds: int,
-            root: str) -> dict[str, list[float]]:
+def measure(
+    runs: dict[str, Callable[[Workload, str], float]], w: Workload, rounds: int, root: str
+) -> dict[str, list[float]]:
     results: dict[str, list[float]] = {name: [] for name in runs}
     order = list(runs)
     rng = random.Random(0)
@@ -317,8 +342,10 @@ def report(w: Workload, results: dict[str, list[float]], rounds: int) -> list[st
         ratios = sorted(a / b for a, b in zip(times, results[against]))
         vs = "vs dp x1" if against != "plain" else "vs plain"
         paired = statistics.median(ratios)
-        lines.append(f"  {name:24s} {t * 1e3:8.3f} ms  {t / plain:6.3f}x plain   paired {vs} {paired:6.3f}x "
-                     f"[{ratios[0]:.3f}, {ratios[-1]:.3f}]")
+        lines.append(
+            f"  {name:24s} {t * 1e3:8.3f} ms  {t / plain:6.3f}x plain   paired {vs} {paired:6.3f}x "
+            f"[{ratios[0]:.3f}, {ratios[-1]:.3f}]"
+        )
     return lines
 
 
@@ -330,18 +357,27 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="3 rounds of fewer steps (a smoke run)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/gpu.py needs a CUDA GPU, and torch.cuda.is_available() is False here "
-              f"(torch {torch.__version__}). Run it on a GPU machine.", file=sys.stderr)
+        print(
+            "benchmarks/gpu.py needs a CUDA GPU, and torch.cuda.is_available() is False here "
+            f"(torch {torch.__version__}). Run it on a GPU machine.",
+            file=sys.stderr,
+        )
         return 2
     if args.quick:
         args.rounds, args.resnet_steps, args.mlp_steps = 3, 30, 150
     torch.backends.cudnn.benchmark = True
     torch.cuda.set_device(0)
-    print(f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
-          f"Lightning: {getattr(lightning_module(), '__version__', 'not installed')}")
+    print(
+        f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
+        f"Lightning: {getattr(lightning_module(), '__version__', 'not installed')}"
+    )
     workloads = [
-        (Workload("ResNet (GPU-bound), 32x32 images, batch 256", resnet, (256, 3, 32, 32), args.resnet_steps,
-                  "bf16-mixed"), True),
+        (
+            Workload(
+                "ResNet (GPU-bound), 32x32 images, batch 256", resnet, (256, 3, 32, 32), args.resnet_steps, "bf16-mixed"
+            ),
+            True,
+        ),
         (Workload("MLP 32-64-10 (launch-bound), batch 64", mlp, (64, 32), args.mlp_steps, "32-true"), False),
     ]
     with tempfile.TemporaryDirectory() as root:

@@ -8,6 +8,7 @@ examples/digits.py's CNN (AdamW); the data is scikit-learn's bundled 8x8 digits,
 with the same seeds. Lightning's defaults are used on both sides: min_lr=1e-8, max_lr=1,
 num_training=100, mode "exponential", early_stop_threshold=4.0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,14 @@ def make_module(base: type) -> type:
             super().__init__()
             self.save_hyperparameters()
             self.net = torch.nn.Sequential(
-                torch.nn.Conv2d(1, channels, 3, padding=1), torch.nn.ReLU(),
-                torch.nn.Conv2d(channels, channels, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-                torch.nn.Flatten(), torch.nn.Dropout(0.2), torch.nn.Linear(channels * 16, 10),
+                torch.nn.Conv2d(1, channels, 3, padding=1),
+                torch.nn.ReLU(),
+                torch.nn.Conv2d(channels, channels, 3, padding=1),
+                torch.nn.ReLU(),
+                torch.nn.MaxPool2d(2),
+                torch.nn.Flatten(),
+                torch.nn.Dropout(0.2),
+                torch.nn.Linear(channels * 16, 10),
             )
 
         def forward(self, x):
@@ -79,16 +85,26 @@ def main() -> None:
         seed(args.seed)
         model = make_module(base)()
         loader = digits_loaders()
-        trainer = make_trainer(accelerator="cpu", devices=1, max_epochs=20, logger=False, enable_checkpointing=False,
-                               enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+        trainer = make_trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=20,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+        )
         stdout, sys.stdout = sys.stdout, open(os.devnull, "w")
         try:
             finder = Tuner(trainer).lr_find(model, train_dataloaders=loader)
         finally:
             sys.stdout.close()
             sys.stdout = stdout
-    print(f"{args.framework}: suggestion {finder.suggestion():.4g} (model.hparams.lr = {model.hparams.lr:.4g}), "
-          f"{len(finder.results['lr'])} points")
+    print(
+        f"{args.framework}: suggestion {finder.suggestion():.4g} (model.hparams.lr = {model.hparams.lr:.4g}), "
+        f"{len(finder.results['lr'])} points"
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ machine is shared and noisy. Run:
 With PyTorch Lightning installed (``pip install lightning``), the same work under Lightning's
 Trainer (progress bar, per-step ``self.log``, TensorBoard every 50 steps) runs in the same rounds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,8 +79,10 @@ def optional_configs(root: str) -> dict:
     except AttributeError:
         tb = None
     if tb is not None:
-        extra["bar+log+tensorboard"] = dict(log=True, trainer=dict(enable_progress_bar=True, log_every_n_steps=50,
-                                                                    logger_factory=lambda: tb(save_dir=root)))
+        extra["bar+log+tensorboard"] = dict(
+            log=True,
+            trainer=dict(enable_progress_bar=True, log_every_n_steps=50, logger_factory=lambda: tb(save_dir=root)),
+        )
     if importlib.util.find_spec("lightning") is not None:  # optional: `pip install lightning` to compare
         extra[LIGHTNING] = None
     return extra
@@ -120,9 +123,18 @@ def lightning_loop(batches: list, root: str) -> float:
         def on_train_epoch_end(self, trainer, module):
             timings.append(time.perf_counter())
 
-    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, enable_checkpointing=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=50,
-                        logger=TensorBoardLogger(save_dir=root), callbacks=[Clock()], default_root_dir=root)
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=50,
+        logger=TensorBoardLogger(save_dir=root),
+        callbacks=[Clock()],
+        default_root_dir=root,
+    )
     trainer.fit(LitModule(), _Batches(batches))  # (a bare list would be read as a list of loaders)
     return (timings[1] - timings[0]) / len(batches)
 
@@ -143,8 +155,14 @@ def ember_loop(batches: list, cfg: dict, root: str) -> float:
     factory = kwargs.pop("logger_factory", None)
     if factory is not None:
         kwargs["logger"] = factory()
-    trainer = ember.Trainer(max_epochs=1, accelerator="cpu", enable_checkpointing=False, num_sanity_val_steps=0,
-                            default_root_dir=root, **kwargs)
+    trainer = ember.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+        **kwargs,
+    )
     module = Module(cfg["log"])
     timings: list[float] = []
 
@@ -215,8 +233,10 @@ def main() -> None:
         ratios = [e / p for e, p in zip(results[name], results["plain"])]
         q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
         label = name if name == LIGHTNING else "ember " + name
-        print(f"  {label:32s} {t * 1e6:8.1f} us   {t / plain:.3f}x  (+{(t / plain - 1) * 100:.1f}%)"
-              f"   paired +{(q2 - 1) * 100:.1f}% [+{(q1 - 1) * 100:.1f}%, +{(q3 - 1) * 100:.1f}%]")
+        print(
+            f"  {label:32s} {t * 1e6:8.1f} us   {t / plain:.3f}x  (+{(t / plain - 1) * 100:.1f}%)"
+            f"   paired +{(q2 - 1) * 100:.1f}% [+{(q1 - 1) * 100:.1f}%, +{(q3 - 1) * 100:.1f}%]"
+        )
 
     t_torch = import_time("import torch", 5)
     t_ember = import_time("import ember", 5)

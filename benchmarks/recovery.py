@@ -11,6 +11,7 @@ failure, stopped the other rank, started new processes that imported torch and e
 process group and restored the checkpoint). Also reported: the part spent before torchrun started
 the new attempt (the surviving rank noticing and exiting), and whether the job ended with status 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,30 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
 def one_round(workers: int, nproc: int) -> tuple[float, float, int]:
     with tempfile.TemporaryDirectory() as out:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_"))}
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               str(nproc), "--max-restarts", "1", "--monitor-interval", "0.1", SCRIPT, out,
-                               "--kill-at", "7", "--workers", str(workers)],
-                              env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(nproc),
+                "--max-restarts",
+                "1",
+                "--monitor-interval",
+                "0.1",
+                SCRIPT,
+                out,
+                "--kill-at",
+                "7",
+                "--workers",
+                str(workers),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         with open(os.path.join(out, "killed")) as f:
             killed = float(f.read().split()[0])
         with open(os.path.join(out, "restarted1")) as f:
@@ -52,11 +73,16 @@ def main() -> None:
         totals.append(total)
         downs.append(down)
         codes.append(code)
-        print(f"round {r}: kill -> first step of the restart {total:6.2f} s "
-              f"(kill -> restarted attempt's first process start {down:5.2f} s), exit status {code}", flush=True)
-    print(f"\nrecovery time, median of {args.rounds}: {statistics.median(totals):.2f} s "
-          f"(min {min(totals):.2f}, max {max(totals):.2f}); until the new attempt started: "
-          f"{statistics.median(downs):.2f} s; all finished with status 0: {all(c == 0 for c in codes)}")
+        print(
+            f"round {r}: kill -> first step of the restart {total:6.2f} s "
+            f"(kill -> restarted attempt's first process start {down:5.2f} s), exit status {code}",
+            flush=True,
+        )
+    print(
+        f"\nrecovery time, median of {args.rounds}: {statistics.median(totals):.2f} s "
+        f"(min {min(totals):.2f}, max {max(totals):.2f}); until the new attempt started: "
+        f"{statistics.median(downs):.2f} s; all finished with status 0: {all(c == 0 for c in codes)}"
+    )
     print(f"({time.strftime('%Y-%m-%d')}, {args.nproc} ranks over gloo, {args.workers} loader workers per rank)")
 
 

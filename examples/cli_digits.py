@@ -9,6 +9,7 @@ The resolved configuration is saved as ``config.yaml`` in the run's log folder; 
 file repeats the run (with the same seed). ``num_classes`` is linked: the model gets the number the
 datamodule found in the data.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,8 +64,12 @@ class DigitsClassifier(ember.TrainModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(
-            torch.nn.Conv2d(1, channels, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-            torch.nn.Flatten(), torch.nn.Linear(channels * 16, num_classes))
+            torch.nn.Conv2d(1, channels, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(),
+            torch.nn.Linear(channels * 16, num_classes),
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch

@@ -29,6 +29,7 @@ and ``metrics.jsonl`` reads::
 
 ``--max-epochs``, ``--limit-batches`` and ``--target`` change the run; ``--root-dir`` where it writes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -118,9 +119,17 @@ def main() -> None:
     ember.seed_everything(0)
     train, val = digits_loaders()
     logger, target = JSONLinesLogger(args.root_dir), TargetAccuracy(args.target)
-    trainer = ember.Trainer(accelerator="cpu", devices=1, max_epochs=args.max_epochs,
-                            limit_train_batches=args.limit_batches, default_root_dir=args.root_dir,
-                            logger=logger, callbacks=[target], log_every_n_steps=10, enable_progress_bar=False)
+    trainer = ember.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=args.max_epochs,
+        limit_train_batches=args.limit_batches,
+        default_root_dir=args.root_dir,
+        logger=logger,
+        callbacks=[target],
+        log_every_n_steps=10,
+        enable_progress_bar=False,
+    )
     trainer.fit(DigitsCNN(), train, val)
     with open(logger.path, encoding="utf-8") as fh:
         records = sum(1 for _ in fh)

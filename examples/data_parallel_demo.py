@@ -18,6 +18,7 @@ Run::
     python examples/data_parallel_demo.py --part trainer --strategy dp --devices 3
     python examples/data_parallel_demo.py --part loop --accelerator cuda --devices 2   # on GPUs
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,12 @@ class Model(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         output = self.fc(x)
-        say(f"\tIn Model ({threading.current_thread().name}): input size", tuple(x.shape),
-            "output size", tuple(output.shape))
+        say(
+            f"\tIn Model ({threading.current_thread().name}): input size",
+            tuple(x.shape),
+            "output size",
+            tuple(output.shape),
+        )
         return output
 
 
@@ -76,8 +81,7 @@ def device_ids(accelerator: str, n: int) -> list[Any]:
 
 
 def hand_written_loop(accelerator: str, devices: int) -> None:
-    say(f"== ember.parallel.DataParallel in a hand-written loop, {devices} {accelerator} "
-        "replica(s) ==")
+    say(f"== ember.parallel.DataParallel in a hand-written loop, {devices} {accelerator} replica(s) ==")
     loader = DataLoader(RandomDataset(INPUT_SIZE, DATA_SIZE), batch_size=BATCH_SIZE)
     ids = device_ids(accelerator, devices)
     torch.manual_seed(0)
@@ -86,8 +90,7 @@ def hand_written_loop(accelerator: str, devices: int) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step, data in enumerate(loader):
         output = model(data)  # data may stay on the CPU: scatter sends each chunk to its device
-        say(f"Outside (step {step}): input size", tuple(data.shape), "gathered output size",
-            tuple(output.shape))
+        say(f"Outside (step {step}): input size", tuple(data.shape), "gathered output size", tuple(output.shape))
         loss = output.pow(2).mean()
         optimizer.zero_grad()
         loss.backward()  # every replica's gradient lands in model.module's parameters
@@ -115,19 +118,29 @@ class DemoModule(ember.TrainModule):
 
 
 class SayGathered(ember.callbacks.Callback):
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        say(f"Outside (step {batch_idx}): input size", tuple(batch.shape),
-            "gathered output size", tuple(outputs["output"].shape),
-            f"loss {float(outputs['loss'].detach()):.4f}")
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        say(
+            f"Outside (step {batch_idx}): input size",
+            tuple(batch.shape),
+            "gathered output size",
+            tuple(outputs["output"].shape),
+            f"loss {float(outputs['loss'].detach()):.4f}",
+        )
 
 
 def with_the_trainer(strategy: str, accelerator: str, devices: int) -> None:
     say(f"\n== ember.Trainer(strategy={strategy!r}, devices={devices}), {accelerator} ==")
     loader = DataLoader(RandomDataset(INPUT_SIZE, DATA_SIZE), batch_size=BATCH_SIZE)
-    trainer = ember.Trainer(strategy=strategy, accelerator=accelerator, devices=devices,
-                            max_epochs=1, callbacks=[SayGathered()], enable_progress_bar=False,
-                            logger=False, enable_checkpointing=False)
+    trainer = ember.Trainer(
+        strategy=strategy,
+        accelerator=accelerator,
+        devices=devices,
+        max_epochs=1,
+        callbacks=[SayGathered()],
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
     torch.manual_seed(0)
     trainer.fit(DemoModule(), loader)
     say("logged loss (last step):", f"{float(trainer.callback_metrics['loss']):.4f}")

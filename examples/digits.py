@@ -9,6 +9,7 @@ Each prints the progress bar, then, on rank zero only::
 
     validation accuracy 0.98.. after 10 epochs in .. s
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,14 @@ class DigitsCNN(ember.TrainModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(
-            torch.nn.Conv2d(1, channels, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.Conv2d(channels, channels, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-            torch.nn.Flatten(), torch.nn.Dropout(0.2), torch.nn.Linear(channels * 16, 10),
+            torch.nn.Conv2d(1, channels, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(channels, channels, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(),
+            torch.nn.Dropout(0.2),
+            torch.nn.Linear(channels * 16, 10),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,8 +67,10 @@ def digits_loaders(batch_size: int = 64, seed: int = 0) -> tuple[DataLoader, Dat
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     split = int(0.8 * len(x))
     train, val = perm[:split], perm[split:]
-    return (DataLoader(TensorDataset(x[train], y[train]), batch_size=batch_size, shuffle=True),
-            DataLoader(TensorDataset(x[val], y[val]), batch_size=256))
+    return (
+        DataLoader(TensorDataset(x[train], y[train]), batch_size=batch_size, shuffle=True),
+        DataLoader(TensorDataset(x[val], y[val]), batch_size=256),
+    )
 
 
 def main() -> None:
@@ -75,8 +83,13 @@ def main() -> None:
 
     ember.seed_everything(0)
     train, val = digits_loaders()
-    trainer = ember.Trainer(strategy=args.strategy, accelerator="cpu", devices=args.devices,
-                            max_epochs=args.max_epochs, default_root_dir=args.root_dir)
+    trainer = ember.Trainer(
+        strategy=args.strategy,
+        accelerator="cpu",
+        devices=args.devices,
+        max_epochs=args.max_epochs,
+        default_root_dir=args.root_dir,
+    )
     start = time.perf_counter()
     trainer.fit(DigitsCNN(), train, val)
     if trainer.is_global_zero:

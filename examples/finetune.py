@@ -10,6 +10,7 @@ The "pretrained" backbone is a small CNN trained here for a few epochs on scikit
     backbone frozen in epoch 0, trained from epoch 1 (lr 0.0003 -> ...)
     validation accuracy 0.9.. on 10 digits
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,12 @@ from ember.callbacks import BackboneFinetuning, Callback
 
 def backbone(channels: int = 16) -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Conv2d(1, channels, 3, padding=1), torch.nn.BatchNorm2d(channels), torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2), torch.nn.Flatten())
+        torch.nn.Conv2d(1, channels, 3, padding=1),
+        torch.nn.BatchNorm2d(channels),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+    )
 
 
 class Classifier(ember.TrainModule):
@@ -78,8 +83,10 @@ def loaders(classes: int, seed: int = 0) -> tuple[DataLoader, DataLoader]:
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     split = int(0.8 * len(x))
     train, val = perm[:split], perm[split:]
-    return (DataLoader(TensorDataset(x[train], y[train]), batch_size=64, shuffle=True),
-            DataLoader(TensorDataset(x[val], y[val]), batch_size=256))
+    return (
+        DataLoader(TensorDataset(x[train], y[train]), batch_size=64, shuffle=True),
+        DataLoader(TensorDataset(x[val], y[val]), batch_size=256),
+    )
 
 
 def main() -> None:
@@ -92,21 +99,33 @@ def main() -> None:
 
     ember.seed_everything(0)
     features = backbone()
-    quiet = dict(accelerator="cpu", strategy=args.strategy, devices=args.devices, enable_progress_bar=False,
-                 logger=False, enable_checkpointing=False)
+    quiet = dict(
+        accelerator="cpu",
+        strategy=args.strategy,
+        devices=args.devices,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
     ember.Trainer(max_epochs=args.pretrain_epochs, **quiet).fit(Classifier(features, 5), *loaders(5))
 
     report = ReportBackbone()
     finetune = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.1)
-    trainer = ember.Trainer(accelerator="cpu", strategy=args.strategy, devices=args.devices,
-                            max_epochs=args.max_epochs, callbacks=[finetune, report])
+    trainer = ember.Trainer(
+        accelerator="cpu",
+        strategy=args.strategy,
+        devices=args.devices,
+        max_epochs=args.max_epochs,
+        callbacks=[finetune, report],
+    )
     trainer.fit(Classifier(features, 10), *loaders(10))
     if trainer.is_global_zero:
         trained = [(e, lr) for e, trains, lr in report.epochs if trains]
         frozen = [e for e, trains, _ in report.epochs if not trains]
         rates = " -> ".join(f"{lr:.2g}" for _, lr in trained)
-        print(f"backbone frozen in epoch {', '.join(map(str, frozen))}, trained from epoch {trained[0][0]} "
-              f"(lr {rates})")
+        print(
+            f"backbone frozen in epoch {', '.join(map(str, frozen))}, trained from epoch {trained[0][0]} (lr {rates})"
+        )
         print(f"validation accuracy {float(trainer.callback_metrics['val/acc']):.4f} on 10 digits")
 
 

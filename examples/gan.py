@@ -22,6 +22,7 @@ going to 0 while the other grows would mean the game collapsed), then a generate
 
 ``--max-epochs`` and ``--limit-batches`` make it smaller; ``--root-dir`` says where logs go.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,13 +40,18 @@ class DigitsGAN(ember.TrainModule):
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.generator = torch.nn.Sequential(
-            torch.nn.Linear(latent, hidden), torch.nn.LeakyReLU(0.2),
-            torch.nn.Linear(hidden, hidden), torch.nn.LeakyReLU(0.2),
-            torch.nn.Linear(hidden, 64), torch.nn.Sigmoid(),
+            torch.nn.Linear(latent, hidden),
+            torch.nn.LeakyReLU(0.2),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.LeakyReLU(0.2),
+            torch.nn.Linear(hidden, 64),
+            torch.nn.Sigmoid(),
         )
         self.discriminator = torch.nn.Sequential(
-            torch.nn.Linear(64, hidden), torch.nn.LeakyReLU(0.2),
-            torch.nn.Linear(hidden, hidden), torch.nn.LeakyReLU(0.2),
+            torch.nn.Linear(64, hidden),
+            torch.nn.LeakyReLU(0.2),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.LeakyReLU(0.2),
             torch.nn.Linear(hidden, 1),
         )
         self._sums: dict[str, float] = {}
@@ -65,8 +71,9 @@ class DigitsGAN(ember.TrainModule):
         # Discriminator: real images are 1, generated ones 0 (no gradient into the generator).
         with self.toggled_optimizer(opt_d):
             fake = self.generator(torch.randn(n, self.hparams.latent)).detach()
-            d_loss = (F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
-                      + F.binary_cross_entropy_with_logits(self.discriminator(fake), zeros))
+            d_loss = F.binary_cross_entropy_with_logits(
+                self.discriminator(real), ones
+            ) + F.binary_cross_entropy_with_logits(self.discriminator(fake), zeros)
             opt_d.zero_grad()
             self.manual_backward(d_loss)
             opt_d.step()
@@ -86,14 +93,19 @@ class DigitsGAN(ember.TrainModule):
 
     def on_train_epoch_end(self):
         means = {k: v / max(self._batches, 1) for k, v in self._sums.items()}
-        print(f"epoch {self.current_epoch + 1}/{self.trainer.max_epochs}  "
-              f"d_loss {means['d_loss']:.4f}  g_loss {means['g_loss']:.4f}", flush=True)
+        print(
+            f"epoch {self.current_epoch + 1}/{self.trainer.max_epochs}  "
+            f"d_loss {means['d_loss']:.4f}  g_loss {means['g_loss']:.4f}",
+            flush=True,
+        )
         self._sums, self._batches = {}, 0
 
     def configure_optimizers(self):
         lr = self.hparams.lr
-        return [torch.optim.Adam(self.discriminator.parameters(), lr=lr, betas=(0.5, 0.999)),
-                torch.optim.Adam(self.generator.parameters(), lr=lr, betas=(0.5, 0.999))]
+        return [
+            torch.optim.Adam(self.discriminator.parameters(), lr=lr, betas=(0.5, 0.999)),
+            torch.optim.Adam(self.generator.parameters(), lr=lr, betas=(0.5, 0.999)),
+        ]
 
 
 def digit_images(batch_size: int = 64) -> DataLoader:
@@ -106,8 +118,9 @@ def digit_images(batch_size: int = 64) -> DataLoader:
 
 def ascii_image(image: torch.Tensor) -> str:
     shades = " .:-=+*#%@"
-    return "\n".join("  " + "".join(shades[min(int(v * len(shades)), len(shades) - 1)] * 2 for v in row)
-                     for row in image.tolist())
+    return "\n".join(
+        "  " + "".join(shades[min(int(v * len(shades)), len(shades) - 1)] * 2 for v in row) for row in image.tolist()
+    )
 
 
 def main() -> None:
@@ -119,9 +132,16 @@ def main() -> None:
 
     ember.seed_everything(0)
     model = DigitsGAN()
-    trainer = ember.Trainer(accelerator="cpu", devices=1, max_epochs=args.max_epochs,
-                            limit_train_batches=args.limit_batches, default_root_dir=args.root_dir,
-                            log_every_n_steps=10, enable_progress_bar=False, enable_checkpointing=False)
+    trainer = ember.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=args.max_epochs,
+        limit_train_batches=args.limit_batches,
+        default_root_dir=args.root_dir,
+        log_every_n_steps=10,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(model, digit_images())
     model.eval()
     with torch.no_grad():

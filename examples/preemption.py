@@ -23,6 +23,7 @@ The second resumes and trains to the end (5 epochs of 23 steps)::
 Without ``--resume`` and ``--stop-after-step`` it trains from scratch, and ``kill -TERM`` from
 another shell preempts it just the same. ``--max-epochs`` and ``--limit-batches`` make it smaller.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,18 +71,23 @@ def main() -> None:
 
     ember.seed_everything(0)
     train, val = digits_loaders()
-    trainer = ember.Trainer(accelerator="cpu", devices=1, max_epochs=args.max_epochs,
-                            limit_train_batches=args.limit_batches, default_root_dir=args.root_dir,
-                            log_every_n_steps=10, enable_progress_bar=False,
-                            callbacks=[StepReporter(args.stop_after_step, args.print_every)])
+    trainer = ember.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=args.max_epochs,
+        limit_train_batches=args.limit_batches,
+        default_root_dir=args.root_dir,
+        log_every_n_steps=10,
+        enable_progress_bar=False,
+        callbacks=[StepReporter(args.stop_after_step, args.print_every)],
+    )
     try:
         trainer.fit(DigitsCNN(), train, val, ckpt_path="last" if args.resume else None)
     except Preempted as exc:  # a SystemExit: re-raised, the process ends with exc.code (143)
         print(f"preempted at step {trainer.global_step}: saved {exc.checkpoint_path}", flush=True)
         raise
     acc = float(trainer.callback_metrics["val/acc"])
-    print(f"finished at step {trainer.global_step} ({trainer.current_epoch} epochs), "
-          f"validation accuracy {acc:.4f}")
+    print(f"finished at step {trainer.global_step} ({trainer.current_epoch} epochs), validation accuracy {acc:.4f}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ processes"``), then the tests that start processes (ranks, scripts, torchrun, lo
 each tier spread over the cores by pytest-xdist. A test lands in the right tier only if it is
 marked, so starting a process unmarked is an error that names the mark to add.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -36,7 +37,8 @@ def _no_leaks():
     deadline = time.monotonic() + 2.0
     while True:
         leaked_threads = [
-            t for t in _threads() - threads_before
+            t
+            for t in _threads() - threads_before
             if not t.daemon or not t.name.startswith(("pydevd", "QueueFeederThread"))
         ]
         leaked_children = _live_children() - children_before
@@ -76,6 +78,8 @@ def _processes_are_marked(request, monkeypatch):
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
     yield
     if started:
-        pytest.fail(f"this test started processes ({started[:3]}) but is not marked: add "
-                    "`@pytest.mark.processes` (with a `pytest.mark.timeout` of its own if 120 s is too "
-                    "short), so it runs in the multi-process tier")
+        pytest.fail(
+            f"this test started processes ({started[:3]}) but is not marked: add "
+            "`@pytest.mark.processes` (with a `pytest.mark.timeout` of its own if 120 s is too "
+            "short), so it runs in the multi-process tier"
+        )

@@ -1,5 +1,6 @@
 """The directory lock (ember/checkpoint_io.py): other processes are excluded, this one never is, and a
 forked child never keeps it after its parent released it."""
+
 from __future__ import annotations
 
 import os
@@ -20,11 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def holder_seen_by_another_process(directory: Path) -> str:
     """Whether a fresh process can flock ``directory`` ("free") or not ("locked"): the question another
     run's DirectoryLock asks (a bare interpreter, so that no torch import slows the test)."""
-    code = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY)\n"
-            "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
-            "except BlockingIOError:\n    print('locked')")
-    out = subprocess.run([sys.executable, "-S", "-c", code, str(directory)], capture_output=True, text=True,
-                         timeout=60)
+    code = (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+        "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
+        "except BlockingIOError:\n    print('locked')"
+    )
+    out = subprocess.run([sys.executable, "-S", "-c", code, str(directory)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 

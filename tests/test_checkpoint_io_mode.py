@@ -1,5 +1,6 @@
 """Checkpoint files get the permissions any other file the job writes gets: 0o666 less the umask, or the
 mode of the file they replace (a temporary file's 0o600 would hide them from a team on a shared disk)."""
+
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ from tests.helpers.models import BoringModel, regression_loader
 def umask():
     def set_mask(mask: int) -> None:
         os.umask(mask)
+
     old = os.umask(0o022)
     yield set_mask
     os.umask(old)

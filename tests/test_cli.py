@@ -1,6 +1,7 @@
 """``EmberCLI``: the example run as a user runs it (``python examples/cli_digits.py fit --config
 cli_digits.yaml``, then ``test`` from the saved config), ``--print_config``, misspelt keys, the
 saved configuration (never overwritten), links, and the in-process API."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,14 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 def run(cwd: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(EXAMPLES / "cli_digits.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / "cli_digits.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _fail(proc: subprocess.CompletedProcess[str]) -> str:
@@ -104,9 +111,20 @@ class LinkedCLI(EmberCLI):
 
 
 def test_arguments_links_and_defaults_build_the_objects(tmp_path):
-    cli = LinkedCLI(Net, Data, trainer_defaults={"enable_progress_bar": False, "logger": False},
-                    args=["fit", f"--trainer.default_root_dir={tmp_path}", "--trainer.max_epochs=1",
-                          "--model.hidden=5", "--data.batch_size=16", "--data.width=1", "--seed_everything=3"])
+    cli = LinkedCLI(
+        Net,
+        Data,
+        trainer_defaults={"enable_progress_bar": False, "logger": False},
+        args=[
+            "fit",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_epochs=1",
+            "--model.hidden=5",
+            "--data.batch_size=16",
+            "--data.width=1",
+            "--seed_everything=3",
+        ],
+    )
     assert cli.model.hparams.hidden == 5 and cli.model.hparams.out == 1 and cli.datamodule.batch_size == 16
     assert cli.trainer.global_step == 2 and cli.trainer.current_epoch == 1
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
@@ -114,8 +132,14 @@ def test_arguments_links_and_defaults_build_the_objects(tmp_path):
 
 
 def test_a_saved_config_is_never_overwritten(tmp_path):
-    args = ["fit", f"--trainer.default_root_dir={tmp_path}", "--trainer.max_epochs=1", "--trainer.logger=false",
-            "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false"]
+    args = [
+        "fit",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.max_epochs=1",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_checkpointing=false",
+    ]
     EmberCLI(Net, Data, args=args)
     before = (tmp_path / "config.yaml").read_text()
     with pytest.raises(RuntimeError, match="already exists.*does not overwrite"):

@@ -4,6 +4,7 @@ ember.utils.move_to_device (the Trainer's transfer and TrainModule's default hoo
 DataModule's default transfer, scatter/gather's flatten/unflatten, and apply_to_collection as
 DistributedDataParallel calls it. The CPU float64 cast is the observable "moved" here.
 """
+
 from __future__ import annotations
 
 import collections
@@ -156,8 +157,11 @@ def test_datamodule_default_transfer_moves_anything_with_a_to():
             return self
 
     movable = Movable()
-    batch = {"pair": Pair(torch.ones(2), "label"), "items": [torch.ones(1), movable],
-             "ordered": collections.OrderedDict(x=torch.ones(1))}
+    batch = {
+        "pair": Pair(torch.ones(2), "label"),
+        "items": [torch.ones(1), movable],
+        "ordered": collections.OrderedDict(x=torch.ones(1)),
+    }
     sample = Sample(torch.ones(1))
     batch["sample"] = sample
     out = ember.DataModule().transfer_batch_to_device(batch, F64, 0)  # Tensor.to(F64) casts
@@ -176,8 +180,9 @@ def test_flatten_unflatten_round_trip_keeps_types_and_leaves():
     batch["tagged"] = tagged
     flat, spec = flatten(batch)
     assert sum(isinstance(leaf, Tensor) for leaf in flat) == 11
-    out = unflatten(spec, [leaf.to(F64) if isinstance(leaf, Tensor) and leaf.is_floating_point() else leaf
-                           for leaf in flat])
+    out = unflatten(
+        spec, [leaf.to(F64) if isinstance(leaf, Tensor) and leaf.is_floating_point() else leaf for leaf in flat]
+    )
     _assert_moved(out, leaves)
     assert type(out["frozen"]) is Frozen and out["frozen"].x.dtype == F64
     assert type(out["tagged"]) is Tagged and out["tagged"].tag == "kept" and out["tagged"]["x"].dtype == F64

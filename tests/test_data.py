@@ -1,4 +1,5 @@
 """DataModule: its hooks, the order the Trainer calls them in, and its defaults."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,8 +46,14 @@ def test_fit_with_a_datamodule_calls_its_hooks_in_order():
     trainer = fast_trainer(callbacks=[RecordingCallback(calls)], num_sanity_val_steps=0)
     trainer.fit(BoringModel(), datamodule=dm)
     # As Lightning: the loaders are requested after on_fit_start (train first without a sanity check).
-    assert calls[:6] == ["DataModule.prepare_data", "DataModule.setup:fit", "Callback.setup:fit",
-                         "Callback.on_fit_start", "DataModule.train_dataloader", "DataModule.val_dataloader"]
+    assert calls[:6] == [
+        "DataModule.prepare_data",
+        "DataModule.setup:fit",
+        "Callback.setup:fit",
+        "Callback.on_fit_start",
+        "DataModule.train_dataloader",
+        "DataModule.val_dataloader",
+    ]
     assert calls.count("DataModule.val_dataloader") == 1
     # As Lightning 2.6.6: the datamodule is torn down first, then the callbacks (the reverse of setup).
     assert calls[-2:] == ["DataModule.teardown:fit", "Callback.teardown:fit"]
@@ -61,16 +68,23 @@ def test_datamodule_without_validation_data_skips_validation():
     assert "val_loss" not in trainer.callback_metrics and trainer.global_step == 4
 
 
-@pytest.mark.parametrize("entry,stage,loader", [
-    ("validate", "validate", "val_dataloader"),
-    ("test", "test", "test_dataloader"),
-    ("predict", "predict", "predict_dataloader"),
-])
+@pytest.mark.parametrize(
+    "entry,stage,loader",
+    [
+        ("validate", "validate", "val_dataloader"),
+        ("test", "test", "test_dataloader"),
+        ("predict", "predict", "predict_dataloader"),
+    ],
+)
 def test_eval_entry_points_with_a_datamodule(entry, stage, loader):
     calls: list[str] = []
     out = getattr(fast_trainer(), entry)(BoringModel(), datamodule=DM(calls))
-    assert calls == ["DataModule.prepare_data", f"DataModule.setup:{stage}", f"DataModule.{loader}",
-                     f"DataModule.teardown:{stage}"]
+    assert calls == [
+        "DataModule.prepare_data",
+        f"DataModule.setup:{stage}",
+        f"DataModule.{loader}",
+        f"DataModule.teardown:{stage}",
+    ]
     assert len(out) == 1
 
 

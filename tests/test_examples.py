@@ -1,5 +1,6 @@
 """Each example in ``examples/`` run as a user runs it: ``python examples/<name>.py ...`` in a fresh
 working directory, with small settings, checking its exit status and what it prints and writes."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,7 @@ def _env() -> dict[str, str]:
 
 def run_example(cwd: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """Runs ``python <args>`` in ``cwd`` (killed after ``timeout`` seconds); output captured as text."""
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _fail(proc: subprocess.CompletedProcess[str]) -> str:
@@ -38,9 +38,23 @@ def _fail(proc: subprocess.CompletedProcess[str]) -> str:
 def test_digits_runs_under_torchrun_with_two_processes(tmp_path):
     """``torchrun --nproc-per-node 2 examples/digits.py --strategy ddp --devices 2``: ember's ddp joins
     torchrun's world instead of starting its own ranks; both ranks finish and rank zero prints the result."""
-    proc = run_example(tmp_path, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--tee", "3",
-                       str(EXAMPLES / "digits.py"), "--strategy", "ddp", "--devices", "2", "--max-epochs", "1",
-                       timeout=75)
+    proc = run_example(
+        tmp_path,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--tee",
+        "3",
+        str(EXAMPLES / "digits.py"),
+        "--strategy",
+        "ddp",
+        "--devices",
+        "2",
+        "--max-epochs",
+        "1",
+        timeout=75,
+    )
     assert proc.returncode == 0, _fail(proc)  # torchrun exits 0 only when every worker did
     out = proc.stdout
     # --tee 3 prefixes each worker's lines with its rank: rank zero printed the result, once.
@@ -72,6 +86,7 @@ def test_preemption_stops_with_143_and_resume_finishes(tmp_path):
     assert "finished" not in first.stdout
 
     import torch
+
     assert torch.load(saved, map_location="cpu", weights_only=False)["global_step"] == 7
 
     second = run_example(tmp_path, str(EXAMPLES / "preemption.py"), "--resume", *small)
@@ -86,8 +101,14 @@ def test_preemption_by_an_outside_sigterm(tmp_path):
     """As a scheduler does it: SIGTERM from outside once the run prints "step 3"; the run stops at a
     step boundary with 143, and the resumed run continues from the step it saved."""
     small = ("--max-epochs", "3", "--limit-batches", "10")
-    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "preemption.py"), "--print-every", "1", *small],
-                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / "preemption.py"), "--print-every", "1", *small],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         seen = []
         assert proc.stdout is not None
@@ -127,7 +148,7 @@ def test_gan_trains_with_two_optimizers_and_prints_losses(tmp_path):
     # manual optimization: one global step per batch, however many optimizers stepped
     done = next(i for i, line in enumerate(lines) if line.startswith("trained "))
     assert lines[done].startswith("trained 10 steps"), proc.stdout
-    digit = lines[done + 1:done + 9]
+    digit = lines[done + 1 : done + 9]
     assert len(digit) == 8 and all(len(row) == 18 for row in digit), digit
 
 
@@ -135,8 +156,16 @@ def test_gan_trains_with_two_optimizers_and_prints_losses(tmp_path):
 def test_custom_callback_stops_and_custom_logger_writes_json_lines(tmp_path):
     """``--target 0.5``: the callback stops the fit after the first epoch that reaches it; the logger's
     file holds the hyper-parameters, the logged metrics (the printed accuracy among them) and the end status."""
-    proc = run_example(tmp_path, str(EXAMPLES / "custom_callback_logger.py"), "--max-epochs", "4",
-                       "--limit-batches", "6", "--target", "0.5")
+    proc = run_example(
+        tmp_path,
+        str(EXAMPLES / "custom_callback_logger.py"),
+        "--max-epochs",
+        "4",
+        "--limit-batches",
+        "6",
+        "--target",
+        "0.5",
+    )
     assert proc.returncode == 0, _fail(proc)
     epoch_lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
     assert epoch_lines and epoch_lines[-1].endswith("-> reached the target 0.5, stopping"), proc.stdout
@@ -164,8 +193,9 @@ def test_finetune_trains_the_head_first_then_the_backbone(tmp_path):
     """``python examples/finetune.py``: BackboneFinetuning keeps the pretrained backbone frozen in epoch 0,
     adds it at epoch 1 with a tenth of the head's rate, doubles that rate each epoch; the default checkpoint
     and logger are written, and the finetuned model classifies the ten digits."""
-    proc = run_example(tmp_path, str(EXAMPLES / "finetune.py"), "--max-epochs", "3", "--pretrain-epochs", "2",
-                       timeout=140)
+    proc = run_example(
+        tmp_path, str(EXAMPLES / "finetune.py"), "--max-epochs", "3", "--pretrain-epochs", "2", timeout=140
+    )
     assert proc.returncode == 0, _fail(proc)
     assert "backbone frozen in epoch 0, trained from epoch 1 (lr 0.0003 -> 0.0006)" in proc.stdout
     acc = float(proc.stdout.split("validation accuracy ")[1].split()[0])

@@ -1,5 +1,6 @@
 """TrainModule.to_torchscript and to_onnx (Lightning's methods): eval mode while exporting, the training
 flags back afterwards, example_input_array as the default input, and clear errors for what is missing."""
+
 from __future__ import annotations
 
 import pytest

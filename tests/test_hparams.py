@@ -3,6 +3,7 @@
 Every expected value here was first observed on Lightning 2.6.6 with the same classes (written as
 LightningModule / LightningDataModule), unless a test says that ember deliberately differs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -212,12 +213,15 @@ class Saves(ember.TrainModule):
         self.save_hyperparameters(what) if not isinstance(what, tuple) else self.save_hyperparameters(*what)
 
 
-@pytest.mark.parametrize("what, error, match", [
-    (5, ValueError, r"got the value 5: pass argument names as strings, or one dict / Namespace"),
-    (("zz",), KeyError, r"\['zz'\] are not arguments of Saves.__init__ \(its arguments: \['a', 'what'\]\)"),
-    (({"a": 1}, {"b": 2}), ValueError, r"argument names or one dict / Namespace; got 2 objects"),
-    (([1],), ValueError, r"cannot save a list: pass argument names, or one dict"),
-])
+@pytest.mark.parametrize(
+    "what, error, match",
+    [
+        (5, ValueError, r"got the value 5: pass argument names as strings, or one dict / Namespace"),
+        (("zz",), KeyError, r"\['zz'\] are not arguments of Saves.__init__ \(its arguments: \['a', 'what'\]\)"),
+        (({"a": 1}, {"b": 2}), ValueError, r"argument names or one dict / Namespace; got 2 objects"),
+        (([1],), ValueError, r"cannot save a list: pass argument names, or one dict"),
+    ],
+)
 def test_wrong_arguments_say_what_to_pass(what, error, match):
     """Lightning 2.6.6 raises ValueError for a primitive and KeyError('zz') for an unknown name."""
     with pytest.raises(error, match=match):
@@ -232,8 +236,11 @@ class Locked(ember.TrainModule):
 
 def test_a_value_that_cannot_be_copied_names_itself():
     """Lightning 2.6.6 raises ``TypeError: cannot pickle '_thread.lock' object`` from save_hyperparameters."""
-    with pytest.raises(TypeError, match=r"could not copy the hyper-parameter\(s\) \['lock'\] of Locked.*"
-                                        r"save_hyperparameters\(ignore=\['lock'\]\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"could not copy the hyper-parameter\(s\) \['lock'\] of Locked.*"
+        r"save_hyperparameters\(ignore=\['lock'\]\)",
+    ):
         Locked(lock=threading.Lock())
 
 
@@ -247,8 +254,11 @@ def test_unpicklable_values_are_dropped_with_a_warning():
     """Lightning 2.6.6, at the start of a fit: ``Attribute 'fn' removed from hparams because it cannot be
     pickled``; hparams is then ['lr'] while hparams_initial keeps ['fn', 'lr']."""
     m = WithFunction(fn=lambda x: x)
-    with pytest.warns(UserWarning, match=r"'fn' was removed from hparams because it cannot be pickled.*"
-                                         r"ignore=\['fn'\]"):
+    with pytest.warns(
+        UserWarning,
+        match=r"'fn' was removed from hparams because it cannot be pickled.*"
+        r"ignore=\['fn'\]",
+    ):
         assert drop_unpicklable(m.hparams) == ["fn"]
     assert sorted(m.hparams) == ["lr"]
     assert sorted(m.hparams_initial) == ["fn", "lr"]
@@ -315,8 +325,11 @@ def test_load_from_checkpoint_overrides_and_unknown_keys(tmp_path):
     assert isinstance(loaded, Saved) and dict(loaded.hparams) == {"lr": 0.5, "width": 3}
     assert torch.equal(loaded.layer.weight, m.layer.weight)
     assert dict(Saved.load_from_checkpoint(path, width=7).hparams) == {"lr": 0.5, "width": 7}
-    with pytest.warns(UserWarning, match=r"Saved.__init__ takes no argument named \['unknown'\] "
-                                         r"\(its arguments: \['lr', 'width'\]\); ignored"):
+    with pytest.warns(
+        UserWarning,
+        match=r"Saved.__init__ takes no argument named \['unknown'\] "
+        r"\(its arguments: \['lr', 'width'\]\); ignored",
+    ):
         loaded = Saved.load_from_checkpoint(path, unknown=1)
     assert dict(loaded.hparams) == {"lr": 0.5, "width": 3}
 
@@ -329,13 +342,17 @@ def test_load_from_checkpoint_with_kwargs_passes_everything(tmp_path):
 
 def test_load_from_checkpoint_without_saved_arguments_explains(tmp_path):
     """Lightning 2.6.6 raises TypeError (missing 'n'); passing n=3 works."""
+
     class NoSave(BoringModel):
         def __init__(self, n: int) -> None:
             super().__init__()
 
     path = _checkpoint(NoSave(3), tmp_path / "d.ckpt")
-    with pytest.raises(CheckpointError, match=r"Could not build NoSave.*missing 1 required positional argument: "
-                                              r"'n'.*Pass the missing arguments as keyword overrides"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"Could not build NoSave.*missing 1 required positional argument: "
+        r"'n'.*Pass the missing arguments as keyword overrides",
+    ):
         NoSave.load_from_checkpoint(path)
     assert isinstance(NoSave.load_from_checkpoint(path, n=3), NoSave)
 
@@ -343,6 +360,7 @@ def test_load_from_checkpoint_without_saved_arguments_explains(tmp_path):
 def test_load_from_checkpoint_runs_configure_model_and_on_load_checkpoint_first(tmp_path):
     """As Lightning's _load_state: configure_model (layers made there), then on_load_checkpoint, which may
     rewrite the state_dict, then the weights."""
+
     class Lazy(BoringModel):
         def __init__(self) -> None:
             super().__init__()
@@ -422,8 +440,14 @@ class _DataWithLr(ember.DataModule):
 
 def _fit_with_logger(module: ember.TrainModule, datamodule: Any = None) -> _HparamsLogger:
     logger = _HparamsLogger()
-    trainer = ember.Trainer(max_steps=1, logger=logger, enable_progress_bar=False, enable_checkpointing=False,
-                            accelerator="cpu", log_every_n_steps=1)
+    trainer = ember.Trainer(
+        max_steps=1,
+        logger=logger,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+        log_every_n_steps=1,
+    )
     if datamodule is None:
         trainer.fit(module, regression_loader())
     else:

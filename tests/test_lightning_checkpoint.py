@@ -6,6 +6,7 @@ The files are written here by hand in Lightning 2.6's format (the keys and value
 pytorch-lightning 2.6.6's Trainer.save_checkpoint wrote, checked once against such a file); the suite does not
 depend on Lightning.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -34,15 +35,26 @@ class Net(ember.TrainModule):
 
 
 def lightning_file(path: pathlib.Path, hyper_parameters: dict, state_dict: dict) -> str:
-    torch.save({
-        "epoch": 1, "global_step": 4, "pytorch-lightning_version": "2.6.6",
-        "state_dict": OrderedDict(state_dict),
-        "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 1, "completed": 1}}},
-                  "validate_loop": {}, "test_loop": {}, "predict_loop": {}},
-        "callbacks": {"ModelCheckpoint{'monitor': None, 'mode': 'min'}": {"best_model_score": None}},
-        "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.2, "params": [0, 1, 2, 3]}]}],
-        "lr_schedulers": [], "hparams_name": "kwargs", "hyper_parameters": hyper_parameters,
-    }, path)
+    torch.save(
+        {
+            "epoch": 1,
+            "global_step": 4,
+            "pytorch-lightning_version": "2.6.6",
+            "state_dict": OrderedDict(state_dict),
+            "loops": {
+                "fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 1, "completed": 1}}},
+                "validate_loop": {},
+                "test_loop": {},
+                "predict_loop": {},
+            },
+            "callbacks": {"ModelCheckpoint{'monitor': None, 'mode': 'min'}": {"best_model_score": None}},
+            "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.2, "params": [0, 1, 2, 3]}]}],
+            "lr_schedulers": [],
+            "hparams_name": "kwargs",
+            "hyper_parameters": hyper_parameters,
+        },
+        path,
+    )
     return str(path)
 
 
@@ -74,8 +86,9 @@ def test_load_lightning_checkpoint_returns_its_contents_and_refuses_an_ember_fil
 
 
 def test_pickled_objects_are_refused_unless_the_file_is_trusted(tmp_path):
-    path = lightning_file(tmp_path / "lightning.ckpt", {"hidden": 5, "data_dir": pathlib.PurePosixPath("data")},
-                          weights(5))
+    path = lightning_file(
+        tmp_path / "lightning.ckpt", {"hidden": 5, "data_dir": pathlib.PurePosixPath("data")}, weights(5)
+    )
     with pytest.raises(CheckpointError, match="pass weights_only=False"):
         Net.load_from_checkpoint(path)
     with pytest.raises(CheckpointError, match="pass weights_only=False"):

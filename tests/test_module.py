@@ -1,4 +1,5 @@
 """TrainModule on its own: hyper-parameters, state outside a Trainer, defaults and their messages."""
+
 from __future__ import annotations
 
 import pytest
@@ -83,8 +84,11 @@ def test_hparams_attribute_assignment():
 
 
 def test_log_outside_a_trainer():
-    with pytest.raises(RuntimeError, match=r"self.log\('x', ...\) was called outside of a Trainer run. Call it from "
-                                           r"training_step"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"self.log\('x', ...\) was called outside of a Trainer run. Call it from "
+        r"training_step",
+    ):
         BoringModel().log("x", 1.0)
 
 
@@ -117,12 +121,15 @@ def test_default_predict_step_calls_forward_on_the_input():
     torch.testing.assert_close(m.predict_step([x], 0), m(x))
 
 
-@pytest.mark.parametrize("method,args,match", [
-    ("training_step", (None, 0), r"TrainModule must define training_step\(self, batch, batch_idx\)"),
-    ("validation_step", (None, 0), r"TrainModule has no validation_step; define it to validate"),
-    ("test_step", (None, 0), r"TrainModule has no test_step; define it to test"),
-    ("configure_optimizers", (), r"TrainModule must define configure_optimizers\(\) returning an optimizer"),
-])
+@pytest.mark.parametrize(
+    "method,args,match",
+    [
+        ("training_step", (None, 0), r"TrainModule must define training_step\(self, batch, batch_idx\)"),
+        ("validation_step", (None, 0), r"TrainModule has no validation_step; define it to validate"),
+        ("test_step", (None, 0), r"TrainModule has no test_step; define it to test"),
+        ("configure_optimizers", (), r"TrainModule must define configure_optimizers\(\) returning an optimizer"),
+    ],
+)
 def test_defaults_explain_what_to_define(method, args, match):
     with pytest.raises(NotImplementedError, match=match):
         getattr(ember.TrainModule(), method)(*args)

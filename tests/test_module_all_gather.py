@@ -1,6 +1,7 @@
 """TrainModule.all_gather and print, and the strategy's all_gather / broadcast / barrier, as Lightning 2.6.6 has
 them (checked there): in one process all_gather returns the data unchanged (numbers become tensors), under ddp
 every tensor gets a leading world-size dimension; print prints on global rank zero only."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,16 +22,19 @@ class Gathers(BoringModel):
     def training_step(self, batch, batch_idx):
         if batch_idx == 0:
             rank = float(self.global_rank)
-            self.seen.update({  # update: under dp this runs in a replica, which shares the dict
-                "scalar": self.all_gather(torch.tensor(rank)).tolist(),
-                "vector": self.all_gather(torch.full((2,), rank)).tolist(),
-                "number": self.all_gather(3).tolist(),
-                "nested": {k: [t.tolist() for t in v]
-                           for k, v in self.all_gather({"a": [torch.ones(1) * rank]}).items()},
-                "strategy": self.trainer.strategy.all_gather(torch.ones(2)).shape,
-                "broadcast": self.trainer.strategy.broadcast({"from": self.global_rank}),
-                "barrier": self.trainer.strategy.barrier("in the step"),
-            })
+            self.seen.update(
+                {  # update: under dp this runs in a replica, which shares the dict
+                    "scalar": self.all_gather(torch.tensor(rank)).tolist(),
+                    "vector": self.all_gather(torch.full((2,), rank)).tolist(),
+                    "number": self.all_gather(3).tolist(),
+                    "nested": {
+                        k: [t.tolist() for t in v] for k, v in self.all_gather({"a": [torch.ones(1) * rank]}).items()
+                    },
+                    "strategy": self.trainer.strategy.all_gather(torch.ones(2)).shape,
+                    "broadcast": self.trainer.strategy.broadcast({"from": self.global_rank}),
+                    "barrier": self.trainer.strategy.barrier("in the step"),
+                }
+            )
             self.print("hello from", self.global_rank)
             gathered = self.all_gather(self.layer.weight.sum(), sync_grads=True)
             self.seen["sync_grads"] = gathered.requires_grad
@@ -41,8 +45,16 @@ class Gathers(BoringModel):
 def test_in_one_process_all_gather_returns_the_data_unchanged(strategy, capsys):
     module = Gathers()
     fast_trainer(strategy=strategy, devices=2 if strategy == "dp" else 1, max_steps=1).fit(module, regression_loader())
-    assert module.seen == {"scalar": 0.0, "vector": [0.0, 0.0], "number": 3, "nested": {"a": [[0.0]]},
-                           "strategy": torch.Size([2]), "broadcast": {"from": 0}, "barrier": None, "sync_grads": True}
+    assert module.seen == {
+        "scalar": 0.0,
+        "vector": [0.0, 0.0],
+        "number": 3,
+        "nested": {"a": [[0.0]]},
+        "strategy": torch.Size([2]),
+        "broadcast": {"from": 0},
+        "barrier": None,
+        "sync_grads": True,
+    }
     assert "hello from 0\n" in capsys.readouterr().out
 
 
@@ -53,13 +65,27 @@ def test_print_outside_a_trainer_prints(capsys):
 
 def _two_ranks(rank: int, world: int) -> dict:
     import os
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     module = Gathers()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        ember.Trainer(strategy="ddp", devices=world, accelerator="cpu", max_steps=1, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False).fit(module, regression_loader())
+        ember.Trainer(
+            strategy="ddp",
+            devices=world,
+            accelerator="cpu",
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+        ).fit(module, regression_loader())
     return {**module.seen, "printed": out.getvalue()}
 
 

@@ -3,6 +3,7 @@ DataModule.from_datasets and on_exception.
 
 Every expected value was first observed on Lightning 2.6.6 with the same classes.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,8 +31,15 @@ class TwoOptimizers(ember.TrainModule):
         self.seen: list[tuple[Any, ...]] = []
 
     def _flags(self, tag: str) -> None:
-        self.seen.append((tag, self.a.weight.requires_grad, self.b.weight.requires_grad,
-                          self.frozen.weight.requires_grad, self.frozen.bias.requires_grad))
+        self.seen.append(
+            (
+                tag,
+                self.a.weight.requires_grad,
+                self.b.weight.requires_grad,
+                self.frozen.weight.requires_grad,
+                self.frozen.bias.requires_grad,
+            )
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         o1, o2 = self.optimizers()
@@ -44,8 +52,10 @@ class TwoOptimizers(ember.TrainModule):
         self._flags("u2")
 
     def configure_optimizers(self) -> Any:
-        return [torch.optim.SGD([*self.a.parameters(), *self.frozen.parameters()], lr=0.1),
-                torch.optim.SGD(self.b.parameters(), lr=0.1)]
+        return [
+            torch.optim.SGD([*self.a.parameters(), *self.frozen.parameters()], lr=0.1),
+            torch.optim.SGD(self.b.parameters(), lr=0.1),
+        ]
 
 
 def test_toggle_and_untoggle_optimizer():
@@ -53,8 +63,12 @@ def test_toggle_and_untoggle_optimizer():
     t2 (F, T, F, F), u2 (T, T, F, T): a parameter frozen beforehand stays frozen."""
     m = TwoOptimizers()
     fast_trainer(max_steps=1, limit_train_batches=1).fit(m, regression_loader())
-    assert m.seen == [("t1", True, False, False, True), ("u1", True, True, False, True),
-                      ("t2", False, True, False, False), ("u2", True, True, False, True)]
+    assert m.seen == [
+        ("t1", True, False, False, True),
+        ("u1", True, True, False, True),
+        ("t2", False, True, False, False),
+        ("u2", True, True, False, True),
+    ]
 
 
 def test_toggle_optimizer_outside_a_trainer_explains():
@@ -93,8 +107,12 @@ class Outer(BoringModel):
         self.got: tuple[Any, ...] = ()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        self.got = (self.logger, list(self.loggers), self.inner.trainer is self.trainer,
-                    self.inner.deep.trainer is self.trainer)
+        self.got = (
+            self.logger,
+            list(self.loggers),
+            self.inner.trainer is self.trainer,
+            self.inner.deep.trainer is self.trainer,
+        )
         return super().training_step(batch, batch_idx)
 
 
@@ -132,6 +150,7 @@ def _decorate(fn: Any) -> Any:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
+
     return wrapper
 
 
@@ -150,10 +169,19 @@ class Signatures:
     def decorated_two(self, batch, batch_idx): ...
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("batch_only", False), ("renamed", True), ("varargs", True), ("kwargs_only", False), ("defaulted", True),
-    ("named", False), ("decorated", False), ("decorated_two", True),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("batch_only", False),
+        ("renamed", True),
+        ("varargs", True),
+        ("kwargs_only", False),
+        ("defaulted", True),
+        ("named", False),
+        ("decorated", False),
+        ("decorated_two", True),
+    ],
+)
 def test_which_steps_take_batch_idx(name, expected):
     """Lightning 2.6.6 called training_step(batch) for ``(self, batch)``, ``(self, batch, **kwargs)`` (kwargs
     {}) and a functools.wraps-decorated ``(self, batch)``; (batch, 0) for ``(self, b, i)`` and

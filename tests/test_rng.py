@@ -1,4 +1,5 @@
 """ember.rng: generator states as plain data and as the flat tensor ranks exchange."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -12,8 +13,7 @@ from ember.trainer import checkpoint
 def with_gpus(state: dict, seed: int, count: int = 2) -> dict:
     """``state`` with ``count`` synthetic CUDA generator states (what get_rng_state_all returns)."""
     g = torch.Generator().manual_seed(seed)
-    return {**state, "cuda": [torch.randint(0, 256, (16,), dtype=torch.uint8, generator=g)
-                              for _ in range(count)]}
+    return {**state, "cuda": [torch.randint(0, 256, (16,), dtype=torch.uint8, generator=g) for _ in range(count)]}
 
 
 def test_cuda_states_survive_the_flat_form():
@@ -32,8 +32,8 @@ def test_a_multi_rank_checkpoint_keeps_every_ranks_cuda_states(monkeypatch):
     other = with_gpus(capture_rng(), seed=2)
     monkeypatch.setattr(checkpoint, "capture_rng", lambda: mine)
     strategy = SimpleNamespace(
-        world_size=2, root_device=torch.device("cpu"),
-        gather_per_rank=lambda t: torch.stack([t, rng_to_tensor(other)]))
+        world_size=2, root_device=torch.device("cpu"), gather_per_rank=lambda t: torch.stack([t, rng_to_tensor(other)])
+    )
     saved = checkpoint._gather_rng(strategy)
     assert saved["world_size"] == 2
     for rank, expected in enumerate((mine, other)):

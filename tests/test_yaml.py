@@ -1,4 +1,5 @@
 """The hparams.yaml emitter (ember.yaml)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,12 +9,24 @@ from ember.yaml import to_yaml
 
 
 def test_yaml_emitter():
-    text = to_yaml({
-        "lr": 1e-3, "layers": [64, 32], "name": "mlp", "quoted": "a: b", "flag": True, "none": None,
-        "yes": "yes", "num_str": "12", "empty": "", "inf": float("inf"), "nested": {"opt": {"beta": [0.9, 0.99]},
-                                                                                  "list": [{"k": 1}, "x"]},
-        "dtype": torch.float32, "empty_dict": {}, "newline": "a\nb",
-    })
+    text = to_yaml(
+        {
+            "lr": 1e-3,
+            "layers": [64, 32],
+            "name": "mlp",
+            "quoted": "a: b",
+            "flag": True,
+            "none": None,
+            "yes": "yes",
+            "num_str": "12",
+            "empty": "",
+            "inf": float("inf"),
+            "nested": {"opt": {"beta": [0.9, 0.99]}, "list": [{"k": 1}, "x"]},
+            "dtype": torch.float32,
+            "empty_dict": {},
+            "newline": "a\nb",
+        }
+    )
     assert text == (
         "lr: 0.001\n"
         "layers: [64, 32]\n"

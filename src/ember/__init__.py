@@ -8,6 +8,7 @@ ember's messages (``EarlyStopping(verbose=True)``, the checkpoint a resume resto
 ``ember`` logger at INFO, as Lightning's go to its own: a program that configured no logging sees them
 on stderr (global rank zero only), and one that did gets them through its own handlers instead.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -40,13 +41,32 @@ if TYPE_CHECKING:
     from ember.seed import seed_everything
     from ember.trainer import Trainer
 
-__all__ = ["Trainer", "TrainModule", "DataModule", "seed_everything", "callbacks", "strategies", "loggers",
-           "profilers", "tuner", "load_lightning_checkpoint", "__version__"]
+__all__ = [
+    "Trainer",
+    "TrainModule",
+    "DataModule",
+    "seed_everything",
+    "callbacks",
+    "strategies",
+    "loggers",
+    "profilers",
+    "tuner",
+    "load_lightning_checkpoint",
+    "__version__",
+]
 
-_WHERE = {"Trainer": "ember.trainer", "TrainModule": "ember.module", "DataModule": "ember.data",
-          "seed_everything": "ember.seed", "callbacks": "ember.callbacks", "strategies": "ember.strategies",
-          "loggers": "ember.loggers", "profilers": "ember.profilers", "tuner": "ember.tuner",
-          "load_lightning_checkpoint": "ember.checkpoint_io"}
+_WHERE = {
+    "Trainer": "ember.trainer",
+    "TrainModule": "ember.module",
+    "DataModule": "ember.data",
+    "seed_everything": "ember.seed",
+    "callbacks": "ember.callbacks",
+    "strategies": "ember.strategies",
+    "loggers": "ember.loggers",
+    "profilers": "ember.profilers",
+    "tuner": "ember.tuner",
+    "load_lightning_checkpoint": "ember.checkpoint_io",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,7 @@ was on this host and no longer exists. Another live job's file in flight is neve
 ``DirectoryLock`` lets one run at a time write checkpoints into a directory; a second one gets a
 clear error at start-up instead of the two overwriting (or deleting) each other's files.
 """
+
 from __future__ import annotations
 
 import errno
@@ -80,8 +81,9 @@ def _file_mode(path: str) -> int:
     return 0o666 & ~mask
 
 
-def write_atomic(obj: Any, path: str, before_rename: Callable[[str], None] | None = None,
-                 background: bool = False) -> None:
+def write_atomic(
+    obj: Any, path: str, before_rename: Callable[[str], None] | None = None, background: bool = False
+) -> None:
     """``torch.save(obj)`` to ``path`` so that a crash never leaves a partial file under ``path``.
 
     Args:
@@ -161,9 +163,12 @@ def _no_space_error(path: str) -> OSError:
         free = f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free there now"
     except OSError:
         free = "free space unknown"
-    return OSError(errno.ENOSPC, f"No space left on device while writing {path} ({free}). Free some space or "
-                   "write checkpoints elsewhere (ModelCheckpoint(dirpath=...)); the file previously under that "
-                   "name, if any, is intact")
+    return OSError(
+        errno.ENOSPC,
+        f"No space left on device while writing {path} ({free}). Free some space or "
+        "write checkpoints elsewhere (ModelCheckpoint(dirpath=...)); the file previously under that "
+        "name, if any, is intact",
+    )
 
 
 def unwritable(directory: str) -> OSError | None:
@@ -175,8 +180,9 @@ def unwritable(directory: str) -> OSError | None:
     """
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=temporary_prefix(os.path.join(directory, "probe")), suffix=".tmp",
-                                     dir=directory)
+        fd, probe = tempfile.mkstemp(
+            prefix=temporary_prefix(os.path.join(directory, "probe")), suffix=".tmp", dir=directory
+        )
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
@@ -366,8 +372,9 @@ def check_plain_data(obj: Any, where: str = "checkpoint") -> None:
         items = obj.items() if isinstance(obj, dict) else enumerate(obj)
         for k, v in items:
             if isinstance(obj, dict) and type(k) not in (str, int, float, bool, type(None), tuple):
-                raise CheckpointError(f"{where} has a key of type {type(k).__name__} ({k!r}); checkpoint keys must "
-                                      "be strings or numbers.")
+                raise CheckpointError(
+                    f"{where} has a key of type {type(k).__name__} ({k!r}); checkpoint keys must be strings or numbers."
+                )
             check_plain_data(v, f"{where}[{k!r}]")
         return
     raise CheckpointError(
@@ -396,12 +403,15 @@ def verify(path: str, purpose: str | None = None) -> int:
             raise CheckpointNotFoundError(
                 f"{path!r} is a symbolic link to {os.readlink(path)!r}, which does not exist: the checkpoint it "
                 f"pointed to was removed. Pass the path of an existing "
-                f"checkpoint{_ALTERNATIVES.get(purpose or '', '')}.")
+                f"checkpoint{_ALTERNATIVES.get(purpose or '', '')}."
+            )
         directory = os.path.dirname(os.path.abspath(path))
         nearby = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(directory), "*.ckpt")))
         hint = f" Checkpoints in {directory}: {nearby}." if nearby else ""
-        raise CheckpointNotFoundError(f"No checkpoint file at {path!r}.{hint} Pass the path of an existing "
-                                      f"checkpoint{_ALTERNATIVES.get(purpose or '', '')}.")
+        raise CheckpointNotFoundError(
+            f"No checkpoint file at {path!r}.{hint} Pass the path of an existing "
+            f"checkpoint{_ALTERNATIVES.get(purpose or '', '')}."
+        )
     if os.path.isdir(path):
         raise CheckpointError(f"{path!r} is a directory; pass the path of a .ckpt file inside it.")
     size = os.path.getsize(path)
@@ -414,13 +424,15 @@ def verify(path: str, purpose: str | None = None) -> int:
         except (zipfile.BadZipFile, OSError, EOFError) as err:
             raise CheckpointError(f"Checkpoint {path!r} is corrupt ({err}). Use an earlier checkpoint.") from err
         if bad is not None:
-            raise CheckpointError(f"Checkpoint {path!r} is corrupt: record {bad!r} fails its checksum. "
-                                  "Use an earlier checkpoint.")
+            raise CheckpointError(
+                f"Checkpoint {path!r} is corrupt: record {bad!r} fails its checksum. Use an earlier checkpoint."
+            )
     return size
 
 
-def load(path: str, map_location: Any = "cpu", purpose: str | None = None, lightning: bool = False,
-         weights_only: bool = True) -> dict[str, Any]:
+def load(
+    path: str, map_location: Any = "cpu", purpose: str | None = None, lightning: bool = False, weights_only: bool = True
+) -> dict[str, Any]:
     """Load and validate an ember checkpoint, with an explanatory error for every way it can be wrong.
 
     ``purpose`` ("fit", "evaluate" or None for ``load_from_checkpoint``) decides what a missing file's
@@ -449,20 +461,25 @@ def load(path: str, map_location: Any = "cpu", purpose: str | None = None, light
             raise CheckpointError(f"{path!r} is a Lightning checkpoint without a 'state_dict' dict: nothing to load.")
         return ckpt
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        what = (f"a dict with keys {sorted(map(str, ckpt))[:12]}" if isinstance(ckpt, dict)
-                else f"a {type(ckpt).__name__}")
+        what = (
+            f"a dict with keys {sorted(map(str, ckpt))[:12]}" if isinstance(ckpt, dict) else f"a {type(ckpt).__name__}"
+        )
         hint = ""
         if is_lightning_checkpoint(ckpt):
-            hint = (" It is a PyTorch Lightning checkpoint: YourModule.load_from_checkpoint(path) builds the module "
-                    "from its hyper-parameters and weights (then fit it anew); ember cannot resume Lightning's "
-                    "optimizer and loop state.")
+            hint = (
+                " It is a PyTorch Lightning checkpoint: YourModule.load_from_checkpoint(path) builds the module "
+                "from its hyper-parameters and weights (then fit it anew); ember cannot resume Lightning's "
+                "optimizer and loop state."
+            )
         elif isinstance(ckpt, dict) and ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
             hint = " It looks like a bare state_dict: use module.load_state_dict(torch.load(path)) instead."
         raise CheckpointError(f"{path!r} is not an ember checkpoint: it holds {what}, without format={FORMAT!r}.{hint}")
     if not isinstance(ckpt.get("format_version"), int) or ckpt["format_version"] > FORMAT_VERSION:
-        raise CheckpointError(f"{path!r} has checkpoint format version {ckpt.get('format_version')!r}, newer than "
-                              f"this ember reads ({FORMAT_VERSION}; written by ember {ckpt.get('ember_version')}). "
-                              "Upgrade ember to load it.")
+        raise CheckpointError(
+            f"{path!r} has checkpoint format version {ckpt.get('format_version')!r}, newer than "
+            f"this ember reads ({FORMAT_VERSION}; written by ember {ckpt.get('ember_version')}). "
+            "Upgrade ember to load it."
+        )
     missing = [k for k in _REQUIRED if k not in ckpt]
     if missing:
         raise CheckpointError(f"{path!r} is an incomplete ember checkpoint: keys {missing} are missing.")
@@ -487,8 +504,10 @@ def load_lightning_checkpoint(path: str, map_location: Any = "cpu", weights_only
     """
     ckpt = load(path, map_location=map_location, lightning=True, weights_only=weights_only)
     if not is_lightning_checkpoint(ckpt):
-        raise CheckpointError(f"{path!r} is an ember checkpoint, not a Lightning one: use "
-                              "YourModule.load_from_checkpoint(path) or Trainer(...).fit(..., ckpt_path=path).")
+        raise CheckpointError(
+            f"{path!r} is an ember checkpoint, not a Lightning one: use "
+            "YourModule.load_from_checkpoint(path) or Trainer(...).fit(..., ckpt_path=path)."
+        )
     return ckpt
 
 
@@ -517,8 +536,10 @@ def check_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], path: 
     float into an integer buffer); a resume that claims to be exact must not.
     """
     if not isinstance(state_dict, dict):
-        raise CheckpointError(f"Checkpoint {path!r} has a 'state_dict' entry that is a {type(state_dict).__name__}, "
-                              "not a dict of tensors. Nothing was loaded.")
+        raise CheckpointError(
+            f"Checkpoint {path!r} has a 'state_dict' entry that is a {type(state_dict).__name__}, "
+            "not a dict of tensors. Nothing was loaded."
+        )
     own = module.state_dict()
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
@@ -543,9 +564,12 @@ def check_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], path: 
             parts.append(f"shape mismatches: {_short(shapes)}")
         if dtypes:
             parts.append(f"dtype mismatches: {_short(dtypes)}")
-        raise CheckpointError(f"Checkpoint {path!r} does not fit {type(module).__name__}: " + "; ".join(parts)
-                              + ". Was it saved from a different model or configuration (precision=...)? "
-                              "Nothing was loaded.")
+        raise CheckpointError(
+            f"Checkpoint {path!r} does not fit {type(module).__name__}: "
+            + "; ".join(parts)
+            + ". Was it saved from a different model or configuration (precision=...)? "
+            "Nothing was loaded."
+        )
 
 
 def match_compiled_keys(module: torch.nn.Module, state_dict: Any) -> Any:
@@ -576,8 +600,14 @@ def _short(items: list[str], n: int = 10) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
-def read_for_module(path: str, cls: type[_M], overrides: dict[str, Any], strict: bool | None = True,
-                    map_location: Any = "cpu", weights_only: bool = True) -> _M:
+def read_for_module(
+    path: str,
+    cls: type[_M],
+    overrides: dict[str, Any],
+    strict: bool | None = True,
+    map_location: Any = "cpu",
+    weights_only: bool = True,
+) -> _M:
     """Build ``cls`` from the hyper-parameters saved in ``path`` (``overrides`` win) and load its weights.
 
     As Lightning: the saved hyper-parameters updated with ``overrides`` are the constructor's keyword
@@ -587,17 +617,22 @@ def read_for_module(path: str, cls: type[_M], overrides: dict[str, Any], strict:
     """
     ckpt = load(path, map_location=map_location, lightning=True, weights_only=weights_only)
     try:
-        module = build_from_hparams(cls, ckpt.get("hyper_parameters"), ckpt.get("hparams_name"), overrides,
-                                    stacklevel=3)
+        module = build_from_hparams(
+            cls, ckpt.get("hyper_parameters"), ckpt.get("hparams_name"), overrides, stacklevel=3
+        )
     except TypeError as err:
-        raise CheckpointError(f"Could not build {cls.__name__} from the hyper-parameters saved in {path!r}: {err}. "
-                              "Pass the missing arguments as keyword overrides to load_from_checkpoint, or call "
-                              "save_hyperparameters() in __init__.") from err
+        raise CheckpointError(
+            f"Could not build {cls.__name__} from the hyper-parameters saved in {path!r}: {err}. "
+            "Pass the missing arguments as keyword overrides to load_from_checkpoint, or call "
+            "save_hyperparameters() in __init__."
+        ) from err
     if strict is None:  # the module's own choice (TrainModule.strict_loading)
         strict = module.strict_loading
     elif strict and not module.strict_loading:
-        raise ValueError(f"load_from_checkpoint(..., strict=True) conflicts with {cls.__name__}.strict_loading=False. "
-                         "Pass the same value as the module sets, or leave strict out.")
+        raise ValueError(
+            f"load_from_checkpoint(..., strict=True) conflicts with {cls.__name__}.strict_loading=False. "
+            "Pass the same value as the module sets, or leave strict out."
+        )
     module.configure_model()  # layers made there exist before the weights are loaded (a no-op by default)
     module.on_load_checkpoint(ckpt)  # first, as Lightning: it may rewrite ckpt["state_dict"]
     ckpt["state_dict"] = match_compiled_keys(module, ckpt["state_dict"])
@@ -605,7 +640,11 @@ def read_for_module(path: str, cls: type[_M], overrides: dict[str, Any], strict:
         check_state_dict(module, ckpt["state_dict"], path)
     keys = module.load_state_dict(ckpt["state_dict"], strict=strict)
     if not strict and (keys.missing_keys or keys.unexpected_keys):  # as Lightning: said, not silent
-        warnings.warn(f"load_from_checkpoint(strict=False) on {path!r}: keys of {cls.__name__} not in the checkpoint "
-                      f"(left as built): {keys.missing_keys}; keys of the checkpoint not in {cls.__name__} (ignored): "
-                      f"{keys.unexpected_keys}.", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"load_from_checkpoint(strict=False) on {path!r}: keys of {cls.__name__} not in the checkpoint "
+            f"(left as built): {keys.missing_keys}; keys of the checkpoint not in {cls.__name__} (ignored): "
+            f"{keys.unexpected_keys}.",
+            UserWarning,
+            stacklevel=3,
+        )
     return module

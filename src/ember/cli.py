@@ -20,6 +20,7 @@ file already there is not overwritten: the run stops before training and says wh
 
 jsonargparse is an optional dependency: ``pip install 'ember[cli]'``.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,12 @@ except ImportError:  # the error is raised when EmberCLI is used, saying how to 
 
 __all__ = ["EmberCLI", "SaveConfigCallback"]
 
-_SUBCOMMANDS = {"fit": "Train a model.", "validate": "Run validation once.", "test": "Run the test set once.",
-                "predict": "Run prediction."}
+_SUBCOMMANDS = {
+    "fit": "Train a model.",
+    "validate": "Run validation once.",
+    "test": "Run the test set once.",
+    "predict": "Run prediction.",
+}
 #: Entry-point arguments filled by the CLI itself, not from the command line.
 _FILLED = {"module", "model", "train_dataloaders", "val_dataloaders", "dataloaders", "datamodule"}
 
@@ -74,9 +79,11 @@ class SaveConfigCallback(Callback):
         if trainer.world_size > 1:  # every rank stops, or none: rank zero decides
             exists = trainer.strategy.broadcast(exists, src=0)
         if exists:
-            raise RuntimeError(f"{path} already exists, and EmberCLI does not overwrite a saved configuration. Use "
-                               "another log folder (--trainer.default_root_dir, or a logger with a new version), "
-                               "remove the file, or pass save_config_kwargs={'overwrite': True}.")
+            raise RuntimeError(
+                f"{path} already exists, and EmberCLI does not overwrite a saved configuration. Use "
+                "another log folder (--trainer.default_root_dir, or a logger with a new version), "
+                "remove the file, or pass save_config_kwargs={'overwrite': True}."
+            )
         if trainer.is_global_zero:
             os.makedirs(folder, exist_ok=True)
             self.parser.save(self.config, path, skip_none=False, overwrite=self.overwrite, skip_validation=True)
@@ -103,14 +110,21 @@ class EmberCLI:
         run: parse a subcommand and run it; False: no subcommands, only build the objects.
     """
 
-    def __init__(self, model_class: type[TrainModule] | Callable[..., TrainModule] | None = None,
-                 datamodule_class: type[DataModule] | Callable[..., DataModule] | None = None,
-                 trainer_class: type[Trainer] = Trainer, trainer_defaults: dict[str, Any] | None = None,
-                 seed_everything_default: bool | int = True,
-                 save_config_callback: type[SaveConfigCallback] | None = SaveConfigCallback,
-                 save_config_kwargs: dict[str, Any] | None = None, parser_kwargs: dict[str, Any] | None = None,
-                 subclass_mode_model: bool = False, subclass_mode_data: bool = False,
-                 args: list[str] | dict[str, Any] | None = None, run: bool = True) -> None:
+    def __init__(
+        self,
+        model_class: type[TrainModule] | Callable[..., TrainModule] | None = None,
+        datamodule_class: type[DataModule] | Callable[..., DataModule] | None = None,
+        trainer_class: type[Trainer] = Trainer,
+        trainer_defaults: dict[str, Any] | None = None,
+        seed_everything_default: bool | int = True,
+        save_config_callback: type[SaveConfigCallback] | None = SaveConfigCallback,
+        save_config_kwargs: dict[str, Any] | None = None,
+        parser_kwargs: dict[str, Any] | None = None,
+        subclass_mode_model: bool = False,
+        subclass_mode_data: bool = False,
+        args: list[str] | dict[str, Any] | None = None,
+        run: bool = True,
+    ) -> None:
         _require_jsonargparse()
         self.model_class, self.datamodule_class, self.trainer_class = model_class, datamodule_class, trainer_class
         self.trainer_defaults = dict(trainer_defaults or {})
@@ -143,14 +157,21 @@ class EmberCLI:
 
     def _add_arguments(self, parser: Any, subcommand: str | None) -> None:
         parser.add_argument("-c", "--config", action=ActionConfigFile, help="A YAML config file (may repeat).")
-        parser.add_argument("--seed_everything", type=bool | int, default=self.seed_everything_default,
-                            help="A seed for every RNG; true: a random one (saved in the config); false: none.")
-        parser.add_class_arguments(self.trainer_class, "trainer", instantiate=False, fail_untyped=False,
-                                   sub_configs=True)
+        parser.add_argument(
+            "--seed_everything",
+            type=bool | int,
+            default=self.seed_everything_default,
+            help="A seed for every RNG; true: a random one (saved in the config); false: none.",
+        )
+        parser.add_class_arguments(
+            self.trainer_class, "trainer", instantiate=False, fail_untyped=False, sub_configs=True
+        )
         if self.trainer_defaults:
             parser.set_defaults({f"trainer.{k}": v for k, v in self.trainer_defaults.items()})
-        for key, cls, subclass in (("model", self.model_class, self.subclass_mode_model),
-                                   ("data", self.datamodule_class, self.subclass_mode_data)):
+        for key, cls, subclass in (
+            ("model", self.model_class, self.subclass_mode_model),
+            ("data", self.datamodule_class, self.subclass_mode_data),
+        ):
             if cls is None:
                 continue
             if subclass:
@@ -192,8 +213,11 @@ class EmberCLI:
         callbacks = kwargs.get("callbacks") or []
         callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
         if self.save_config_callback is not None and self.subcommand is not None:
-            callbacks.append(self.save_config_callback(self.subparsers[self.subcommand], self.config[self.subcommand],
-                                                       **self.save_config_kwargs))
+            callbacks.append(
+                self.save_config_callback(
+                    self.subparsers[self.subcommand], self.config[self.subcommand], **self.save_config_kwargs
+                )
+            )
         kwargs["callbacks"] = callbacks
         return self.trainer_class(**kwargs)
 

@@ -1,4 +1,5 @@
 """DataModule: the data side of an experiment, in one object."""
+
 from __future__ import annotations
 
 import inspect
@@ -26,8 +27,13 @@ class DataModule(HyperparametersMixin):
         self.trainer: Any = None
 
     @classmethod
-    def load_from_checkpoint(cls: type[_D], checkpoint_path: str, map_location: Any = "cpu",
-                             weights_only: bool | None = None, **overrides: Any) -> _D:
+    def load_from_checkpoint(
+        cls: type[_D],
+        checkpoint_path: str,
+        map_location: Any = "cpu",
+        weights_only: bool | None = None,
+        **overrides: Any,
+    ) -> _D:
         """Rebuild this datamodule from the hyper-parameters a fit's checkpoint saved for it (its
         ``save_hyperparameters()``), and give it its saved ``state_dict``, as Lightning's.
 
@@ -41,16 +47,24 @@ class DataModule(HyperparametersMixin):
         import torch  # imported where used, as in _loaders_for
 
         ckpt = torch.load(checkpoint_path, map_location=map_location, weights_only=True)
-        datamodule = build_from_hparams(cls, ckpt.get("datamodule_hyper_parameters"),
-                                        ckpt.get("datamodule_hparams_name"), overrides)
+        datamodule = build_from_hparams(
+            cls, ckpt.get("datamodule_hyper_parameters"), ckpt.get("datamodule_hparams_name"), overrides
+        )
         if ckpt.get("datamodule"):
             datamodule.load_state_dict(ckpt["datamodule"])
         return datamodule
 
     @classmethod
-    def from_datasets(cls: type[_D], train_dataset: Any = None, val_dataset: Any = None, test_dataset: Any = None,
-                      predict_dataset: Any = None, batch_size: int = 1, num_workers: int = 0,
-                      **datamodule_kwargs: Any) -> _D:
+    def from_datasets(
+        cls: type[_D],
+        train_dataset: Any = None,
+        val_dataset: Any = None,
+        test_dataset: Any = None,
+        predict_dataset: Any = None,
+        batch_size: int = 1,
+        num_workers: int = 0,
+        **datamodule_kwargs: Any,
+    ) -> _D:
         """A datamodule whose loaders are ``DataLoader``s over the given datasets (each may also be a list or
         dict of datasets, for several loaders); the training ones shuffle.
 
@@ -63,8 +77,12 @@ class DataModule(HyperparametersMixin):
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             special = {k: v for k, v in special.items() if k in params}
         datamodule = cls(**datamodule_kwargs, **special)
-        for stage, dataset in (("train", train_dataset), ("val", val_dataset), ("test", test_dataset),
-                               ("predict", predict_dataset)):
+        for stage, dataset in (
+            ("train", train_dataset),
+            ("val", val_dataset),
+            ("test", test_dataset),
+            ("predict", predict_dataset),
+        ):
             if dataset is not None:
                 loaders = _loaders_for(dataset, batch_size, num_workers, shuffle=stage == "train")
                 setattr(datamodule, f"{stage}_dataloader", lambda loaders=loaders: loaders)
@@ -112,14 +130,20 @@ def _loaders_for(dataset: Any, batch_size: int, num_workers: int, shuffle: bool)
     from torch.utils.data import DataLoader, Dataset, IterableDataset
 
     if isinstance(dataset, Dataset):
-        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and not isinstance(dataset, IterableDataset),
-                          num_workers=num_workers, pin_memory=torch.cuda.is_available())
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle and not isinstance(dataset, IterableDataset),
+            num_workers=num_workers,
+            pin_memory=torch.cuda.is_available(),
+        )
     if isinstance(dataset, Mapping):
         return {k: _loaders_for(v, batch_size, num_workers, shuffle) for k, v in dataset.items()}
     if isinstance(dataset, (list, tuple)):
         return type(dataset)(_loaders_for(v, batch_size, num_workers, shuffle) for v in dataset)
-    raise TypeError(f"DataModule.from_datasets got a {type(dataset).__name__}; pass a torch Dataset, or a list or "
-                    "dict of them.")
+    raise TypeError(
+        f"DataModule.from_datasets got a {type(dataset).__name__}; pass a torch Dataset, or a list or dict of them."
+    )
 
 
 def _move(batch: Any, device: Any) -> Any:

@@ -3,6 +3,7 @@
 A leaf (it imports nothing of ember), so that a callback can tell a preemption from a crash
 without importing the trainer.
 """
+
 from __future__ import annotations
 
 import signal
@@ -29,7 +30,12 @@ class Preempted(SystemExit):
         return type(self), (self.signum, self.checkpoint_path, self.requeued)
 
     def __str__(self) -> str:
-        then = (f"{self.requeued}; the requeued job resumes from it on its own" if self.requeued else
-                "Resume with trainer.fit(..., ckpt_path='last')")
-        return (f"Preempted by {signal.Signals(self.signum).name}: saved {self.checkpoint_path}; "
-                f"exiting with status {self.code}. {then}.")
+        then = (
+            f"{self.requeued}; the requeued job resumes from it on its own"
+            if self.requeued
+            else "Resume with trainer.fit(..., ckpt_path='last')"
+        )
+        return (
+            f"Preempted by {signal.Signals(self.signum).name}: saved {self.checkpoint_path}; "
+            f"exiting with status {self.code}. {then}."
+        )

@@ -9,6 +9,7 @@ else ``module.example_input_array``) goes through ``on_before_batch_transfer`` a
 ONNX export needs the ``onnx`` package (and, for torch's exporter since 2.9, ``onnxscript``):
 ``pip install ember[onnx]``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,22 +39,32 @@ def exporting(module: nn.Module) -> Iterator[None]:
 def _example(module: Any, given: Any, what: str, method: str) -> Any:
     sample = given if given is not None else module.example_input_array
     if sample is None:
-        raise ValueError(f"{type(module).__name__}.{method} needs an example input: pass {what}=..., or set "
-                         "self.example_input_array in __init__.")
+        raise ValueError(
+            f"{type(module).__name__}.{method} needs an example input: pass {what}=..., or set "
+            "self.example_input_array in __init__."
+        )
     sample = module.on_before_batch_transfer(sample, 0)
     return module.transfer_batch_to_device(sample, module.device, 0)
 
 
-def to_torchscript(module: Any, file_path: str | os.PathLike | None = None, method: str = "script",
-                   example_inputs: Any = None, **kwargs: Any) -> Any:
+def to_torchscript(
+    module: Any,
+    file_path: str | os.PathLike | None = None,
+    method: str = "script",
+    example_inputs: Any = None,
+    **kwargs: Any,
+) -> Any:
     if method not in ("script", "trace"):
         raise ValueError(f"to_torchscript(method={method!r}): use 'script' or 'trace'.")
     with exporting(module):
         if method == "script":
             scripted = torch.jit.script(module, **kwargs)
         else:
-            scripted = torch.jit.trace(module, example_inputs=_example(module, example_inputs, "example_inputs",
-                                                                       "to_torchscript(method='trace')"), **kwargs)
+            scripted = torch.jit.trace(
+                module,
+                example_inputs=_example(module, example_inputs, "example_inputs", "to_torchscript(method='trace')"),
+                **kwargs,
+            )
     if file_path is not None:
         torch.jit.save(scripted, os.fspath(file_path))
     return scripted
@@ -62,8 +73,10 @@ def to_torchscript(module: Any, file_path: str | os.PathLike | None = None, meth
 def to_onnx(module: Any, file_path: str | os.PathLike | None = None, input_sample: Any = None, **kwargs: Any) -> Any:
     missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
     if missing:
-        raise ModuleNotFoundError(f"{type(module).__name__}.to_onnx() needs {' and '.join(missing)}: "
-                                  "pip install 'ember[onnx]' (or pip install onnx onnxscript).")
+        raise ModuleNotFoundError(
+            f"{type(module).__name__}.to_onnx() needs {' and '.join(missing)}: "
+            "pip install 'ember[onnx]' (or pip install onnx onnxscript)."
+        )
     with exporting(module), torch.no_grad():
         sample = _example(module, input_sample, "input_sample", "to_onnx")
         args = sample if isinstance(sample, tuple) else (sample,)

@@ -11,6 +11,7 @@ its first argument rather than by a ``super()`` call in it, so an ``__init__`` t
 ``Base.__init__(self)`` explicitly is included, and a module built inside another module's
 ``__init__`` does not pick up its parent's arguments.
 """
+
 from __future__ import annotations
 
 import copy
@@ -64,8 +65,13 @@ class HyperparametersMixin:
         initial = self.__dict__.get("_hparams_initial")
         return AttributeDict() if initial is None else copy.deepcopy(initial)
 
-    def save_hyperparameters(self, *args: Any, ignore: Sequence[str] | str | None = None,
-                             frame: types.FrameType | None = None, logger: bool = True) -> None:
+    def save_hyperparameters(
+        self,
+        *args: Any,
+        ignore: Sequence[str] | str | None = None,
+        frame: types.FrameType | None = None,
+        logger: bool = True,
+    ) -> None:
         """Store the constructor's arguments in ``self.hparams`` (and so in checkpoints and the loggers).
 
         Args:
@@ -83,8 +89,9 @@ class HyperparametersMixin:
         save_hyperparameters(self, *args, ignore=ignore, frame=frame)
 
 
-def save_hyperparameters(obj: Any, *args: Any, ignore: Sequence[str] | str | None = None,
-                         frame: types.FrameType | None = None) -> None:
+def save_hyperparameters(
+    obj: Any, *args: Any, ignore: Sequence[str] | str | None = None, frame: types.FrameType | None = None
+) -> None:
     """See ``HyperparametersMixin.save_hyperparameters``; ``frame`` is where the search for ``__init__`` starts."""
     if len(args) == 1 and not isinstance(args[0], str) and not args[0]:
         return  # an empty dict / Namespace: nothing to save, as Lightning
@@ -105,14 +112,18 @@ def save_hyperparameters(obj: Any, *args: Any, ignore: Sequence[str] | str | Non
         hp = _as_dict(given[0])
         name = next((k for k, v in init_args.items() if v is given[0]), None)
     elif given:
-        raise ValueError(f"save_hyperparameters takes argument names or one dict / Namespace; got {len(given)} "
-                         f"objects that are not names ({', '.join(type(g).__name__ for g in given)}).")
+        raise ValueError(
+            f"save_hyperparameters takes argument names or one dict / Namespace; got {len(given)} "
+            f"objects that are not names ({', '.join(type(g).__name__ for g in given)})."
+        )
     else:
         unknown = [a for a in args if a not in init_args]
         if unknown:
             where = sorted(init_args) if init_args else "none: call it from __init__"
-            raise KeyError(f"save_hyperparameters({', '.join(map(repr, args))}): {unknown} are not arguments of "
-                           f"{type(obj).__name__}.__init__ (its arguments: {where}).")
+            raise KeyError(
+                f"save_hyperparameters({', '.join(map(repr, args))}): {unknown} are not arguments of "
+                f"{type(obj).__name__}.__init__ (its arguments: {where})."
+            )
         hp = {a: init_args[a] for a in args}
         name = "kwargs"
     hparams = obj.hparams
@@ -125,9 +136,11 @@ def save_hyperparameters(obj: Any, *args: Any, ignore: Sequence[str] | str | Non
         obj.__dict__["_hparams_initial"] = copy.deepcopy(hparams)
     except Exception as err:  # e.g. a lock or an open file
         bad = [k for k, v in hparams.items() if not _copyable(v)]
-        raise TypeError(f"save_hyperparameters could not copy the hyper-parameter(s) {bad} of "
-                        f"{type(obj).__name__} ({err}). Leave them out with "
-                        f"save_hyperparameters(ignore={bad!r}).") from err
+        raise TypeError(
+            f"save_hyperparameters could not copy the hyper-parameter(s) {bad} of "
+            f"{type(obj).__name__} ({err}). Leave them out with "
+            f"save_hyperparameters(ignore={bad!r})."
+        ) from err
 
 
 def collect_init_args(obj: Any, frame: types.FrameType | None) -> dict[str, Any]:
@@ -182,10 +195,14 @@ def _as_dict(hp: Any) -> dict[str, Any]:
     if isinstance(hp, MutableMapping):
         return dict(hp)
     if isinstance(hp, (bool, int, float, str)):
-        raise ValueError(f"save_hyperparameters got the value {hp!r}: pass argument names as strings, or one "
-                         "dict / Namespace of hyper-parameters.")
-    raise ValueError(f"save_hyperparameters cannot save a {type(hp).__name__}: pass argument names, or one dict / "
-                     "argparse.Namespace of hyper-parameters.")
+        raise ValueError(
+            f"save_hyperparameters got the value {hp!r}: pass argument names as strings, or one "
+            "dict / Namespace of hyper-parameters."
+        )
+    raise ValueError(
+        f"save_hyperparameters cannot save a {type(hp).__name__}: pass argument names, or one dict / "
+        "argparse.Namespace of hyper-parameters."
+    )
 
 
 def _warn_about_modules(hparams: dict[str, Any]) -> None:
@@ -195,8 +212,12 @@ def _warn_about_modules(hparams: dict[str, Any]) -> None:
         return
     for k, v in hparams.items():
         if isinstance(v, nn.Module):
-            warnings.warn(f"Hyper-parameter {k!r} is an nn.Module, whose weights the checkpoint already holds. "
-                          f"Leave it out with self.save_hyperparameters(ignore=[{k!r}]).", UserWarning, stacklevel=4)
+            warnings.warn(
+                f"Hyper-parameter {k!r} is an nn.Module, whose weights the checkpoint already holds. "
+                f"Leave it out with self.save_hyperparameters(ignore=[{k!r}]).",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def _copyable(value: Any) -> bool:
@@ -222,8 +243,12 @@ def drop_unpicklable(hparams: MutableMapping[str, Any]) -> list[str]:
     """
     dropped = [k for k, v in hparams.items() if not is_picklable(v)]
     for k in dropped:
-        warnings.warn(f"Hyper-parameter {k!r} was removed from hparams because it cannot be pickled. Leave it out "
-                      f"with self.save_hyperparameters(ignore=[{k!r}]) to silence this.", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"Hyper-parameter {k!r} was removed from hparams because it cannot be pickled. Leave it out "
+            f"with self.save_hyperparameters(ignore=[{k!r}]) to silence this.",
+            UserWarning,
+            stacklevel=2,
+        )
         del hparams[k]
     return dropped
 
@@ -239,8 +264,7 @@ def build_from_hparams(cls: Any, saved: Any, hparams_name: Any, overrides: dict[
     """
     merged = {**dict(saved or {}), **overrides}
     params = inspect.signature(cls.__init__).parameters
-    names = [n for i, (n, p) in enumerate(params.items())
-             if i > 0 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    names = [n for i, (n, p) in enumerate(params.items()) if i > 0 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
     as_one = isinstance(hparams_name, str) and hparams_name in names
     kwargs: dict[str, Any] = {str(hparams_name): merged} if as_one else dict(merged)
@@ -248,7 +272,11 @@ def build_from_hparams(cls: Any, saved: Any, hparams_name: Any, overrides: dict[
     if not any_keyword:
         dropped = [] if as_one else [k for k in overrides if k not in names]  # as_one: they went into that dict
         if dropped:
-            warnings.warn(f"load_from_checkpoint: {cls.__name__}.__init__ takes no argument named {dropped} "
-                          f"(its arguments: {names}); ignored.", UserWarning, stacklevel=stacklevel + 1)
+            warnings.warn(
+                f"load_from_checkpoint: {cls.__name__}.__init__ takes no argument named {dropped} "
+                f"(its arguments: {names}); ignored.",
+                UserWarning,
+                stacklevel=stacklevel + 1,
+            )
         kwargs = {k: v for k, v in kwargs.items() if k in names}
     return cls(**kwargs)

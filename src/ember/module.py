@@ -1,4 +1,5 @@
 """TrainModule: the user's model, its steps, its optimizers and its hooks."""
+
 from __future__ import annotations
 
 import inspect
@@ -34,8 +35,19 @@ class TrainModule(HyperparametersMixin, nn.Module):
     """
 
     # Properties TorchScript must not compile (to_torchscript scripts the module).
-    __jit_unused_properties__ = ["trainer", "logger", "loggers", "device", "current_epoch", "global_step",
-                                 "global_rank", "example_input_array", "hparams", "hparams_initial", "strict_loading"]
+    __jit_unused_properties__ = [
+        "trainer",
+        "logger",
+        "loggers",
+        "device",
+        "current_epoch",
+        "global_step",
+        "global_rank",
+        "example_input_array",
+        "hparams",
+        "hparams_initial",
+        "strict_loading",
+    ]
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,8 +63,9 @@ class TrainModule(HyperparametersMixin, nn.Module):
     @property
     def trainer(self) -> Trainer:
         if self._trainer is None and not self.__dict__.get("_exporting"):
-            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer. "
-                               "Call trainer.fit(module, ...) first.")
+            raise RuntimeError(
+                f"{type(self).__name__} is not attached to a Trainer. Call trainer.fit(module, ...) first."
+            )
         return self._trainer  # type: ignore[return-value]  # None only while exporting: TorchScript reads it
 
     @trainer.setter
@@ -116,8 +129,14 @@ class TrainModule(HyperparametersMixin, nn.Module):
         self._strict_loading = bool(value)
 
     @classmethod
-    def load_from_checkpoint(cls: type[_M], checkpoint_path: str, map_location: Any = "cpu",
-                             strict: bool | None = None, weights_only: bool = True, **overrides: Any) -> _M:
+    def load_from_checkpoint(
+        cls: type[_M],
+        checkpoint_path: str,
+        map_location: Any = "cpu",
+        strict: bool | None = None,
+        weights_only: bool = True,
+        **overrides: Any,
+    ) -> _M:
         """Rebuild this module from a checkpoint's saved hyper-parameters and load its weights.
 
         Args:
@@ -131,15 +150,28 @@ class TrainModule(HyperparametersMixin, nn.Module):
             **overrides: constructor arguments that replace the saved hyper-parameters; names the
                 constructor does not take are ignored with a warning (unless it takes ``**kwargs``).
         """
-        return read_for_module(checkpoint_path, cls, overrides, strict=strict, map_location=map_location,
-                               weights_only=weights_only)
+        return read_for_module(
+            checkpoint_path, cls, overrides, strict=strict, map_location=map_location, weights_only=weights_only
+        )
 
     # ------------------------------------------------------------------ logging
-    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
-            on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: ReduceFx = "mean",
-            enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
-            add_dataloader_idx: bool = True, batch_size: int | None = None, metric_attribute: str | None = None,
-            rank_zero_only: bool = False) -> None:
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: bool | None = None,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: ReduceFx = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
+        batch_size: int | None = None,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
+    ) -> None:
         """Record a metric (Lightning's ``self.log``, with its arguments in its order).
 
         Args:
@@ -170,13 +202,25 @@ class TrainModule(HyperparametersMixin, nn.Module):
                 "validation_step or a hook while trainer.fit/validate/test runs."
             )
         if sync_dist_group is not None:
-            raise ValueError(f"self.log({name!r}, sync_dist_group=...): ember reduces across all processes; "
-                             "leave sync_dist_group=None.")
+            raise ValueError(
+                f"self.log({name!r}, sync_dist_group=...): ember reduces across all processes; "
+                "leave sync_dist_group=None."
+            )
         if reduce_fx not in REDUCE_OPS:  # an alias ("avg", "MAX") or a function (torch.max): its name
             reduce_fx = parse_reduce_fx(name, reduce_fx)
-        self._log_sink.log(name, value, prog_bar=prog_bar, logger=logger is not False, on_step=on_step,
-                           on_epoch=on_epoch, reduce_fx=reduce_fx, batch_size=batch_size, sync_dist=sync_dist,
-                           add_dataloader_idx=add_dataloader_idx, enable_graph=enable_graph)
+        self._log_sink.log(
+            name,
+            value,
+            prog_bar=prog_bar,
+            logger=logger is not False,
+            on_step=on_step,
+            on_epoch=on_epoch,
+            reduce_fx=reduce_fx,
+            batch_size=batch_size,
+            sync_dist=sync_dist,
+            add_dataloader_idx=add_dataloader_idx,
+            enable_graph=enable_graph,
+        )
 
     def log_dict(self, dictionary: Any, **kwargs: Any) -> None:
         """``self.log`` every item of ``dictionary`` (a dict, or a ``torchmetrics.MetricCollection``, whose
@@ -218,8 +262,13 @@ class TrainModule(HyperparametersMixin, nn.Module):
             print(*args, **kwargs)
 
     # ------------------------------------------------------------------ export
-    def to_torchscript(self, file_path: str | os.PathLike | None = None, method: str = "script",
-                       example_inputs: Any = None, **kwargs: Any) -> Any:
+    def to_torchscript(
+        self,
+        file_path: str | os.PathLike | None = None,
+        method: str = "script",
+        example_inputs: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         """This module as TorchScript, in eval mode (Lightning's ``to_torchscript``); saved to ``file_path`` if given.
 
         Args:
@@ -431,14 +480,23 @@ class TrainModule(HyperparametersMixin, nn.Module):
         """
         optimizer.step(closure=optimizer_closure)
 
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
         """Clip before each optimizer step; the arguments are the Trainer's. Default: ``clip_gradients``."""
-        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
-                            gradient_clip_algorithm=gradient_clip_algorithm)
+        self.clip_gradients(
+            optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm
+        )
 
-    def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                       gradient_clip_algorithm: str | None = None) -> None:
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
         """Clip the gradients of ``optimizer``'s parameters by norm or value (nothing when the value is 0 or None)."""
         if not gradient_clip_val:
             return

@@ -4,6 +4,7 @@ A leaf module: checkpoints save these states (one per rank, gathered as flat ten
 ``ddp_spawn`` hands the caller's states to its workers, so that both the trainer and the
 strategies can use them without importing each other.
 """
+
 from __future__ import annotations
 
 import random
@@ -26,8 +27,13 @@ def capture_rng() -> dict[str, Any]:
     except ImportError:
         return state
     name, keys, pos, has_gauss, cached = cast("tuple[str, Any, int, int, float]", np.random.get_state(legacy=True))
-    state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    state["numpy"] = {
+        "name": str(name),
+        "keys": torch.from_numpy(keys.astype("int64")),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
     return state
 
 
@@ -46,20 +52,34 @@ def apply_rng(state: dict[str, Any]) -> None:
             import numpy as np
         except ImportError:
             return
-        np.random.set_state((npst["name"], npst["keys"].numpy().astype("uint32"), npst["pos"], npst["has_gauss"],
-                             npst["cached_gaussian"]))
+        np.random.set_state(
+            (
+                npst["name"],
+                npst["keys"].numpy().astype("uint32"),
+                npst["pos"],
+                npst["has_gauss"],
+                npst["cached_gaussian"],
+            )
+        )
 
 
 def rng_to_tensor(state: dict[str, Any]) -> torch.Tensor:
     """Every generator state of :func:`capture_rng` as one int64 tensor (for an all_gather)."""
     py = state["python"]
-    parts = [state["torch"].to(torch.int64), torch.tensor([py["version"]]), py["state"],
-             torch.tensor([0 if py["gauss_next"] is None else 1]),
-             torch.tensor([py["gauss_next"] or 0.0], dtype=torch.float64).view(torch.int64)]
+    parts = [
+        state["torch"].to(torch.int64),
+        torch.tensor([py["version"]]),
+        py["state"],
+        torch.tensor([0 if py["gauss_next"] is None else 1]),
+        torch.tensor([py["gauss_next"] or 0.0], dtype=torch.float64).view(torch.int64),
+    ]
     npst = state["numpy"]
     if npst is not None:
-        parts += [npst["keys"], torch.tensor([npst["pos"], npst["has_gauss"]]),
-                  torch.tensor([npst["cached_gaussian"]], dtype=torch.float64).view(torch.int64)]
+        parts += [
+            npst["keys"],
+            torch.tensor([npst["pos"], npst["has_gauss"]]),
+            torch.tensor([npst["cached_gaussian"]], dtype=torch.float64).view(torch.int64),
+        ]
     # Every visible GPU's generator (a few bytes each), so a multi-rank resume on GPUs keeps its
     # dropout streams. The layout is this rank's: ranks of one job see the same number of GPUs.
     cuda = state.get("cuda") or []
@@ -73,9 +93,10 @@ def rng_from_tensor(flat: torch.Tensor, like: dict[str, Any]) -> dict[str, Any]:
 
     def take(n: int) -> torch.Tensor:
         nonlocal i
-        out = flat[i:i + n]
+        out = flat[i : i + n]
         i += n
         return out
+
     nt = like["torch"].numel()
     out: dict[str, Any] = {"torch": take(nt).to(torch.uint8), "cuda": [], "numpy": None}
     version = int(take(1))
@@ -87,8 +108,13 @@ def rng_from_tensor(flat: torch.Tensor, like: dict[str, Any]) -> dict[str, Any]:
         keys = take(like["numpy"]["keys"].numel()).clone()
         pos, hg = take(2).tolist()
         cached = float(take(1).view(torch.float64))
-        out["numpy"] = {"name": like["numpy"]["name"], "keys": keys, "pos": pos, "has_gauss": hg,
-                        "cached_gaussian": cached}
+        out["numpy"] = {
+            "name": like["numpy"]["name"],
+            "keys": keys,
+            "pos": pos,
+            "has_gauss": hg,
+            "cached_gaussian": cached,
+        }
     count = int(take(1))
     out["cuda"] = [take(c.numel()).to(torch.uint8) for c in (like.get("cuda") or [])[:count]]
     return out

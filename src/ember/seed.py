@@ -1,4 +1,5 @@
 """Seeding every random number generator a run touches."""
+
 from __future__ import annotations
 
 import os

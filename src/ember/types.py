@@ -4,6 +4,7 @@ A type checker then catches ``trainer.fit`` code that passes ``stage="train"`` o
 ``precision="fp16"``; at run time the values are plain strings, checked where they arrive (with
 errors that list the accepted names). A leaf: everyone may import it.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -38,8 +39,13 @@ ReduceFx = str | Callable[..., Any]
 
 # The functions reduce_fx may name, as Lightning accepts them.
 _REDUCE_FUNCTIONS: dict[Callable[..., Any], ReduceOp] = {
-    torch.mean: "mean", torch.sum: "sum", builtins.sum: "sum", torch.max: "max", builtins.max: "max",
-    torch.min: "min", builtins.min: "min",
+    torch.mean: "mean",
+    torch.sum: "sum",
+    builtins.sum: "sum",
+    torch.max: "max",
+    builtins.max: "max",
+    torch.min: "min",
+    builtins.min: "min",
 }
 
 
@@ -64,4 +70,3 @@ def parse_reduce_fx(name: str, reduce_fx: ReduceFx) -> ReduceOp:
         "'avg' for 'mean') or one of torch.mean, torch.sum, torch.max, torch.min, sum, max, min. For another "
         "reduction, keep the values yourself and log the result in an epoch-end hook."
     )
-

@@ -1,4 +1,5 @@
 """Small helpers shared across the package. Kept import-light: this is on ``import ember``'s path."""
+
 from __future__ import annotations
 
 import collections
@@ -50,8 +51,11 @@ def _move(batch: Any, device: torch.device, dtype: torch.dtype | None, non_block
             return type(batch)(batch.default_factory, items)
         return type(batch)(items)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        changes = {f.name: _move(getattr(batch, f.name), device, dtype, non_blocking)
-                   for f in dataclasses.fields(batch) if f.init}
+        changes = {
+            f.name: _move(getattr(batch, f.name), device, dtype, non_blocking)
+            for f in dataclasses.fields(batch)
+            if f.init
+        }
         return dataclasses.replace(batch, **changes)
     return batch
 

@@ -3,6 +3,7 @@
 Nested dicts and lists of plain values in block style; a string that is not a plain name, or that
 YAML would read as a boolean or null, is written as a JSON (double-quoted) string.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,8 +71,11 @@ def _yaml_lines(obj: Any, indent: int) -> list[str]:
 
 def _yaml_inline(value: Any) -> str:
     if isinstance(value, dict):
-        return "{}" if not value else "{" + ", ".join(f"{_yaml_scalar(str(k))}: {_yaml_inline(v)}"
-                                                        for k, v in value.items()) + "}"
+        return (
+            "{}"
+            if not value
+            else "{" + ", ".join(f"{_yaml_scalar(str(k))}: {_yaml_inline(v)}" for k, v in value.items()) + "}"
+        )
     if isinstance(value, (list, tuple, set, frozenset)):
         return "[" + ", ".join(_yaml_inline(v) for v in value) + "]"
     return _yaml_scalar(value)

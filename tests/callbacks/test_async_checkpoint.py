@@ -1,5 +1,6 @@
 """ModelCheckpoint(async_save=True): the same files and contents as synchronous saves, written on a
 background thread; ordering, failures, crashes, exact resume, and no thread left behind."""
+
 from __future__ import annotations
 
 import os
@@ -51,15 +52,28 @@ def loader(n: int = 16) -> DataLoader:
     return DataLoader(data, batch_size=2, shuffle=True)
 
 
-def run(root, async_save: bool, max_steps: int = -1, epochs: int = 2, ckpt_path: str | None = None,
-        module: ember.TrainModule | None = None, extra: list[Callback] | None = None,
-        **kw: Any) -> tuple[ember.Trainer, ModelCheckpoint, ember.TrainModule]:
+def run(
+    root,
+    async_save: bool,
+    max_steps: int = -1,
+    epochs: int = 2,
+    ckpt_path: str | None = None,
+    module: ember.TrainModule | None = None,
+    extra: list[Callback] | None = None,
+    **kw: Any,
+) -> tuple[ember.Trainer, ModelCheckpoint, ember.TrainModule]:
     kw.setdefault("every_n_train_steps", 1)
     cb = ModelCheckpoint(dirpath=str(root), async_save=async_save, **kw)
     ember.seed_everything(0)
     module = module or Net()
-    trainer = ember.Trainer(max_epochs=epochs, max_steps=max_steps, enable_progress_bar=False, logger=False,
-                            default_root_dir=str(root), callbacks=[cb, *(extra or [])])
+    trainer = ember.Trainer(
+        max_epochs=epochs,
+        max_steps=max_steps,
+        enable_progress_bar=False,
+        logger=False,
+        default_root_dir=str(root),
+        callbacks=[cb, *(extra or [])],
+    )
     trainer.fit(module, loader(), ckpt_path=ckpt_path)
     return trainer, cb, module
 
@@ -85,16 +99,18 @@ def same(a: Any, b: Any, root_a: str, root_b: str) -> bool:
 def records(path: str | os.PathLike) -> dict[str, bytes]:
     """Every record of a torch.save file but its random serialization id, by name within the archive."""
     with zipfile.ZipFile(path) as z:
-        return {name.split("/", 1)[1]: z.read(name) for name in z.namelist()
-                if not name.endswith("/.data/serialization_id")}
+        return {
+            name.split("/", 1)[1]: z.read(name) for name in z.namelist() if not name.endswith("/.data/serialization_id")
+        }
 
 
 class Gate:
     """Replaces the background writer's ``write_atomic``: records each write and holds the writes of
     paths containing ``hold`` until ``release`` (10 s at most, so a broken test cannot hang)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, hold: str | None = None, fail: str | None = None,
-                 delay: float = 0.0) -> None:
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, hold: str | None = None, fail: str | None = None, delay: float = 0.0
+    ) -> None:
         self.original = checkpoint_writer.write_atomic
         self.hold, self.fail, self.delay = hold, fail, delay
         self.released = threading.Event()
@@ -139,19 +155,43 @@ def test_async_writes_the_same_files_and_contents_as_synchronous_saves(tmp_path)
 
 def test_epoch_end_saves_after_validation_match_synchronous_ones(tmp_path):
     from tests.callbacks.test_model_checkpoint import Scored, data
+
     results = {}
     for mode in (False, True):
         root = tmp_path / str(mode)
-        cb = ModelCheckpoint(dirpath=str(root), monitor="val/acc", mode="max", save_top_k=2, async_save=mode,
-                             filename="{epoch}-{val/acc:.1f}")
-        trainer = ember.Trainer(max_epochs=4, enable_progress_bar=False, logger=False, default_root_dir=str(root),
-                                num_sanity_val_steps=0, callbacks=[cb])
+        cb = ModelCheckpoint(
+            dirpath=str(root),
+            monitor="val/acc",
+            mode="max",
+            save_top_k=2,
+            async_save=mode,
+            filename="{epoch}-{val/acc:.1f}",
+        )
+        trainer = ember.Trainer(
+            max_epochs=4,
+            enable_progress_bar=False,
+            logger=False,
+            default_root_dir=str(root),
+            num_sanity_val_steps=0,
+            callbacks=[cb],
+        )
         trainer.fit(Scored([0.3, 0.1, 0.5, 0.4]), data(), data(2))
-        results[mode] = (sorted(os.listdir(root)), os.path.basename(cb.best_model_path), float(cb.best_model_score),
-                         sorted(os.path.basename(p) for p in cb.best_k_models))
-    assert results[True] == results[False] == (
-        ["epoch=2-val_acc=0.5.ckpt", "epoch=3-val_acc=0.4.ckpt", "last.ckpt"], "epoch=2-val_acc=0.5.ckpt",
-        pytest.approx(0.5), ["epoch=2-val_acc=0.5.ckpt", "epoch=3-val_acc=0.4.ckpt"])
+        results[mode] = (
+            sorted(os.listdir(root)),
+            os.path.basename(cb.best_model_path),
+            float(cb.best_model_score),
+            sorted(os.path.basename(p) for p in cb.best_k_models),
+        )
+    assert (
+        results[True]
+        == results[False]
+        == (
+            ["epoch=2-val_acc=0.5.ckpt", "epoch=3-val_acc=0.4.ckpt", "last.ckpt"],
+            "epoch=2-val_acc=0.5.ckpt",
+            pytest.approx(0.5),
+            ["epoch=2-val_acc=0.5.ckpt", "epoch=3-val_acc=0.4.ckpt"],
+        )
+    )
     assert torch.load(tmp_path / "True" / "last.ckpt", weights_only=True)["epoch"] == 3
 
 
@@ -189,9 +229,16 @@ def test_copies_keep_what_torch_save_keeps(tmp_path):
     """Conjugate and negative views, parameters, requires_grad, dtypes: the file written from the copy
     loads the same as one written from the live tensors."""
     z = torch.tensor([1 + 2j, 3 - 1j])
-    live = {"conj": z.conj(), "neg": torch.tensor([1 + 2j]).conj().imag, "param": torch.nn.Parameter(torch.ones(2)),
-            "grad": torch.ones(2, requires_grad=True), "half": torch.arange(3, dtype=torch.float16),
-            "flags": torch.tensor([True, False]), "empty": torch.empty(0), "t": torch.arange(6.0).view(2, 3).t()}
+    live = {
+        "conj": z.conj(),
+        "neg": torch.tensor([1 + 2j]).conj().imag,
+        "param": torch.nn.Parameter(torch.ones(2)),
+        "grad": torch.ones(2, requires_grad=True),
+        "half": torch.arange(3, dtype=torch.float16),
+        "flags": torch.tensor([True, False]),
+        "empty": torch.empty(0),
+        "t": torch.arange(6.0).view(2, 3).t(),
+    }
     direct, background = str(tmp_path / "direct.ckpt"), str(tmp_path / "background.ckpt")
     torch.save(live, direct)
     writer = BackgroundWriter()
@@ -224,6 +271,7 @@ def test_copy_buffers_survive_from_one_save_to_the_next_during_fit(tmp_path, mon
     def submit(self: BackgroundWriter, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         seen.append([b.data_ptr() for b in self._buffers])
+
     monkeypatch.setattr(BackgroundWriter, "submit", submit)
     run(tmp_path, True, max_steps=4)
     assert len(seen) == 4 and seen[0] and all(s == seen[0] for s in seen)
@@ -254,8 +302,13 @@ def test_a_new_file_is_neither_listed_nor_linked_nor_rotated_in_before_it_exists
                 gate.released.set()
 
     _, cb, _ = run(tmp_path, True, max_steps=6, every_n_train_steps=2, extra=[Probe()])
-    assert seen == {"exists": False, "previous_kept": True, "last_is_previous": True, "best": "epoch=0-step=2.ckpt",
-                    "last": "last.ckpt"}
+    assert seen == {
+        "exists": False,
+        "previous_kept": True,
+        "last_is_previous": True,
+        "best": "epoch=0-step=2.ckpt",
+        "last": "last.ckpt",
+    }
     # Once written: listed, linked, and the files they replace are gone.
     assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=6.ckpt", "last.ckpt"]
     assert os.path.basename(cb.best_model_path) == "epoch=0-step=6.ckpt"
@@ -271,6 +324,7 @@ def test_a_synchronous_save_waits_for_the_write_in_flight(tmp_path, monkeypatch)
         start = time.monotonic()
         original(obj, path, before_rename)
         synchronous.append((os.path.basename(path), start, time.monotonic()))
+
     monkeypatch.setattr(trainer_checkpoint, "write_atomic", sync_write)
 
     class UserSave(Callback):
@@ -279,7 +333,7 @@ def test_a_synchronous_save_waits_for_the_write_in_flight(tmp_path, monkeypatch)
                 trainer.save_checkpoint(str(tmp_path / "mine.ckpt"))
 
     run(tmp_path, True, max_steps=2, extra=[UserSave()])
-    (name, start, _), = synchronous
+    ((name, start, _),) = synchronous
     ended = [t for e, n, t in gate.log if e == "end" and n == "epoch=0-step=1.ckpt"]
     assert name == "mine.ckpt" and ended and ended[0] <= start
     assert torch.load(tmp_path / "mine.ckpt", weights_only=True)["global_step"] == 2
@@ -328,8 +382,9 @@ def test_preemption_waits_for_the_write_in_flight_and_saves_last(tmp_path, monke
                 os.kill(os.getpid(), signal.SIGUSR1)
 
     cb = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1, async_save=True)
-    trainer = ember.Trainer(max_epochs=1, enable_progress_bar=False, logger=False, default_root_dir=str(tmp_path),
-                            callbacks=[cb, Signal()])
+    trainer = ember.Trainer(
+        max_epochs=1, enable_progress_bar=False, logger=False, default_root_dir=str(tmp_path), callbacks=[cb, Signal()]
+    )
     trainer.preemption_signals = (signal.SIGUSR1,)
     with pytest.warns(UserWarning, match="SIGUSR1"), pytest.raises(ember.exceptions.Preempted) as info:
         trainer.fit(Net(), loader())
@@ -341,8 +396,14 @@ def test_preemption_waits_for_the_write_in_flight_and_saves_last(tmp_path, monke
 def test_only_rank_zero_writes(tmp_path, monkeypatch):
     gate = Gate(monkeypatch)
     cb = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1, async_save=True)
-    trainer = ember.Trainer(max_steps=3, enable_progress_bar=False, logger=False, strategy=OtherRank("cpu"),
-                            default_root_dir=str(tmp_path), callbacks=[cb])
+    trainer = ember.Trainer(
+        max_steps=3,
+        enable_progress_bar=False,
+        logger=False,
+        strategy=OtherRank("cpu"),
+        default_root_dir=str(tmp_path),
+        callbacks=[cb],
+    )
     trainer.fit(Net(), loader())
     assert gate.log == [] and not os.listdir(tmp_path)
     # Its lists say what rank zero's do, at once (nothing to wait for on this rank).
@@ -365,9 +426,16 @@ def _ddp_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     """On each of 2 gloo ranks: a reference fit, a fit with background saves stopped by an exception,
     and its resume (ember's ``ddp`` joins the process group ``run_ranks`` made)."""
     import warnings
+
     warnings.simplefilter("ignore")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     from tests.trainer.test_checkpoint_resume import StopAt, fit
 
     ref, _ = fit(os.path.join(root, "ref"), strategy="ddp", devices=world, max_epochs=1)
@@ -375,23 +443,30 @@ def _ddp_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
 
     def background() -> ModelCheckpoint:
         return ModelCheckpoint(dirpath=os.path.join(run, "ckpts"), every_n_train_steps=2, async_save=True)
+
     with pytest.raises(RuntimeError, match="stop at step 5"):
         fit(run, 0, [StopAt(5)], checkpoint=background(), strategy="ddp", devices=world, max_epochs=1)
     # Rank zero waited for its write in flight before fit raised (another rank's fit does not wait for it).
     files = sorted(os.listdir(os.path.join(run, "ckpts"))) if rank == 0 else None
-    resumed, trainer = fit(run, 0, checkpoint=background(), ckpt_path="last", strategy="ddp", devices=world,
-                           max_epochs=1)
+    resumed, trainer = fit(
+        run, 0, checkpoint=background(), ckpt_path="last", strategy="ddp", devices=world, max_epochs=1
+    )
     # Every rank's fit returns once rank zero's last write is complete.
     last = torch.load(os.path.join(run, "ckpts", "last.ckpt"), weights_only=True)["global_step"]
     a, b = ref.state_dict(), resumed.state_dict()
-    return {"same": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "files": files,
-            "steps": (trainer.global_step, last), "threads": [t.name for t in writer_threads()]}
+    return {
+        "same": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
+        "files": files,
+        "steps": (trainer.global_step, last),
+        "threads": [t.name for t in writer_threads()],
+    }
 
 
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_ddp_background_saves_resume_exactly_on_two_ranks(tmp_path):
     from tests.helpers.dist import run_ranks
+
     results = run_ranks(_ddp_ranks, 2, str(tmp_path), timeout=90)
     # 6 steps an epoch on 2 ranks; saves at steps 2 and 4 before the stop; rank zero alone writes.
     assert results[0] == {"same": True, "files": ["epoch=0-step=4.ckpt", "last.ckpt"], "steps": (6, 6), "threads": []}
@@ -446,8 +521,7 @@ def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     root = tmp_path / "ckpts"
     script = tmp_path / "train.py"
     script.write_text(CRASHING)
-    proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 40
         while not (tmp_path / "in-flight").exists():

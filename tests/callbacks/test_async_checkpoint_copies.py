@@ -7,6 +7,7 @@ The reference for each background file is written in the same fit, at the same m
 saves the checkpoint with a plain ``torch.save`` in the training thread just before the background
 writer is handed it. The two files must hold the same records byte for byte (the pickle, every storage)
 and load to equal tensors. Each fit saves at every step, so each case is repeated at every save."""
+
 from __future__ import annotations
 
 import os
@@ -37,6 +38,7 @@ class Reference:
             torch.save(obj, reference)
             self.pairs.append((path, reference))
             original(writer, obj, path, *args, **kwargs)
+
         monkeypatch.setattr(BackgroundWriter, "submit", submit)
 
     def check(self, saves: int) -> None:
@@ -129,8 +131,14 @@ def momentum_reset(m: Teacher) -> None:
         state["momentum_buffer"].mul_(-1.0)
 
 
-WAYS = {"data": data_writes, "no_grad": no_grad_writes, "buffer": buffer_writes, "ema": ema, "clipping": clipping,
-        "momentum": momentum_reset}
+WAYS = {
+    "data": data_writes,
+    "no_grad": no_grad_writes,
+    "buffer": buffer_writes,
+    "ema": ema,
+    "clipping": clipping,
+    "momentum": momentum_reset,
+}
 
 
 def every_way(m: Teacher) -> None:
@@ -158,20 +166,33 @@ class Adversary(Callback):
         self.touch("callback on_train_batch_end")
 
 
-def fit(root: str, where: str, change: Callable[[Teacher], None], steps: int = 6, accumulate: int = 1,
-        every_n_epochs: bool = False, big: int = 2**20) -> None:
+def fit(
+    root: str,
+    where: str,
+    change: Callable[[Teacher], None],
+    steps: int = 6,
+    accumulate: int = 1,
+    every_n_epochs: bool = False,
+    big: int = 2**20,
+) -> None:
     def touch(hook: str) -> None:
         if hook == where:
             change(module)
+
     module = Teacher(touch, big)
     cadence: dict[str, Any] = {"every_n_epochs": 1} if every_n_epochs else {"every_n_train_steps": 1}
     cb = ModelCheckpoint(dirpath=root, save_top_k=-1, async_save=True, **cadence)
     after = Adversary(touch)
     ember.seed_everything(0)
-    batches = DataLoader(TensorDataset(torch.randn(8 if every_n_epochs else 2 * steps * accumulate, 16)),
-                         batch_size=2)
-    trainer = ember.Trainer(max_steps=steps, max_epochs=-1, accumulate_grad_batches=accumulate,
-                            enable_progress_bar=False, default_root_dir=root, callbacks=[cb, after])
+    batches = DataLoader(TensorDataset(torch.randn(8 if every_n_epochs else 2 * steps * accumulate, 16)), batch_size=2)
+    trainer = ember.Trainer(
+        max_steps=steps,
+        max_epochs=-1,
+        accumulate_grad_batches=accumulate,
+        enable_progress_bar=False,
+        default_root_dir=root,
+        callbacks=[cb, after],
+    )
     trainer.fit(module, batches)
 
 
@@ -180,7 +201,8 @@ HOOKS = ["after the save", "on_train_batch_start", "training_step", "on_before_z
 
 @pytest.mark.parametrize("where", HOOKS)
 def test_every_way_of_changing_tensors_right_after_the_save_point_leaves_the_file_as_a_synchronous_save(
-        tmp_path, monkeypatch, where):
+    tmp_path, monkeypatch, where
+):
     reference = Reference(monkeypatch, str(tmp_path / "reference"))
     fit(str(tmp_path / "ckpts"), where, every_way)
     reference.check(saves=6)
@@ -189,7 +211,8 @@ def test_every_way_of_changing_tensors_right_after_the_save_point_leaves_the_fil
 
 @pytest.mark.parametrize("way", sorted(WAYS))
 def test_each_way_of_changing_tensors_in_the_next_step_leaves_the_file_as_a_synchronous_save(
-        tmp_path, monkeypatch, way):
+    tmp_path, monkeypatch, way
+):
     reference = Reference(monkeypatch, str(tmp_path / "reference"))
     fit(str(tmp_path / "ckpts"), "on_train_batch_start", WAYS[way])
     reference.check(saves=6)
@@ -197,7 +220,8 @@ def test_each_way_of_changing_tensors_in_the_next_step_leaves_the_file_as_a_sync
 
 @pytest.mark.parametrize("where", ["on_train_batch_end", "callback on_train_batch_end"])
 def test_a_hook_of_a_batch_without_an_optimizer_step_changing_tensors_leaves_the_file_as_a_synchronous_save(
-        tmp_path, monkeypatch, where):
+    tmp_path, monkeypatch, where
+):
     # With two batches a step, the batch after a save point ends (on_train_batch_end) before any step.
     reference = Reference(monkeypatch, str(tmp_path / "reference"))
     fit(str(tmp_path / "ckpts"), where, every_way, steps=6, accumulate=2)
@@ -217,8 +241,9 @@ def test_a_32_mb_frozen_tensor_changed_right_after_every_save_point(tmp_path, mo
     """The case first reported: a 32 MB parameter the optimizer does not step, changed in place through
     ``.data`` and under ``no_grad`` as soon as the save point returns."""
     reference = Reference(monkeypatch, str(tmp_path / "reference"))
-    fit(str(tmp_path / "ckpts"), "after the save", lambda m: (data_writes(m), no_grad_writes(m)), steps=4,
-        big=8 * 2**20)
+    fit(
+        str(tmp_path / "ckpts"), "after the save", lambda m: (data_writes(m), no_grad_writes(m)), steps=4, big=8 * 2**20
+    )
     reference.check(saves=4)
 
 
@@ -244,4 +269,3 @@ def test_the_writer_reads_nothing_of_the_live_state_once_submit_returns(tmp_path
     assert torch.equal(loaded["w"], expected["w"]) and torch.equal(loaded["base"], expected["base"])
     assert torch.equal(loaded["view"], expected["base"][2:6].view(2, 2))
     assert torch.equal(loaded["meta"]["s"][0], expected["base"][:1]) and loaded["meta"]["n"] == 3
-

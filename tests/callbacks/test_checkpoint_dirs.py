@@ -1,6 +1,7 @@
 """Where ModelCheckpoint writes: the directory lock across fits in one process (persistent DataLoader
 workers, two callbacks on one directory), file names with folders, and a directory that cannot be
 written, found before training starts. Default configuration: logger and checkpointing on."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -29,8 +30,14 @@ class Counting(BoringModel):
 
 
 def trainer(root: Path, epochs: int = 1, **kwargs: Any) -> ember.Trainer:
-    return ember.Trainer(max_epochs=epochs, default_root_dir=str(root), enable_progress_bar=False,
-                         enable_model_summary=False, log_every_n_steps=1, **kwargs)
+    return ember.Trainer(
+        max_epochs=epochs,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        **kwargs,
+    )
 
 
 def loader(**kwargs: Any) -> torch.utils.data.DataLoader:
@@ -54,8 +61,10 @@ def test_fit_then_resume_in_one_process_with_persistent_workers(tmp_path: Path) 
 
 
 def test_two_checkpoint_callbacks_share_the_default_directory(tmp_path: Path) -> None:
-    best, every_step = ModelCheckpoint(monitor="train_loss"), ModelCheckpoint(every_n_train_steps=1, filename="{step}",
-                                                                              save_top_k=-1)
+    best, every_step = (
+        ModelCheckpoint(monitor="train_loss"),
+        ModelCheckpoint(every_n_train_steps=1, filename="{step}", save_top_k=-1),
+    )
     trainer(tmp_path, callbacks=[best, every_step]).fit(BoringModel(), loader())
     ck = tmp_path / "ember_logs" / "version_0" / "checkpoints"
     assert best.dirpath == every_step.dirpath == str(ck)
@@ -74,8 +83,11 @@ def test_top_k_rotation_reaches_files_in_a_filename_folder(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("filename", ["../x{epoch}", "sub/../../x{epoch}", "{epoch}/../../x", "/elsewhere/x{epoch}"])
 def test_a_name_outside_the_directory_is_refused_when_the_callback_is_made(filename: str) -> None:
-    with pytest.raises(ValueError, match=r"ModelCheckpoint\(filename=.*\) names a file outside the checkpoint "
-                       r"directory\. .* Choose the directory with dirpath="):
+    with pytest.raises(
+        ValueError,
+        match=r"ModelCheckpoint\(filename=.*\) names a file outside the checkpoint "
+        r"directory\. .* Choose the directory with dirpath=",
+    ):
         ModelCheckpoint(filename=filename)
 
 
@@ -92,8 +104,11 @@ def test_a_last_name_outside_the_directory_stops_fit_before_training(tmp_path: P
 def test_a_logged_value_that_leads_outside_the_directory_is_refused(tmp_path: Path) -> None:
     callback = ModelCheckpoint(dirpath=str(tmp_path / "ck"), filename="{tag}/w", auto_insert_metric_name=False)
     assert callback.format_checkpoint_name({"tag": "a"}) == str(tmp_path / "ck" / "a" / "w.ckpt")
-    with pytest.raises(ValueError, match=rf"names {tmp_path / 'w.ckpt'}, outside the checkpoint directory "
-                       rf"{tmp_path / 'ck'}: a logged value in the name contains '\.\.'"):
+    with pytest.raises(
+        ValueError,
+        match=rf"names {tmp_path / 'w.ckpt'}, outside the checkpoint directory "
+        rf"{tmp_path / 'ck'}: a logged value in the name contains '\.\.'",
+    ):
         callback.format_checkpoint_name({"tag": ".."})
 
 
@@ -119,9 +134,12 @@ def read_only_mount(tmp_path: Path):
 def assert_stops_before_training(root: Path, dirpath: Path, reason: str, **kwargs: Any) -> None:
     module = Counting()
     callbacks = [ModelCheckpoint(dirpath=str(dirpath))] if kwargs.pop("given", True) else []
-    with pytest.raises(OSError, match=rf"Checkpoints cannot be written into {dirpath} \({reason}.*\)\. Found before "
-                       r"training started, so nothing is lost: make that directory writable, or write checkpoints "
-                       r"elsewhere \(ModelCheckpoint\(dirpath=\.\.\.\), Trainer\(default_root_dir=\.\.\.\)\)\."):
+    with pytest.raises(
+        OSError,
+        match=rf"Checkpoints cannot be written into {dirpath} \({reason}.*\)\. Found before "
+        r"training started, so nothing is lost: make that directory writable, or write checkpoints "
+        r"elsewhere \(ModelCheckpoint\(dirpath=\.\.\.\), Trainer\(default_root_dir=\.\.\.\)\)\.",
+    ):
         trainer(root, callbacks=callbacks, **kwargs).fit(module, loader())
     assert module.batches == 0
 
@@ -135,8 +153,12 @@ def test_a_checkpoint_directory_under_a_regular_file_stops_fit_before_training(t
 @pytest.mark.processes
 def test_a_read_only_default_directory_stops_fit_before_training(read_only_mount: Path) -> None:
     # The default configuration: the logger on, the checkpoints in its run directory.
-    assert_stops_before_training(read_only_mount, read_only_mount / "ember_logs" / "version_0" / "checkpoints",
-                                 "OSError: Read-only file system", given=False)
+    assert_stops_before_training(
+        read_only_mount,
+        read_only_mount / "ember_logs" / "version_0" / "checkpoints",
+        "OSError: Read-only file system",
+        given=False,
+    )
 
 
 @pytest.mark.processes
@@ -151,15 +173,28 @@ def _ddp_problems(rank: int, world: int, root: str) -> list[str]:
     """On each of 2 gloo ranks: fits that must stop at start-up, on every rank alike (rank zero looks)."""
     import warnings
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     warnings.simplefilter("ignore")
     seen = []
     for dirpath, ckpt_path in ((os.path.join(root, "a_file", "ck"), None), (os.path.join(root, "links"), "last")):
         module = Counting()
-        t = ember.Trainer(strategy="ddp", devices=world, accelerator="cpu", max_epochs=1, default_root_dir=root,
-                          enable_progress_bar=False, enable_model_summary=False,
-                          callbacks=[ModelCheckpoint(dirpath=dirpath)])
+        t = ember.Trainer(
+            strategy="ddp",
+            devices=world,
+            accelerator="cpu",
+            max_epochs=1,
+            default_root_dir=root,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[ModelCheckpoint(dirpath=dirpath)],
+        )
         try:
             t.fit(module, loader(), ckpt_path=ckpt_path)
             seen.append("no error")
@@ -178,8 +213,12 @@ def test_under_ddp_every_rank_stops_at_start_up(tmp_path: Path) -> None:
     os.symlink("epoch=0-step=4.ckpt", tmp_path / "links" / "last.ckpt")  # a link to a removed file
     ranks = run_ranks(_ddp_problems, 2, str(tmp_path), timeout=100)
     for seen in ranks:
-        assert seen[0].startswith(f"NotADirectoryError after 0 batches: [Errno 20] Checkpoints cannot be written into "
-                                  f"{tmp_path / 'a_file' / 'ck'}"), seen[0]
-        assert seen[1].startswith(f"CheckpointNotFoundError after 0 batches: ckpt_path='last': "
-                                  f"{tmp_path / 'links' / 'last.ckpt'} is a symbolic link to 'epoch=0-step=4.ckpt', "
-                                  "which does not exist"), seen[1]
+        assert seen[0].startswith(
+            f"NotADirectoryError after 0 batches: [Errno 20] Checkpoints cannot be written into "
+            f"{tmp_path / 'a_file' / 'ck'}"
+        ), seen[0]
+        assert seen[1].startswith(
+            f"CheckpointNotFoundError after 0 batches: ckpt_path='last': "
+            f"{tmp_path / 'links' / 'last.ckpt'} is a symbolic link to 'epoch=0-step=4.ckpt', "
+            "which does not exist"
+        ), seen[1]

@@ -5,6 +5,7 @@ Every expected file list below was checked against Lightning 2.6.6 running the s
 training batches per epoch, validation once per epoch) unless a comment says where ember differs on
 purpose (README, "Where ember deliberately differs from Lightning").
 """
+
 from __future__ import annotations
 
 import os
@@ -58,11 +59,19 @@ def loader(n: int = 8) -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(n, 2, generator=torch.Generator().manual_seed(0))), batch_size=2)
 
 
-def fit(cb: ModelCheckpoint, epochs: int = 2, val: bool = True, module: ember.TrainModule | None = None,
-        root: Any = None) -> SaveRecorder:
+def fit(
+    cb: ModelCheckpoint, epochs: int = 2, val: bool = True, module: ember.TrainModule | None = None, root: Any = None
+) -> SaveRecorder:
     rec = SaveRecorder()
-    trainer = ember.Trainer(max_epochs=epochs, logger=False, enable_progress_bar=False, num_sanity_val_steps=0,
-                            enable_model_summary=False, callbacks=[cb, rec], default_root_dir=root)
+    trainer = ember.Trainer(
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        enable_model_summary=False,
+        callbacks=[cb, rec],
+        default_root_dir=root,
+    )
     trainer.fit(module or Module(), loader(), loader() if val else None)
     return rec
 
@@ -137,8 +146,7 @@ def test_save_last_link_is_a_relative_symlink_to_the_latest_top_k_file(tmp_path)
     rec = fit(cb, epochs=3)
     assert files(tmp_path) == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"]
     assert os.path.islink(tmp_path / "last.ckpt") and os.readlink(tmp_path / "last.ckpt") == "epoch=2-step=12.ckpt"
-    assert [name for name, _, _ in rec.saves] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt",
-                                                  "epoch=2-step=12.ckpt"]
+    assert [name for name, _, _ in rec.saves] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
     assert step_in(cb.last_model_path) == 12
 
 
@@ -183,8 +191,12 @@ def test_a_second_run_versions_a_templated_last_and_a_link(tmp_path):
         assert os.path.basename(cb.last_model_path) == ["last-epoch=1.ckpt", "last-epoch=1-v1.ckpt"][run]
         link = ModelCheckpoint(dirpath=tmp_path / "link", save_last="link")
         fit(link)
-    assert files(tmp_path / "template") == ["epoch=1-step=8-v1.ckpt", "epoch=1-step=8.ckpt",
-                                            "last-epoch=1-v1.ckpt", "last-epoch=1.ckpt"]
+    assert files(tmp_path / "template") == [
+        "epoch=1-step=8-v1.ckpt",
+        "epoch=1-step=8.ckpt",
+        "last-epoch=1-v1.ckpt",
+        "last-epoch=1.ckpt",
+    ]
     assert files(tmp_path / "link") == ["epoch=1-step=8-v1.ckpt", "epoch=1-step=8.ckpt", "last-v1.ckpt", "last.ckpt"]
     assert os.readlink(tmp_path / "link" / "last.ckpt") == "epoch=1-step=8.ckpt"
     assert os.readlink(tmp_path / "link" / "last-v1.ckpt") == "epoch=1-step=8-v1.ckpt"
@@ -200,8 +212,9 @@ def test_without_the_version_counter_a_second_run_overwrites(tmp_path):
 def test_a_kept_top_k_file_with_the_same_name_is_not_overwritten(tmp_path):
     # Lightning 2.6.6: filename "{epoch}", save_top_k=2 ranked by train_loss, saving every 2 steps of one
     # epoch: ['epoch=0-v1.ckpt', 'epoch=0.ckpt'], both in best_k_models.
-    cb = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", monitor="train_loss", save_top_k=2,
-                         every_n_train_steps=2, save_last=False)
+    cb = ModelCheckpoint(
+        dirpath=tmp_path, filename="{epoch}", monitor="train_loss", save_top_k=2, every_n_train_steps=2, save_last=False
+    )
     fit(cb, epochs=1)
     assert files(tmp_path) == ["epoch=0-v1.ckpt", "epoch=0.ckpt"]
     assert sorted(os.path.basename(p) for p in cb.best_k_models) == ["epoch=0-v1.ckpt", "epoch=0.ckpt"]
@@ -234,6 +247,7 @@ def test_a_replaced_top_k_file_is_removed_only_after_last_stopped_pointing_at_it
     # ember's own ordering (Lightning removes first, then links): a crash between the two steps must not
     # leave last.ckpt dangling or pointing at a deleted file.
     import ember.callbacks.model_checkpoint as mc
+
     seen: list[tuple[str, str]] = []
     remove = os.remove
 
@@ -251,8 +265,9 @@ def test_a_replaced_top_k_file_is_removed_only_after_last_stopped_pointing_at_it
 def test_next_last_path_names_a_free_file_beside_an_earlier_run(tmp_path):
     first = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     rec = SaveRecorder()
-    trainer = ember.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[first, rec])
+    trainer = ember.Trainer(
+        max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[first, rec]
+    )
     trainer.fit(Module(), loader())
     assert first.next_last_path(trainer) == str(tmp_path / "last.ckpt")  # its own last: replaced in place
     assert ModelCheckpoint(dirpath=tmp_path).next_last_path(trainer) == str(tmp_path / "last-v1.ckpt")

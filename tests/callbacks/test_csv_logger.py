@@ -1,4 +1,5 @@
 """CSVLogger round trips through the standard library's csv reader; the hparams.yaml emitter."""
+
 from __future__ import annotations
 
 import csv
@@ -47,8 +48,15 @@ class Tiny(ember.TrainModule):
 def fit(tmp_path, logger, module=None, **kw):
     g = torch.Generator().manual_seed(0)
     ds = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
-    args = dict(max_epochs=2, log_every_n_steps=1, enable_progress_bar=False, enable_checkpointing=False,
-                num_sanity_val_steps=0, default_root_dir=str(tmp_path), logger=logger)
+    args = dict(
+        max_epochs=2,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+        logger=logger,
+    )
     args.update(kw)
     trainer = ember.Trainer(**args)
     module = module or Tiny()
@@ -106,8 +114,12 @@ def test_a_second_fit_appends_to_the_same_file_and_widens_it(tmp_path):
     again.finalize("success")
     header, rows = read_rows(again.metrics_file)
     assert header == ["step", "a", "b"]
-    assert [(r["step"], r["a"], r["b"]) for r in rows] == [("1", "1.0", ""), ("2", "2.0", ""), ("3", "3.0", ""),
-                                                           ("4", "", "9.0")]
+    assert [(r["step"], r["a"], r["b"]) for r in rows] == [
+        ("1", "1.0", ""),
+        ("2", "2.0", ""),
+        ("3", "3.0", ""),
+        ("4", "", "9.0"),
+    ]
 
 
 def test_same_step_merges_only_without_conflict(tmp_path):

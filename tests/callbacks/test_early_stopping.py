@@ -1,4 +1,5 @@
 """EarlyStopping: stops at the right check (table-driven), NaN stops with a message, ranks agree."""
+
 from __future__ import annotations
 
 import logging
@@ -48,8 +49,16 @@ class Scripted(ember.TrainModule):
 def run(values, es, validate=True, max_epochs=10, strategy="auto", **kw):
     ds = TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
     module = Scripted(values, where="val" if validate else "epoch_end")
-    trainer = ember.Trainer(max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                            num_sanity_val_steps=1, callbacks=[es], strategy=strategy, **kw)
+    trainer = ember.Trainer(
+        max_epochs=max_epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=1,
+        callbacks=[es],
+        strategy=strategy,
+        **kw,
+    )
     trainer.fit(module, DataLoader(ds, batch_size=2), DataLoader(ds, batch_size=4) if validate else None)
     return trainer, module
 

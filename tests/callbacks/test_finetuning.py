@@ -1,5 +1,6 @@
 """BaseFinetuning / BackboneFinetuning: what trains when, the backbone's learning rate, and exact resume
 (the optimizer a checkpoint saved has more parameter groups than configure_optimizers builds)."""
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,13 @@ def test_backbone_finetuning_matches_lightning_schedule():
     """The values a Lightning 2.6.6 run of the same script prints: the backbone (but its BatchNorm) frozen in
     epoch 0, a group of its 2 Linear parameters at backbone_initial_lr from epoch 1, doubled every epoch."""
     rec = EpochStarts()
-    trainer = ember.Trainer(max_epochs=5, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                            callbacks=[BackboneFinetuning(1, backbone_initial_lr=0.001, train_bn=False), rec])
+    trainer = ember.Trainer(
+        max_epochs=5,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[BackboneFinetuning(1, backbone_initial_lr=0.001, train_bn=False), rec],
+    )
     module = Net()
     before = module.backbone[0].weight.detach().clone()
     trainer.fit(module, DataLoader(data(), batch_size=4))
@@ -76,8 +82,13 @@ def test_backbone_finetuning_matches_lightning_schedule():
 
 def test_backbone_lr_is_capped_at_the_head_lr_with_should_align():
     rec = EpochStarts()
-    trainer = ember.Trainer(max_epochs=4, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                            callbacks=[BackboneFinetuning(0, lambda_func=lambda e: 10.0), rec])
+    trainer = ember.Trainer(
+        max_epochs=4,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[BackboneFinetuning(0, lambda_func=lambda e: 10.0), rec],
+    )
     trainer.fit(Net(), DataLoader(data(), batch_size=4))
     assert [groups[-1][1] for _, groups, _, _ in rec.seen] == [0.01, 0.1, 0.1, 0.1]  # 0.1 * 0.1, then x10, capped
 
@@ -88,8 +99,13 @@ def test_backbone_finetuning_needs_a_backbone():
             super().__init__()
             del self.backbone
 
-    trainer = ember.Trainer(max_epochs=1, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                            callbacks=[BackboneFinetuning(1)])
+    trainer = ember.Trainer(
+        max_epochs=1,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[BackboneFinetuning(1)],
+    )
     with pytest.raises(ValueError, match="backbone"):
         trainer.fit(NoBackbone(), DataLoader(data(), batch_size=4))
 
@@ -118,16 +134,21 @@ def _fit(root: str, max_epochs: int, ckpt_path: str | None = None, **kwargs: Any
     ember.seed_everything(0)
     module = Net("adam")
     # The default configuration: a logger and checkpointing on.
-    trainer = ember.Trainer(max_epochs=max_epochs, enable_progress_bar=False, default_root_dir=root,
-                            callbacks=[BackboneFinetuning(1, backbone_initial_lr=0.001),
-                                       ModelCheckpoint(dirpath=os.path.join(root, "c"), every_n_train_steps=2)],
-                            **kwargs)
+    trainer = ember.Trainer(
+        max_epochs=max_epochs,
+        enable_progress_bar=False,
+        default_root_dir=root,
+        callbacks=[
+            BackboneFinetuning(1, backbone_initial_lr=0.001),
+            ModelCheckpoint(dirpath=os.path.join(root, "c"), every_n_train_steps=2),
+        ],
+        **kwargs,
+    )
     trainer.fit(module, DataLoader(data(), batch_size=4, shuffle=True), ckpt_path=ckpt_path)
     return module, trainer
 
 
-@pytest.mark.parametrize("stop", [dict(max_epochs=2), dict(max_epochs=4, max_steps=10)],
-                         ids=["epoch-end", "mid-epoch"])
+@pytest.mark.parametrize("stop", [dict(max_epochs=2), dict(max_epochs=4, max_steps=10)], ids=["epoch-end", "mid-epoch"])
 def test_resume_restores_the_added_group_and_trains_exactly_as_without_interruption(tmp_path, stop):
     """Adam's state for the backbone's group is in the checkpoint; the resumed run must rebuild that group
     (and keep the backbone trainable) before the optimizer state is loaded, and then train bit for bit as
@@ -144,14 +165,28 @@ def test_resume_restores_the_added_group_and_trains_exactly_as_without_interrupt
 
 
 def _ddp_fit(rank: int, world: int) -> list[Any]:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     warnings.simplefilter("ignore")
     rec = EpochStarts()
     torch.manual_seed(rank)  # different initial weights: the wrapper must broadcast rank 0's
     module = Net()
-    trainer = ember.Trainer(strategy="ddp", devices=world, accelerator="cpu", max_epochs=3, enable_progress_bar=False,
-                            logger=False, enable_checkpointing=False, callbacks=[BackboneFinetuning(1), rec])
+    trainer = ember.Trainer(
+        strategy="ddp",
+        devices=world,
+        accelerator="cpu",
+        max_epochs=3,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[BackboneFinetuning(1), rec],
+    )
     trainer.fit(module, DataLoader(data(), batch_size=2))
     return [rec.seen, {k: v.clone() for k, v in module.state_dict().items()}]
 
@@ -177,8 +212,14 @@ def test_backbone_finetuning_under_dp_trains_as_one_device():
         torch.manual_seed(0)
         module = Net()
         module.backbone[1] = torch.nn.Identity()  # BatchNorm statistics are per replica under dp
-        ember.Trainer(max_epochs=3, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                      callbacks=[BackboneFinetuning(1)], **kwargs).fit(module, DataLoader(data(), batch_size=4))
+        ember.Trainer(
+            max_epochs=3,
+            enable_progress_bar=False,
+            logger=False,
+            enable_checkpointing=False,
+            callbacks=[BackboneFinetuning(1)],
+            **kwargs,
+        ).fit(module, DataLoader(data(), batch_size=4))
         results.append({k: v.clone() for k, v in module.state_dict().items()})
     for name, value in results[0].items():
         torch.testing.assert_close(results[1][name], value, msg=name)

@@ -1,4 +1,5 @@
 """The line a successful fit prints at its end, on rank zero: where the logs and checkpoints went."""
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,13 @@ def data():
 
 
 def fit(module=None, **kwargs):
-    kwargs = {"max_epochs": 2, "enable_progress_bar": False, "enable_model_summary": False, "log_every_n_steps": 1,
-              **kwargs}
+    kwargs = {
+        "max_epochs": 2,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "log_every_n_steps": 1,
+        **kwargs,
+    }
     trainer = ember.Trainer(**kwargs)
     trainer.fit(module or Tiny(), data(), data())
     return trainer
@@ -57,9 +63,11 @@ def test_default_configuration_names_the_run_directory_and_its_checkpoints(tmp_p
     assert out.count("\n") == 1, out  # one line, nothing else on stdout
     line = out.strip()
     ckpts = "ember_logs/version_0/checkpoints".replace("/", os.sep)
-    assert line == (f"ember: logs in {os.path.join('ember_logs', 'version_0')}; "
-                    f"checkpoint {os.path.join(ckpts, 'epoch=1-step=8.ckpt')}; "
-                    f"last checkpoint {os.path.join(ckpts, 'last.ckpt')}")
+    assert line == (
+        f"ember: logs in {os.path.join('ember_logs', 'version_0')}; "
+        f"checkpoint {os.path.join(ckpts, 'epoch=1-step=8.ckpt')}; "
+        f"last checkpoint {os.path.join(ckpts, 'last.ckpt')}"
+    )
     # every path it names is there, relative to the working directory
     for path in ("ember_logs/version_0", f"{ckpts}/epoch=1-step=8.ckpt", f"{ckpts}/last.ckpt"):
         assert os.path.exists(tmp_path / path), path
@@ -95,8 +103,10 @@ def test_several_checkpoint_callbacks_each_name_their_files_once(tmp_path, monke
     by_loss = ModelCheckpoint(dirpath="a", monitor="val/loss", save_last=False)
     latest = ModelCheckpoint(dirpath="b", save_last=False)
     fit(logger=False, callbacks=[by_loss, latest])
-    assert summary_lines(capsys) == [f"ember: best val/loss checkpoint {os.path.relpath(by_loss.best_model_path)}; "
-                                     f"checkpoint {os.path.relpath(latest.best_model_path)}"]
+    assert summary_lines(capsys) == [
+        f"ember: best val/loss checkpoint {os.path.relpath(by_loss.best_model_path)}; "
+        f"checkpoint {os.path.relpath(latest.best_model_path)}"
+    ]
 
 
 def test_a_failed_fit_prints_nothing(tmp_path, monkeypatch, capsys):

@@ -1,5 +1,6 @@
 """GradientAccumulationScheduler: the accumulation factor per epoch, the steps it gives, its errors, and a
 mid-epoch resume that keeps the interrupted epoch's factor."""
+
 from __future__ import annotations
 
 import os
@@ -72,10 +73,16 @@ def test_manual_optimization_is_refused():
 def _fit(root, **kwargs):
     ember.seed_everything(0)
     module = BoringModel()
-    trainer = ember.Trainer(enable_progress_bar=False, default_root_dir=root, max_epochs=3,
-                            callbacks=[GradientAccumulationScheduler({1: 4}),
-                                       ModelCheckpoint(dirpath=os.path.join(root, "c"), every_n_train_steps=1)],
-                            **{k: v for k, v in kwargs.items() if k != "ckpt_path"})
+    trainer = ember.Trainer(
+        enable_progress_bar=False,
+        default_root_dir=root,
+        max_epochs=3,
+        callbacks=[
+            GradientAccumulationScheduler({1: 4}),
+            ModelCheckpoint(dirpath=os.path.join(root, "c"), every_n_train_steps=1),
+        ],
+        **{k: v for k, v in kwargs.items() if k != "ckpt_path"},
+    )
     trainer.fit(module, regression_loader(n=32, batch_size=4, shuffle=True), ckpt_path=kwargs.get("ckpt_path"))
     return module, trainer
 

@@ -1,4 +1,5 @@
 """trainer.history: the epoch-level metrics of the last fit, one dict per epoch, without any logger."""
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,14 @@ class Deterministic(ember.TrainModule):
 
 def fit(max_epochs=3, callbacks=None, logger=False, **kw):
     ds = TensorDataset(torch.randn(16, 2), torch.randn(16, 1))
-    trainer = ember.Trainer(max_epochs=max_epochs, logger=logger, enable_progress_bar=False,
-                            enable_checkpointing=False, callbacks=callbacks, **kw)
+    trainer = ember.Trainer(
+        max_epochs=max_epochs,
+        logger=logger,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        callbacks=callbacks,
+        **kw,
+    )
     trainer.fit(Deterministic(), DataLoader(ds, batch_size=4), DataLoader(ds, batch_size=8))
     return trainer
 
@@ -70,5 +77,6 @@ def test_history_matches_what_the_loggers_got(tmp_path):
         rows = [r for r in csv.DictReader(fh) if r["val/m"]]
     # history's "step" is trainer.global_step at the epoch's end (steps taken); the loggers got the epoch's
     # validation, as Lightning writes it, at the index of the epoch's last step: one lower.
-    assert [(int(r["step"]), float(r["val/m"])) for r in rows] == \
-        [(row["step"] - 1, row["val/m"]) for row in trainer.history]
+    assert [(int(r["step"]), float(r["val/m"])) for r in rows] == [
+        (row["step"] - 1, row["val/m"]) for row in trainer.history
+    ]

@@ -1,4 +1,5 @@
 """LambdaCallback: functions run at their hooks with Lightning's arguments; a misspelt hook is an error."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,20 +16,30 @@ def test_each_given_function_runs_at_its_hook_with_the_hook_arguments(tmp_path):
         setup=lambda trainer, module, stage: calls.append(("setup", stage)),
         on_train_epoch_end=lambda trainer, module: calls.append(("epoch_end", trainer.current_epoch)),
         on_train_batch_end=lambda trainer, module, outputs, batch, batch_idx: calls.append(
-            ("batch_end", batch_idx, float(outputs["loss"]) > 0)),
+            ("batch_end", batch_idx, float(outputs["loss"]) > 0)
+        ),
         on_save_checkpoint=lambda trainer, module, checkpoint: checkpoint.__setitem__("mine", 7),
         on_load_checkpoint=lambda trainer, module, checkpoint: calls.append(("loaded", checkpoint["mine"])),
         on_fit_end=None,  # None: no function there, as Lightning
     )
     ckpt = ModelCheckpoint(dirpath=str(tmp_path))
-    trainer = fast_trainer(max_epochs=2, callbacks=[cb, ckpt], enable_checkpointing=True, logger=True,
-                           default_root_dir=str(tmp_path))
+    trainer = fast_trainer(
+        max_epochs=2, callbacks=[cb, ckpt], enable_checkpointing=True, logger=True, default_root_dir=str(tmp_path)
+    )
     trainer.fit(BoringModel(), regression_loader(n=16, batch_size=8))
-    assert calls == [("setup", "fit"), ("batch_end", 0, True), ("batch_end", 1, True), ("epoch_end", 0),
-                     ("batch_end", 0, True), ("batch_end", 1, True), ("epoch_end", 1)]
+    assert calls == [
+        ("setup", "fit"),
+        ("batch_end", 0, True),
+        ("batch_end", 1, True),
+        ("epoch_end", 0),
+        ("batch_end", 0, True),
+        ("batch_end", 1, True),
+        ("epoch_end", 1),
+    ]
     calls.clear()
-    fast_trainer(max_epochs=3, callbacks=[cb]).fit(BoringModel(), regression_loader(n=16, batch_size=8),
-                                                   ckpt_path=ckpt.last_model_path)
+    fast_trainer(max_epochs=3, callbacks=[cb]).fit(
+        BoringModel(), regression_loader(n=16, batch_size=8), ckpt_path=ckpt.last_model_path
+    )
     assert calls[:2] == [("setup", "fit"), ("loaded", 7)]
 
 

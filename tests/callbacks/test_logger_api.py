@@ -4,6 +4,7 @@ without a step, and a subclass's name / version properties deciding log_dir and 
 Checked against Lightning 2.6.6 (its CSVLogger, and a Logger subclass with save_dir / name / version) unless a
 test says where ember differs.
 """
+
 from __future__ import annotations
 
 import csv
@@ -57,7 +58,8 @@ def test_a_logger_subclass_name_and_version_decide_where_checkpoints_go(tmp_path
     # Lightning 2.6.6: <save_dir>/<name>/version_<version>/checkpoints/epoch=0-step=2.ckpt, and trainer.log_dir is
     # the save_dir for a logger that is not TensorBoard's or CSV's.
     assert trainer.checkpoint_callback.best_model_path == os.path.join(
-        root, "custom", "version_3", "checkpoints", "epoch=0-step=2.ckpt")
+        root, "custom", "version_3", "checkpoints", "epoch=0-step=2.ckpt"
+    )
     assert trainer.log_dir == root
 
 
@@ -77,7 +79,8 @@ def test_a_logger_without_save_dir_puts_checkpoints_under_the_default_root_dir(t
     trainer.fit(BoringModel(), loader())
     assert trainer.log_dir is None
     assert trainer.checkpoint_callback.best_model_path == os.path.join(
-        str(tmp_path), "nodir", "version_3", "checkpoints", "epoch=0-step=2.ckpt")
+        str(tmp_path), "nodir", "version_3", "checkpoints", "epoch=0-step=2.ckpt"
+    )
 
 
 def test_a_logger_without_save_dir_has_no_log_dir():
@@ -103,8 +106,9 @@ def test_a_csv_logger_subclass_name_and_version_decide_its_directory(tmp_path):
     # Lightning 2.6.6: trainer.log_dir is custom/v7, holding checkpoints/ and metrics.csv
     assert trainer.log_dir == logger.log_dir
     assert sorted(os.listdir(logger.log_dir)) == ["checkpoints", "metrics.csv"]
-    assert trainer.checkpoint_callback.best_model_path == os.path.join(logger.log_dir, "checkpoints",
-                                                                       "epoch=0-step=2.ckpt")
+    assert trainer.checkpoint_callback.best_model_path == os.path.join(
+        logger.log_dir, "checkpoints", "epoch=0-step=2.ckpt"
+    )
 
 
 # ---------------------------------------------------------------------- log_hyperparams
@@ -143,7 +147,13 @@ def test_csv_log_metrics_without_a_step_numbers_its_rows(tmp_path):
     # ember numbers step-less rows 0, 1, 2...; Lightning 2.6.6 numbers them by its rows not yet flushed
     # (0, 1, 0, 1, 0 with flush_logs_every_n_steps=2), which repeats steps.
     assert [(r["step"], r["a"], r["t"]) for r in rows] == [
-        ("0", "0.0", ""), ("1", "1.0", ""), ("2", "2.0", ""), ("3", "3.0", ""), ("4", "4.0", ""), ("7", "", "2.5")]
+        ("0", "0.0", ""),
+        ("1", "1.0", ""),
+        ("2", "2.0", ""),
+        ("3", "3.0", ""),
+        ("4", "4.0", ""),
+        ("7", "", "2.5"),
+    ]
 
 
 def test_tensorboard_log_metrics_without_a_step_writes_at_step_zero(tmp_path):
@@ -158,7 +168,9 @@ def test_tensorboard_log_metrics_without_a_step_writes_at_step_zero(tmp_path):
     ea = EventAccumulator(logger.log_dir)
     ea.Reload()
     assert {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]} == {
-        "a": [(0, 1.0)], "b": [(3, 2.0)]}
+        "a": [(0, 1.0)],
+        "b": [(3, 2.0)],
+    }
     with open(os.path.join(logger.log_dir, "hparams.yaml")) as fh:
         assert fh.read() == "lr: 0.1\n"
 
@@ -170,4 +182,6 @@ def test_log_hyperparams_metrics_go_in_at_the_given_step(tmp_path):
     logger.log_hyperparams({"lr": 0.1}, {"other": 1.0})
     logger.save()
     assert [(r["step"], r["hp_metric"], r["other"]) for r in csv_rows(logger.metrics_file)] == [
-        ("4", "0.5", ""), ("0", "", "1.0")]
+        ("4", "0.5", ""),
+        ("0", "", "1.0"),
+    ]

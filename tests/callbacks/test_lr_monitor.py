@@ -1,4 +1,5 @@
 """LearningRateMonitor: names per optimizer and param group, values at the right steps."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,8 +41,10 @@ class Tiny(ember.TrainModule):
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
         if self.optim == "groups_epoch":
-            opt = torch.optim.Adam([{"params": self.a.parameters(), "lr": 0.1},
-                                    {"params": self.b.parameters(), "lr": 0.2}], betas=(0.8, 0.99))
+            opt = torch.optim.Adam(
+                [{"params": self.a.parameters(), "lr": 0.1}, {"params": self.b.parameters(), "lr": 0.2}],
+                betas=(0.8, 0.99),
+            )
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "name": "my-lr"}}
         return torch.optim.SGD(self.parameters(), lr=0.3)
@@ -49,8 +52,14 @@ class Tiny(ember.TrainModule):
 
 def fit(module, cb, logger, **kw):
     ds = TensorDataset(torch.randn(16, 2), torch.randn(16, 1))
-    args = dict(max_epochs=2, log_every_n_steps=2, enable_progress_bar=False, enable_checkpointing=False,
-                logger=logger, callbacks=[cb])
+    args = dict(
+        max_epochs=2,
+        log_every_n_steps=2,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        logger=logger,
+        callbacks=[cb],
+    )
     args.update(kw)
     trainer = ember.Trainer(**args)
     trainer.fit(module, DataLoader(ds, batch_size=4))
@@ -63,7 +72,7 @@ def test_step_interval_logs_the_rate_each_logged_step_used():
     fit(Tiny("sgd_step"), cb, rec)
     # As Lightning: step metrics are written at the step's index (0, 1, ...), every 2nd step: 1, 3, 5, 7.
     # StepLR halves the rate after every step; the rate step index s used is 0.5 ** s
-    assert rec.values("lr-SGD") == [(s, 0.5 ** s) for s in (1, 3, 5, 7)]
+    assert rec.values("lr-SGD") == [(s, 0.5**s) for s in (1, 3, 5, 7)]
     assert rec.values("lr-SGD-momentum") == [(s, 0.9) for s in (1, 3, 5, 7)]
     assert rec.values("lr-SGD-weight_decay") == [(s, 0.01) for s in (1, 3, 5, 7)]
     # written beside the step metrics of the same step

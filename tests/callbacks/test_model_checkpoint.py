@@ -1,4 +1,5 @@
 """ModelCheckpoint: names, cadence, top-k rotation, last.ckpt, monitors, state; OnExceptionCheckpoint."""
+
 from __future__ import annotations
 
 import os
@@ -42,10 +43,24 @@ def data(n: int = 8) -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(n, 2, generator=g), torch.randn(n, 1, generator=g)), batch_size=2)
 
 
-def fit(tmp_path, cb: Callback | None = None, module: ember.TrainModule | None = None, val: bool = True,
-        epochs: int = 3, ckpt_path: str | None = None, **kw: Any) -> ember.Trainer:
-    trainer = ember.Trainer(max_epochs=epochs, enable_progress_bar=False, logger=False, default_root_dir=str(tmp_path),
-                            num_sanity_val_steps=0, callbacks=[cb] if cb is not None else None, **kw)
+def fit(
+    tmp_path,
+    cb: Callback | None = None,
+    module: ember.TrainModule | None = None,
+    val: bool = True,
+    epochs: int = 3,
+    ckpt_path: str | None = None,
+    **kw: Any,
+) -> ember.Trainer:
+    trainer = ember.Trainer(
+        max_epochs=epochs,
+        enable_progress_bar=False,
+        logger=False,
+        default_root_dir=str(tmp_path),
+        num_sanity_val_steps=0,
+        callbacks=[cb] if cb is not None else None,
+        **kw,
+    )
     trainer.fit(module or Scored(), data(), data(2) if val else None, ckpt_path=ckpt_path)
     return trainer
 
@@ -63,12 +78,14 @@ def test_default_checkpoint_is_added_and_writes_under_default_root_dir(tmp_path)
 
 
 def test_filename_template_with_metrics_and_slashes(tmp_path):
-    cb = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{val/acc:.3f}", monitor="val/acc", mode="max",
-                         save_last=False)
+    cb = ModelCheckpoint(
+        dirpath=tmp_path, filename="{epoch}-{val/acc:.3f}", monitor="val/acc", mode="max", save_last=False
+    )
     fit(tmp_path, cb, epochs=2)
     assert files(tmp_path) == ["epoch=1-val_acc=0.200.ckpt"]
-    assert cb.format_checkpoint_name({"epoch": 3, "val/acc": torch.tensor(0.81234)}) == \
-        os.path.join(str(tmp_path), "epoch=3-val_acc=0.812.ckpt")
+    assert cb.format_checkpoint_name({"epoch": 3, "val/acc": torch.tensor(0.81234)}) == os.path.join(
+        str(tmp_path), "epoch=3-val_acc=0.812.ckpt"
+    )
     plain = ModelCheckpoint(dirpath=tmp_path, filename="run-{epoch:02d}-{val/acc:.2f}", auto_insert_metric_name=False)
     assert os.path.basename(plain.format_checkpoint_name({"epoch": 3, "val/acc": 0.5})) == "run-03-0.50.ckpt"
 
@@ -81,8 +98,11 @@ def test_template_field_never_logged_is_a_clear_error(tmp_path):
 
 def test_monitored_key_never_logged_lists_logged_keys(tmp_path):
     cb = ModelCheckpoint(dirpath=tmp_path, monitor="val/accuracy")
-    with pytest.raises(ValueError, match=r"monitor='val/accuracy'\) could not find 'val/accuracy'.*Logged keys: "
-                                         r"\[.*'train/loss'.*'val/acc'"):
+    with pytest.raises(
+        ValueError,
+        match=r"monitor='val/accuracy'\) could not find 'val/accuracy'.*Logged keys: "
+        r"\[.*'train/loss'.*'val/acc'",
+    ):
         fit(tmp_path, cb, epochs=1)
     assert files(tmp_path) == []
 
@@ -162,8 +182,12 @@ def test_save_weights_only(tmp_path):
 def test_save_on_train_epoch_end_false_saves_after_validation_only(tmp_path):
     cb = ModelCheckpoint(dirpath=tmp_path, save_on_train_epoch_end=False, save_top_k=-1, save_last=False)
     fit(tmp_path, cb, epochs=2, val_check_interval=0.5)
-    assert files(tmp_path) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt",
-                               "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt"]
+    assert files(tmp_path) == [
+        "epoch=0-step=2.ckpt",
+        "epoch=0-step=4.ckpt",
+        "epoch=1-step=6.ckpt",
+        "epoch=1-step=8.ckpt",
+    ]
 
 
 def test_version_counter_does_not_overwrite_foreign_files(tmp_path):
@@ -182,13 +206,16 @@ def test_validate_with_best(tmp_path):
     assert trainer.ckpt_path == str(tmp_path / "epoch=1.ckpt")
 
 
-@pytest.mark.parametrize("kwargs, pattern", [
-    ({"mode": "maximum"}, "mode must be 'min' or 'max'"),
-    ({"save_top_k": -2}, "save_top_k must be an int >= -1"),
-    ({"save_top_k": 3}, "needs a metric to rank them by"),
-    ({"every_n_epochs": 1, "every_n_train_steps": 5}, "mutually exclusive"),
-    ({"train_time_interval": -1}, "positive timedelta"),
-])
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"mode": "maximum"}, "mode must be 'min' or 'max'"),
+        ({"save_top_k": -2}, "save_top_k must be an int >= -1"),
+        ({"save_top_k": 3}, "needs a metric to rank them by"),
+        ({"every_n_epochs": 1, "every_n_train_steps": 5}, "mutually exclusive"),
+        ({"train_time_interval": -1}, "positive timedelta"),
+    ],
+)
 def test_invalid_arguments(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         ModelCheckpoint(**kwargs)
@@ -207,8 +234,13 @@ class Interrupt(Callback):
 
 def test_on_exception_checkpoint_on_ctrl_c(tmp_path):
     with pytest.raises(KeyboardInterrupt):
-        trainer = ember.Trainer(max_epochs=2, enable_progress_bar=False, logger=False,
-                                callbacks=[Interrupt(), OnExceptionCheckpoint(tmp_path)], enable_checkpointing=False)
+        trainer = ember.Trainer(
+            max_epochs=2,
+            enable_progress_bar=False,
+            logger=False,
+            callbacks=[Interrupt(), OnExceptionCheckpoint(tmp_path)],
+            enable_checkpointing=False,
+        )
         trainer.fit(Scored(), data())
     ckpt = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
     assert ckpt["progress"]["global_step"] == 3
@@ -216,9 +248,12 @@ def test_on_exception_checkpoint_on_ctrl_c(tmp_path):
 
 def test_model_checkpoint_save_on_exception(tmp_path):
     with pytest.raises(KeyboardInterrupt):
-        ember.Trainer(max_epochs=2, enable_progress_bar=False, logger=False,
-                      callbacks=[Interrupt(), ModelCheckpoint(dirpath=tmp_path, save_on_exception=True)]).fit(
-            Scored(), data())
+        ember.Trainer(
+            max_epochs=2,
+            enable_progress_bar=False,
+            logger=False,
+            callbacks=[Interrupt(), ModelCheckpoint(dirpath=tmp_path, save_on_exception=True)],
+        ).fit(Scored(), data())
     assert "on_exception.ckpt" in files(tmp_path)
 
 
@@ -227,7 +262,9 @@ def test_the_saved_current_score_is_the_logged_tensor(tmp_path):
     to the number logged), not a float64 rounding of it."""
     cb = ModelCheckpoint(dirpath=str(tmp_path / "c"), monitor="val/acc", mode="max", save_top_k=-1, save_last=False)
     fit(tmp_path, cb)
-    scores = sorted(torch.load(os.path.join(cb.dirpath, name), weights_only=True)["callbacks"][cb.state_key]
-                    ["current_score"] for name in files(cb.dirpath))
+    scores = sorted(
+        torch.load(os.path.join(cb.dirpath, name), weights_only=True)["callbacks"][cb.state_key]["current_score"]
+        for name in files(cb.dirpath)
+    )
     assert all(isinstance(s, torch.Tensor) and s.dtype == torch.float32 for s in scores)
     assert scores == [0.1, 0.2, 0.3]

@@ -1,4 +1,5 @@
 """ModelSummary: the table printed at fit start."""
+
 from __future__ import annotations
 
 import pytest
@@ -61,8 +62,9 @@ def test_depth_and_large_counts():
 
 def test_printed_at_fit_start_on_rank_zero(capsys):
     ds = TensorDataset(torch.randn(8, 10), torch.randn(8, 1))
-    trainer = ember.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                            enable_model_summary=True)
+    trainer = ember.Trainer(
+        max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=True
+    )
     assert any(isinstance(c, ModelSummary) for c in trainer.callbacks)
     trainer.fit(Net(), DataLoader(ds, batch_size=4))
     out = capsys.readouterr().out

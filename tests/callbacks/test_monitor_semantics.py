@@ -4,6 +4,7 @@ ModelSummary) as Lightning's.
 Every expected value below was checked against Lightning 2.6.6 running the same module (4 training
 batches per epoch) and the same callbacks.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -56,22 +57,27 @@ def trainer(callbacks: list[Callback], **kw: Any) -> ember.Trainer:
     kw.setdefault("max_epochs", 10)
     kw.setdefault("logger", False)
     kw.setdefault("enable_checkpointing", any(type(c).__name__ == "ModelCheckpoint" for c in callbacks))
-    return ember.Trainer(callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, **kw)
+    return ember.Trainer(
+        callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kw
+    )
 
 
 # ---------------------------------------------------------------------------------------------- EarlyStopping
-@pytest.mark.parametrize(("min_epochs", "min_steps", "stopped_epoch", "wait", "epochs", "steps", "stop_seen"), [
-    # val_loss never improves after the first check; patience=1 asks to stop at epoch 1.
-    (0, 0, 1, 1, 2, 8, []),
-    # min_epochs=5: training goes on to the end of epoch 4; every check asks again (stopped_epoch 4, wait 4)
-    (5, 0, 4, 4, 5, 20, [2, 3, 4]),
-    # min_steps=10: the stop is honoured mid-epoch, right after step 10 (epoch 2's second batch)
-    (0, 10, 2, 2, 3, 10, [2]),
-    (3, 3, 2, 2, 3, 12, [2]),
-])
-def test_early_stopping_waits_for_min_epochs_and_min_steps(min_epochs, min_steps, stopped_epoch, wait, epochs, steps,
-                                                           stop_seen):
+@pytest.mark.parametrize(
+    ("min_epochs", "min_steps", "stopped_epoch", "wait", "epochs", "steps", "stop_seen"),
+    [
+        # val_loss never improves after the first check; patience=1 asks to stop at epoch 1.
+        (0, 0, 1, 1, 2, 8, []),
+        # min_epochs=5: training goes on to the end of epoch 4; every check asks again (stopped_epoch 4, wait 4)
+        (5, 0, 4, 4, 5, 20, [2, 3, 4]),
+        # min_steps=10: the stop is honoured mid-epoch, right after step 10 (epoch 2's second batch)
+        (0, 10, 2, 2, 3, 10, [2]),
+        (3, 3, 2, 2, 3, 12, [2]),
+    ],
+)
+def test_early_stopping_waits_for_min_epochs_and_min_steps(
+    min_epochs, min_steps, stopped_epoch, wait, epochs, steps, stop_seen
+):
     # Lightning 2.6.6, same module: (min_epochs, min_steps) -> stopped_epoch, wait_count, current_epoch and
     # global_step after fit, and the epochs whose end saw should_stop already True.
     es, ends = EarlyStopping("val_loss", patience=1), EpochEnds()
@@ -87,15 +93,18 @@ def test_a_stop_asked_before_min_epochs_stands_even_if_the_metric_improves_later
     # training once min_epochs is met (4 epochs, 16 steps); stopped_epoch stays 1, wait_count 0, best 0.4.
     es = EarlyStopping("val_loss", patience=1)
     t = trainer([es], min_epochs=4)
-    t.fit(Module([1, 2, .5, .4, .3, .2, .1]), loader(), loader())
+    t.fit(Module([1, 2, 0.5, 0.4, 0.3, 0.2, 0.1]), loader(), loader())
     assert (es.stopped_epoch, es.wait_count, t.current_epoch, t.global_step) == (1, 0, 4, 16)
     assert isinstance(es.best_score, torch.Tensor) and es.best_score.item() == pytest.approx(0.4)
 
 
-@pytest.mark.parametrize(("min_epochs", "min_steps", "stopped_epoch", "wait", "epochs", "steps"), [
-    (0, 9, 2, 4, 3, 9),   # stops right after step 9, in epoch 2
-    (2, 0, 1, 3, 2, 8),   # asked in epoch 0, honoured when epoch 1 ends; every later check asks again
-])
+@pytest.mark.parametrize(
+    ("min_epochs", "min_steps", "stopped_epoch", "wait", "epochs", "steps"),
+    [
+        (0, 9, 2, 4, 3, 9),  # stops right after step 9, in epoch 2
+        (2, 0, 1, 3, 2, 8),  # asked in epoch 0, honoured when epoch 1 ends; every later check asks again
+    ],
+)
 def test_early_stopping_with_validation_twice_per_epoch(min_epochs, min_steps, stopped_epoch, wait, epochs, steps):
     # Lightning 2.6.6, val_check_interval=0.5 (checks after batches 2 and 4), val_loss rising every check.
     es = EarlyStopping("val_loss", patience=1)
@@ -137,13 +146,16 @@ def test_lr_monitor_exposes_lrs_momentum_and_callback_metrics(tmp_path, interval
     # [0.1, 0.1, 0.05, 0.05] ("step"); last_momentum_values {'lr-SGD-momentum': 0.9}; callback_metrics hold
     # tensors lr-SGD / lr-SGD-momentum: 0.1 at the end of epoch 0, 0.05 at the end of epoch 1.
     from ember.callbacks import CSVLogger, LearningRateMonitor
+
     monitor, seen = LearningRateMonitor(logging_interval=interval, log_momentum=True), LrAtEpochEnd()
     t = trainer([monitor, seen], max_epochs=2, logger=CSVLogger(str(tmp_path)), log_every_n_steps=2)
     t.fit(Scheduled(), loader(), loader())
     assert monitor.lrs == {"lr-SGD": lrs}
     assert monitor.last_momentum_values == {"lr-SGD-momentum": 0.9}
-    assert seen.seen == [{"lr-SGD": pytest.approx(0.1), "lr-SGD-momentum": pytest.approx(0.9)},
-                         {"lr-SGD": pytest.approx(0.05), "lr-SGD-momentum": pytest.approx(0.9)}]
+    assert seen.seen == [
+        {"lr-SGD": pytest.approx(0.1), "lr-SGD-momentum": pytest.approx(0.9)},
+        {"lr-SGD": pytest.approx(0.05), "lr-SGD-momentum": pytest.approx(0.9)},
+    ]
     assert isinstance(t.callback_metrics["lr-SGD"], torch.Tensor)
 
 
@@ -151,6 +163,7 @@ def test_early_stopping_and_checkpointing_can_monitor_the_learning_rate(tmp_path
     # Lightning 2.6.6: EarlyStopping("lr-SGD", mode="max", patience=0) stops at epoch 1 (best 0.1);
     # ModelCheckpoint(monitor="lr-SGD", mode="max") keeps epoch=0-step=4.ckpt (score 0.1); 2 epochs ran.
     from ember.callbacks import CSVLogger, LearningRateMonitor, ModelCheckpoint
+
     es = EarlyStopping("lr-SGD", mode="max", patience=0)
     mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="lr-SGD", mode="max")
     t = trainer([LearningRateMonitor(), es, mc], max_epochs=3, logger=CSVLogger(str(tmp_path)), log_every_n_steps=2)
@@ -176,6 +189,7 @@ class Seen(Callback):
 def test_timer_checks_its_budget_when_fit_starts():
     # Lightning 2.6.6, Timer(duration={"seconds": 0}): should_stop is set in on_fit_start; no epoch runs.
     from ember.callbacks import Timer
+
     timer, seen = Timer(duration={"seconds": 0}), Seen()
     t = trainer([timer, seen], max_epochs=3)
     t.fit(Module(), loader())
@@ -188,6 +202,7 @@ def test_timer_checks_its_budget_after_a_resume(tmp_path):
     # with max_epochs=3: should_stop at fit start, no further epoch (global_step 4, current_epoch 1),
     # time_remaining() = -4000.
     from ember.callbacks import Timer
+
     first = trainer([Timer(duration={"seconds": 1000})], max_epochs=1, default_root_dir=str(tmp_path))
     first.fit(Module(), loader())
     path = str(tmp_path / "one_epoch.ckpt")
@@ -227,14 +242,31 @@ def test_model_summary_summarize_is_the_override_point(capsys):
     # 13 trainable; {'train': 4, 'eval': 0}; total_flops 0; summarize_kwargs {'foo': 1}.
     # (ember adds Trainable/Frozen columns, and its model size counts buffers too.)
     from ember.callbacks import ModelSummary
+
     calls: list[tuple[Any, ...]] = []
 
     class Recording(ModelSummary):
         @staticmethod
-        def summarize(summary_data: Any, total_parameters: int, trainable_parameters: int, model_size: float,
-                      total_training_modes: dict[str, int], total_flops: int = 0, **kwargs: Any) -> None:
-            calls.append((summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
-                          total_flops, kwargs))
+        def summarize(
+            summary_data: Any,
+            total_parameters: int,
+            trainable_parameters: int,
+            model_size: float,
+            total_training_modes: dict[str, int],
+            total_flops: int = 0,
+            **kwargs: Any,
+        ) -> None:
+            calls.append(
+                (
+                    summary_data,
+                    total_parameters,
+                    trainable_parameters,
+                    model_size,
+                    total_training_modes,
+                    total_flops,
+                    kwargs,
+                )
+            )
 
     t = trainer([Recording(max_depth=2, foo=1)], max_epochs=1)
     t.fit(Summarized(), loader())
@@ -251,6 +283,7 @@ def test_model_summary_summarize_is_the_override_point(capsys):
 def test_model_summary_max_depth_zero_turns_it_off(capsys):
     # Lightning 2.6.6: ModelSummary(max_depth=0) does not call summarize.
     from ember.callbacks import ModelSummary
+
     t = trainer([ModelSummary(max_depth=0)], max_epochs=1)
     t.fit(Summarized(), loader())
     assert "Total params" not in capsys.readouterr().out

@@ -1,4 +1,5 @@
 """Progress output: tqdm bars in a pseudo-terminal, compact timed lines in a pipe or a file."""
+
 from __future__ import annotations
 
 import fcntl
@@ -58,8 +59,14 @@ def _start(tmp_path, stdout):
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("TQDM_DISABLE", None)
-    return subprocess.Popen([sys.executable, str(script)], stdout=stdout, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, env=env, cwd=str(tmp_path))
+    return subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd=str(tmp_path),
+    )
 
 
 def _read_pty(master: int, proc: subprocess.Popen, timeout: float) -> bytes:
@@ -156,8 +163,14 @@ def data(n=32, bs=4):
 
 
 def run(bar, strategy="auto", epochs=2):
-    trainer = ember.Trainer(max_epochs=epochs, logger=False, enable_checkpointing=False, callbacks=[bar],
-                            num_sanity_val_steps=1, strategy=strategy)
+    trainer = ember.Trainer(
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[bar],
+        num_sanity_val_steps=1,
+        strategy=strategy,
+    )
     module = Tiny()
     trainer.fit(module, data(), data(16, 8))
     return trainer, module
@@ -171,8 +184,12 @@ def test_line_mode_on_a_non_terminal_stream(tmp_path):
     trainer.test(module, data(16, 8))
     trainer.predict(module, data(16, 8))
     lines = out.getvalue().splitlines()
-    assert [ln.split("  ")[0] for ln in lines] == ["Epoch 0/1 done", "Epoch 1/1 done", "Testing done",
-                                                   "Predicting done"]
+    assert [ln.split("  ")[0] for ln in lines] == [
+        "Epoch 0/1 done",
+        "Epoch 1/1 done",
+        "Testing done",
+        "Predicting done",
+    ]
     assert re.match(r"Epoch 1/1 done  8/8 \(100%\)  [\d.]+ it/s  \d\d:\d\d  train/loss=\S+ val/loss=\S+$", lines[1])
     assert "test/loss=" in lines[2]
     assert "\r" not in out.getvalue()
@@ -258,8 +275,14 @@ def test_only_rank_zero_prints_and_logs_under_ddp(tmp_path):
         pytest.skip("the ddp strategy is not in this build yet")
     script = tmp_path / "ddp_run.py"
     script.write_text(DDP_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120,
-                          cwd=str(tmp_path), env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     # each rank runs 4 of the 8 batches per epoch; only rank zero's progress is printed, once
@@ -279,9 +302,15 @@ def test_bar_mode_redraws_at_most_every_mininterval():
     # a 3000-batch epoch (well over the 0.1 s redraw interval) redraws a handful of times, not per batch.
     out = io.StringIO()
     loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.randn(3000, 4), torch.randn(3000, 1)), batch_size=1)
-    trainer = ember.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, accelerator="cpu",
-                            callbacks=[ProgressBar(mode="bar", stream=out)])
+        torch.utils.data.TensorDataset(torch.randn(3000, 4), torch.randn(3000, 1)), batch_size=1
+    )
+    trainer = ember.Trainer(
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+        callbacks=[ProgressBar(mode="bar", stream=out)],
+    )
     start = time.monotonic()
     trainer.fit(Tiny(), loader)
     elapsed = time.monotonic() - start
@@ -293,8 +322,14 @@ def test_bar_mode_redraws_at_most_every_mininterval():
 def _fit_lines(epochs=3, **trainer_kwargs):
     """The closing lines of a fit in line mode (timed lines off: one an hour)."""
     out = io.StringIO()
-    trainer = ember.Trainer(max_epochs=epochs, logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
-                            callbacks=[ProgressBar(line_interval=3600.0, stream=out)], **trainer_kwargs)
+    trainer = ember.Trainer(
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        callbacks=[ProgressBar(line_interval=3600.0, stream=out)],
+        **trainer_kwargs,
+    )
     module = Tiny()
     trainer.fit(module, data(), data(16, 8))
     return trainer, module, out
@@ -319,8 +354,14 @@ def test_the_last_of_ten_epochs_is_epoch_9_of_0_to_9_in_both_modes():
     lines = out.getvalue().splitlines()
     assert [ln.split("  ")[0] for ln in lines] == [f"Epoch {i}/9 done" for i in range(10)]
     bar = io.StringIO()
-    ember.Trainer(max_epochs=10, logger=False, enable_checkpointing=False, limit_train_batches=1,
-                  limit_val_batches=1, callbacks=[ProgressBar(mode="bar", stream=bar)]).fit(Tiny(), data(), data(16, 8))
+    ember.Trainer(
+        max_epochs=10,
+        logger=False,
+        enable_checkpointing=False,
+        limit_train_batches=1,
+        limit_val_batches=1,
+        callbacks=[ProgressBar(mode="bar", stream=bar)],
+    ).fit(Tiny(), data(), data(16, 8))
     assert "Epoch 9/9: 100%" in bar.getvalue() and "Epoch 10" not in bar.getvalue()
     # without an epoch limit: no total
     _, _, out = _fit_lines(epochs=-1, max_steps=10)
@@ -338,8 +379,12 @@ def test_validation_every_2_epochs_shows_its_metrics_only_in_the_epochs_that_val
 def test_a_mid_epoch_validation_keeps_its_own_line():
     _, _, out = _fit_lines(epochs=2, val_check_interval=0.5)
     lines = out.getvalue().splitlines()
-    assert [ln.split("  ")[0] for ln in lines] == ["Validation done", "Epoch 0/1 done", "Validation done",
-                                                   "Epoch 1/1 done"]
+    assert [ln.split("  ")[0] for ln in lines] == [
+        "Validation done",
+        "Epoch 0/1 done",
+        "Validation done",
+        "Epoch 1/1 done",
+    ]
     assert all("val/loss=" in ln for ln in lines)
     # the mid-epoch line shows the metrics of its moment, not those of the batch after it
     assert re.match(r"Validation done  2/2 \(100%\)", lines[0])
@@ -351,8 +396,13 @@ def test_a_validation_whose_epoch_fails_still_gets_its_line():
             raise RuntimeError("boom")
 
     out = io.StringIO()
-    trainer = ember.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
-                            callbacks=[Boom(), ProgressBar(line_interval=3600.0, stream=out)])
+    trainer = ember.Trainer(
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        callbacks=[Boom(), ProgressBar(line_interval=3600.0, stream=out)],
+    )
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit(Tiny(), data(), data(16, 8))
     lines = out.getvalue().splitlines()

@@ -1,4 +1,5 @@
 """TensorBoardLogger, read back with TensorBoard's own reader and its own HTTP server."""
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,15 @@ def loaders():
 
 
 def fit(tmp_path, logger, module=None, **kw):
-    args = dict(max_epochs=2, log_every_n_steps=2, enable_progress_bar=False, enable_checkpointing=False,
-                num_sanity_val_steps=0, default_root_dir=str(tmp_path), logger=logger)
+    args = dict(
+        max_epochs=2,
+        log_every_n_steps=2,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+        logger=logger,
+    )
     args.update(kw)
     trainer = ember.Trainer(**args)
     module = module or Tiny()
@@ -73,8 +81,10 @@ def read(log_dir):
 
 
 def hparams_data(ea):
-    return {tag: plugin_data_pb2.HParamsPluginData.FromString(content)
-            for tag, content in ea.PluginTagToContent("hparams").items()}
+    return {
+        tag: plugin_data_pb2.HParamsPluginData.FromString(content)
+        for tag, content in ea.PluginTagToContent("hparams").items()
+    }
 
 
 def test_event_accumulator_reads_every_scalar_and_the_hparams(tmp_path):
@@ -136,8 +146,9 @@ def test_directory_scheme_name_and_version(tmp_path):
     fit(tmp_path, TensorBoardLogger(save_dir=tmp_path), max_epochs=1)
     nxt = TensorBoardLogger(save_dir=tmp_path)
     assert nxt.version == 1
-    assert TensorBoardLogger(save_dir=tmp_path, name="exp", version="run-a").log_dir == \
-        os.path.join(str(tmp_path), "exp", "run-a")
+    assert TensorBoardLogger(save_dir=tmp_path, name="exp", version="run-a").log_dir == os.path.join(
+        str(tmp_path), "exp", "run-a"
+    )
     assert TensorBoardLogger(save_dir=tmp_path, version=7).log_dir.endswith("version_7")
     # no save_dir: the Trainer's default_root_dir; logger=True is the same logger
     trainer, _ = fit(tmp_path / "root", True, max_epochs=1)
@@ -167,8 +178,12 @@ def test_no_logger_means_log_dir_is_the_root(tmp_path):
 
 def test_other_ranks_write_nothing(tmp_path):
     logger = TensorBoardLogger(save_dir=tmp_path)
-    rank1 = types.SimpleNamespace(default_root_dir=str(tmp_path), global_rank=1, world_size=2,
-                                  strategy=types.SimpleNamespace(broadcast=lambda obj, src=0: 4))
+    rank1 = types.SimpleNamespace(
+        default_root_dir=str(tmp_path),
+        global_rank=1,
+        world_size=2,
+        strategy=types.SimpleNamespace(broadcast=lambda obj, src=0: 4),
+    )
     logger.setup(rank1, None, "fit")
     assert logger.log_dir.endswith("version_4")  # rank zero's choice
     logger.log_hyperparams({"lr": 1.0})
@@ -192,11 +207,13 @@ def test_validate_after_fit_logs_and_closes_the_writer(tmp_path):
 
 @pytest.mark.processes
 def test_importing_and_building_the_default_logger_does_not_import_tensorboard(tmp_path):
-    code = ("import sys, ember\n"
-            "t = ember.Trainer(logger=True, default_root_dir=sys.argv[1], enable_progress_bar=False)\n"
-            "assert type(t.logger).__name__ == 'TensorBoardLogger'\n"
-            "assert not any(m == 'tensorboard' or m.startswith(('tensorboard.', 'torch.utils.tensorboard'))\n"
-            "               for m in sys.modules), sorted(m for m in sys.modules if 'tensorboard' in m)\n")
+    code = (
+        "import sys, ember\n"
+        "t = ember.Trainer(logger=True, default_root_dir=sys.argv[1], enable_progress_bar=False)\n"
+        "assert type(t.logger).__name__ == 'TensorBoardLogger'\n"
+        "assert not any(m == 'tensorboard' or m.startswith(('tensorboard.', 'torch.utils.tensorboard'))\n"
+        "               for m in sys.modules), sorted(m for m in sys.modules if 'tensorboard' in m)\n"
+    )
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60)
 
 
@@ -217,9 +234,24 @@ def test_real_tensorboard_server_serves_the_scalars(tmp_path):
     trainer, module = fit(tmp_path, logger)
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path / "ember_logs"), "--host", "127.0.0.1",
-         "--port", str(port), "--load_fast", "false", "--reload_interval", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            str(tmp_path / "ember_logs"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--load_fast",
+            "false",
+            "--reload_interval",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 45
@@ -245,21 +277,33 @@ def test_real_tensorboard_server_serves_the_scalars(tmp_path):
             assert value == pytest.approx(module.losses[step], rel=1e-6)
         query = urllib.parse.urlencode({"run": "version_0", "tag": "val/loss"})
         points = _get_json(f"{base}/data/plugin/scalars/scalars?{query}")
-        assert [(p[1], pytest.approx(p[2], rel=1e-6)) for p in points] == \
-            [(7, trainer.history[0]["val/loss"]), (15, trainer.history[1]["val/loss"])]
+        assert [(p[1], pytest.approx(p[2], rel=1e-6)) for p in points] == [
+            (7, trainer.history[0]["val/loss"]),
+            (15, trainer.history[1]["val/loss"]),
+        ]
         assert not math.isnan(points[-1][2])
 
         # the HParams dashboard: the run's hyper-parameters beside its final metric values
-        body = json.dumps({"experimentName": "", "startIndex": 0, "sliceSize": 10, "colParams": [],
-                           "allowedStatuses": ["STATUS_SUCCESS", "STATUS_UNKNOWN"]}).encode()
-        request = urllib.request.Request(base + "/data/plugin/hparams/session_groups", data=body,
-                                         headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "experimentName": "",
+                "startIndex": 0,
+                "sliceSize": 10,
+                "colParams": [],
+                "allowedStatuses": ["STATUS_SUCCESS", "STATUS_UNKNOWN"],
+            }
+        ).encode()
+        request = urllib.request.Request(
+            base + "/data/plugin/hparams/session_groups", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=10) as resp:
             groups = json.loads(resp.read().decode())["sessionGroups"]
         assert len(groups) == 1 and groups[0]["hparams"] == {"lr": 0.05, "tag": "tiny", "fail_at": -1}
         final = {m["name"]["tag"]: (m["trainingStep"], m["value"]) for m in groups[0]["metricValues"]}
-        assert final == {"train/loss": (15, pytest.approx(module.losses[15], rel=1e-6)),
-                         "val/loss": (15, pytest.approx(trainer.history[1]["val/loss"], rel=1e-6))}
+        assert final == {
+            "train/loss": (15, pytest.approx(module.losses[15], rel=1e-6)),
+            "val/loss": (15, pytest.approx(trainer.history[1]["val/loss"], rel=1e-6)),
+        }
         assert groups[0]["sessions"][0]["status"] == "STATUS_SUCCESS"
     finally:
         proc.terminate()
@@ -273,8 +317,16 @@ def test_real_tensorboard_server_serves_the_scalars(tmp_path):
 
 def test_nested_and_odd_hparams(tmp_path):
     logger = TensorBoardLogger(save_dir=tmp_path, version=0)
-    logger.log_hyperparams({"opt": {"lr": 0.1, "betas": [0.9, 0.99]}, "act": None, "flag": True,
-                            "dtype": torch.float16, "n": torch.tensor(3)}, metrics={"hp_metric": 0.5})
+    logger.log_hyperparams(
+        {
+            "opt": {"lr": 0.1, "betas": [0.9, 0.99]},
+            "act": None,
+            "flag": True,
+            "dtype": torch.float16,
+            "n": torch.tensor(3),
+        },
+        metrics={"hp_metric": 0.5},
+    )
     logger.finalize("interrupted")
     ea = read(logger.log_dir)
     data = hparams_data(ea)
@@ -283,13 +335,20 @@ def test_nested_and_odd_hparams(tmp_path):
     assert hp["act"].string_value == "None" and hp["flag"].bool_value is True
     assert hp["dtype"].string_value == "torch.float16" and hp["n"].number_value == 3
     types_ = {h.name: api_pb2.DataType.Name(h.type) for h in data["_hparams_/experiment"].experiment.hparam_infos}
-    assert types_ == {"opt/lr": "DATA_TYPE_FLOAT64", "opt/betas": "DATA_TYPE_STRING", "act": "DATA_TYPE_STRING",
-                      "flag": "DATA_TYPE_BOOL", "dtype": "DATA_TYPE_STRING", "n": "DATA_TYPE_FLOAT64"}
+    assert types_ == {
+        "opt/lr": "DATA_TYPE_FLOAT64",
+        "opt/betas": "DATA_TYPE_STRING",
+        "act": "DATA_TYPE_STRING",
+        "flag": "DATA_TYPE_BOOL",
+        "dtype": "DATA_TYPE_STRING",
+        "n": "DATA_TYPE_FLOAT64",
+    }
     assert data["_hparams_/session_end_info"].session_end_info.status == api_pb2.STATUS_FAILURE
     assert [(e.step, e.value) for e in ea.Scalars("hp_metric")] == [(0, 0.5)]
     with open(os.path.join(logger.log_dir, "hparams.yaml")) as fh:
-        assert fh.read() == ("opt:\n  lr: 0.1\n  betas: [0.9, 0.99]\nact: null\nflag: true\n"
-                             "dtype: torch.float16\n\"n\": 3\n")
+        assert fh.read() == (
+            'opt:\n  lr: 0.1\n  betas: [0.9, 0.99]\nact: null\nflag: true\ndtype: torch.float16\n"n": 3\n'
+        )
 
 
 class Interrupted(Tiny):
@@ -317,16 +376,19 @@ def test_sub_dir_and_home_and_variables_in_the_log_dir(tmp_path, monkeypatch):
     assert logger.log_dir == os.path.join(str(tmp_path), "n", "v", "s")
     monkeypatch.setenv("EMBER_TB_TEST_DIR", "somewhere")
     assert TensorBoardLogger("$EMBER_TB_TEST_DIR/x", name="n", version="v").log_dir == os.path.join(
-        "somewhere", "x", "n", "v")
+        "somewhere", "x", "n", "v"
+    )
     assert TensorBoardLogger("~/x", name="n", version="v").log_dir == os.path.join(
-        os.path.expanduser("~"), "x", "n", "v")
+        os.path.expanduser("~"), "x", "n", "v"
+    )
 
 
 def test_a_successful_fit_leaves_an_hparams_yaml_even_with_none_saved(tmp_path):
     """As Lightning: the run's hparams.yaml exists after a successful fit, empty without hyper-parameters."""
     logger = TensorBoardLogger(str(tmp_path))
-    trainer = ember.Trainer(max_steps=1, logger=logger, enable_progress_bar=False, accelerator="cpu",
-                            default_root_dir=str(tmp_path))
+    trainer = ember.Trainer(
+        max_steps=1, logger=logger, enable_progress_bar=False, accelerator="cpu", default_root_dir=str(tmp_path)
+    )
     trainer.fit(BoringModel(), regression_loader())  # saves no hyper-parameters; its checkpoint makes the run dir
     assert os.path.isfile(os.path.join(logger.log_dir, "hparams.yaml"))
     assert not os.path.isfile(os.path.join(str(tmp_path), "hparams.yaml"))

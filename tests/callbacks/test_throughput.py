@@ -1,4 +1,5 @@
 """ThroughputMonitor: rates, and data wait told apart from compute."""
+
 from __future__ import annotations
 
 import time
@@ -51,8 +52,15 @@ class SlowStep(ember.TrainModule):
 
 def fit(cb, data_s, compute_s, n=8, bs=4, logger=None, **kw):
     rec = Recorder() if logger is None else logger
-    trainer = ember.Trainer(max_epochs=1, log_every_n_steps=4, enable_progress_bar=False, enable_checkpointing=False,
-                            logger=rec, callbacks=[cb], **kw)
+    trainer = ember.Trainer(
+        max_epochs=1,
+        log_every_n_steps=4,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        logger=rec,
+        callbacks=[cb],
+        **kw,
+    )
     trainer.fit(SlowStep(compute_s), SlowLoader(n, bs, data_s))
     return rec
 
@@ -76,8 +84,13 @@ def test_compute_bound_and_custom_batch_size():
     cb = ThroughputMonitor(batch_size_fn=lambda batch: 10, prefix="tp/")
     rec = fit(cb, data_s=0.0, compute_s=0.01)
     m = cb.last_metrics
-    assert set(m) == {"tp/samples_per_sec", "tp/batches_per_sec", "tp/data_wait_frac", "tp/data_ms_per_batch",
-                      "tp/compute_ms_per_batch"}
+    assert set(m) == {
+        "tp/samples_per_sec",
+        "tp/batches_per_sec",
+        "tp/data_wait_frac",
+        "tp/data_ms_per_batch",
+        "tp/compute_ms_per_batch",
+    }
     assert m["tp/samples_per_sec"] == pytest.approx(10 * m["tp/batches_per_sec"])
     assert m["tp/data_wait_frac"] < 0.5
     assert rec.calls[-1][1]["tp/compute_ms_per_batch"] >= 9

@@ -1,4 +1,5 @@
 """Timer: stage clocks, and a wall-clock budget that stops fit through its normal end."""
+
 from __future__ import annotations
 
 import os
@@ -54,9 +55,15 @@ def data(n=16):
 
 
 def fit(callbacks, max_epochs=1000, val=False, **kw):
-    trainer = ember.Trainer(max_epochs=max_epochs, logger=False, enable_progress_bar=False,
-                            enable_checkpointing=kw.pop("enable_checkpointing", False), callbacks=callbacks,
-                            num_sanity_val_steps=0, **kw)
+    trainer = ember.Trainer(
+        max_epochs=max_epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=kw.pop("enable_checkpointing", False),
+        callbacks=callbacks,
+        num_sanity_val_steps=0,
+        **kw,
+    )
     trainer.fit(Slow(), data(), data(8) if val else None)
     return trainer
 
@@ -110,10 +117,17 @@ def test_checkpoint_is_saved_when_the_budget_stops_training(tmp_path):
     assert trainer.global_step > 0
 
 
-@pytest.mark.parametrize("given, seconds", [
-    ("00:00:01:30", 90), ("01:02:03:04", 93784), (12, 12), (0.5, 0.5), ({"minutes": 2}, 120),
-    (timedelta(hours=1), 3600),
-])
+@pytest.mark.parametrize(
+    "given, seconds",
+    [
+        ("00:00:01:30", 90),
+        ("01:02:03:04", 93784),
+        (12, 12),
+        (0.5, 0.5),
+        ({"minutes": 2}, 120),
+        (timedelta(hours=1), 3600),
+    ],
+)
 def test_parse_duration(given, seconds):
     assert parse_duration(given).total_seconds() == seconds
 

@@ -1,4 +1,5 @@
 """TQDMProgressBar: Lightning's name and arguments for ember's progress bar."""
+
 from __future__ import annotations
 
 import io

@@ -6,6 +6,7 @@ by the test suite)::
     pip install torch==2.13.0 pytorch-lightning==2.6.6  # imported as pytorch_lightning
     python tests/compat/record_lightning.py
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from scenario import run  # noqa: E402
 
 namespace = types.SimpleNamespace(
-    Module=L.LightningModule, Trainer=L.Trainer, Logger=L.loggers.Logger,
-    ModelCheckpoint=L.callbacks.ModelCheckpoint, EarlyStopping=L.callbacks.EarlyStopping)
+    Module=L.LightningModule,
+    Trainer=L.Trainer,
+    Logger=L.loggers.Logger,
+    ModelCheckpoint=L.callbacks.ModelCheckpoint,
+    EarlyStopping=L.callbacks.EarlyStopping,
+)
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as root:

@@ -2,6 +2,7 @@
 early stopping and a recording logger. ``run(pl, ...)`` takes the framework's namespace (ember's, or
 Lightning's when the expectation is recorded) and returns what a user's dashboards and scripts read.
 """
+
 from __future__ import annotations
 
 import os
@@ -80,21 +81,31 @@ def run(pl: Any, root: str) -> dict[str, Any]:
             return 0
 
         def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-            self.calls.append((int(step) if step is not None else -1,
-                               {k: _round(v) for k, v in sorted(metrics.items())}))
+            self.calls.append(
+                (int(step) if step is not None else -1, {k: _round(v) for k, v in sorted(metrics.items())})
+            )
 
         def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
             pass
 
     dirpath = os.path.join(root, "checkpoints")
-    checkpoint = pl.ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2, filename="{epoch}-{step}",
-                                    save_last=True)
+    checkpoint = pl.ModelCheckpoint(
+        dirpath=dirpath, monitor="val_loss", save_top_k=2, filename="{epoch}-{step}", save_last=True
+    )
     # min_delta so large that only the first epoch improves: the run stops after patience=1 more epoch.
     stopping = pl.EarlyStopping(monitor="val_loss", patience=1, min_delta=10.0)
     logger = Recorder()
-    trainer = pl.Trainer(max_epochs=6, log_every_n_steps=2, logger=logger, callbacks=[checkpoint, stopping],
-                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
-                         default_root_dir=root)
+    trainer = pl.Trainer(
+        max_epochs=6,
+        log_every_n_steps=2,
+        logger=logger,
+        callbacks=[checkpoint, stopping],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=root,
+    )
     train, val = _data()
     module = Module()
     trainer.fit(module, train, val)

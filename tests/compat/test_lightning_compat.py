@@ -4,6 +4,7 @@ training and validation steps and in epoch-end hooks, a scheduler, ModelCheckpoi
 gave (``lightning_2_6_6.json``, recorded by ``record_lightning.py``): the same counters, metrics,
 logger calls and checkpoint file names. Values are compared rounded to 4 decimals.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,12 @@ from tests.compat.scenario import run
 EXPECTED = json.load(open(os.path.join(os.path.dirname(__file__), "lightning_2_6_6.json")))
 
 EMBER = types.SimpleNamespace(
-    Module=ember.TrainModule, Trainer=ember.Trainer, Logger=ember.callbacks.Logger,
-    ModelCheckpoint=ember.callbacks.ModelCheckpoint, EarlyStopping=ember.callbacks.EarlyStopping)
+    Module=ember.TrainModule,
+    Trainer=ember.Trainer,
+    Logger=ember.callbacks.Logger,
+    ModelCheckpoint=ember.callbacks.ModelCheckpoint,
+    EarlyStopping=ember.callbacks.EarlyStopping,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +33,22 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run(EMBER, str(tmp_path_factory.mktemp("compat")))
 
 
-@pytest.mark.parametrize("field", ["global_step", "current_epoch", "stopped_epoch", "callback_metrics",
-                                   "progress_bar_metrics", "logged_metrics", "logger_calls", "checkpoint_files",
-                                   "best_model_path", "fit_logger_calls", "validate_results", "test_results"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "global_step",
+        "current_epoch",
+        "stopped_epoch",
+        "callback_metrics",
+        "progress_bar_metrics",
+        "logged_metrics",
+        "logger_calls",
+        "checkpoint_files",
+        "best_model_path",
+        "fit_logger_calls",
+        "validate_results",
+        "test_results",
+    ],
+)
 def test_matches_lightning(result: dict[str, Any], field: str) -> None:
     assert result[field] == EXPECTED[field]

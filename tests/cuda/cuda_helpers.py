@@ -3,6 +3,7 @@
 Nothing here touches CUDA at import time, so the suite is collected (and skipped) on machines
 without a GPU.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,8 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import ember
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                    reason="needs two CUDA devices")
+needs_two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices"
+)
 N, BATCH, D = 64, 16, 8
 
 
@@ -67,8 +69,9 @@ def trainer(**kwargs: Any) -> ember.Trainer:
     return ember.Trainer(**kwargs)
 
 
-def plain_cuda_loop(epochs: int = 2, autocast: torch.dtype | None = None, scaler: bool = False,
-                    batch_size: int = BATCH) -> torch.nn.Module:
+def plain_cuda_loop(
+    epochs: int = 2, autocast: torch.dtype | None = None, scaler: bool = False, batch_size: int = BATCH
+) -> torch.nn.Module:
     """What the Trainer's single-device fit should amount to, written out by hand."""
     model = MLP().cuda()
     opt = model.configure_optimizers()

@@ -1,6 +1,7 @@
 """Background checkpoints (``ModelCheckpoint(async_save=True)``) on CUDA: the state is copied to
 pinned host memory at the save point and written by a thread while training goes on. The files
 hold the same values as synchronous saves, and a resume from one continues exactly."""
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,8 @@ def test_background_saves_on_cuda_hold_what_synchronous_saves_hold_and_resume_ex
     for k, v in sync_module.state_dict().items():
         assert torch.equal(v, async_module.state_dict()[k]), k
     # Resume from a file written in the background, mid-run: the rest of the run is the same.
-    resumed, _ = run(tmp_path / "async", async_save=True,
-                     ckpt_path=str(tmp_path / "async" / "ck" / "epoch=0-step=2.ckpt"))
+    resumed, _ = run(
+        tmp_path / "async", async_save=True, ckpt_path=str(tmp_path / "async" / "ck" / "epoch=0-step=2.ckpt")
+    )
     for k, v in sync_module.state_dict().items():
         assert torch.equal(v, resumed.state_dict()[k]), k

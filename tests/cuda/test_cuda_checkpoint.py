@@ -3,6 +3,7 @@
 Uses the resume suite's run (``tests/trainer/test_checkpoint_resume.py``: dropout, Adam, a step
 scheduler, a checkpoint every 4 steps, 12 steps per epoch) with ``accelerator="cuda"``.
 """
+
 from __future__ import annotations
 
 import gc
@@ -37,8 +38,9 @@ class Where(Callback):
     def on_train_end(self, trainer, module):
         self.device = module.device.type
         state = trainer.optimizers[0].state
-        self.optimizer_devices = {t.device.type for s in state.values() for t in s.values()
-                                  if isinstance(t, torch.Tensor) and t.dim() > 0}
+        self.optimizer_devices = {
+            t.device.type for s in state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0
+        }
 
 
 def test_checkpoint_written_on_cuda_resumes_on_cpu_and_back(tmp_path):

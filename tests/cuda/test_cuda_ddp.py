@@ -3,6 +3,7 @@
 NCCL refuses two ranks on one GPU, so with one GPU the multi-rank tests use gloo with CUDA tensors
 (the reducer's async all-reduce and the broadcasts run on GPU memory all the same).
 """
+
 from __future__ import annotations
 
 import copy
@@ -53,8 +54,14 @@ def test_ddp_with_nccl_at_world_size_1_equals_the_single_device_fit(loopback):
 
 
 def _rank_env(rank: int, world: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
 
 
 def gloo_ranks_on_gpu_0(rank: int, world: int) -> dict:
@@ -63,8 +70,11 @@ def gloo_ranks_on_gpu_0(rank: int, world: int) -> dict:
     strategy = DDPStrategy(devices=[CUDA0] * world, process_group_backend="gloo")
     t = trainer(strategy=strategy, max_epochs=2)
     t.fit(module, loader(batch_size=BATCH))
-    out = {"device": str(module.device), "steps": t.global_step,
-           "weights": [v.detach().cpu() for v in module.state_dict().values()]}
+    out = {
+        "device": str(module.device),
+        "steps": t.global_step,
+        "weights": [v.detach().cpu() for v in module.state_dict().values()],
+    }
     if rank == 0:  # one process on the global batch, on the same GPU
         alone = MLP()
         trainer(max_epochs=2).fit(alone, loader(batch_size=BATCH * world))
@@ -96,8 +106,10 @@ def ember_and_torch_ddp(rank: int, world: int) -> dict:
             F.mse_loss(model(x), y).backward()
             opt.step()
     torch.cuda.synchronize()
-    return {"ours": [p.detach().cpu() for p in ours.module.parameters()],
-            "theirs": [p.detach().cpu() for p in theirs.module.parameters()]}
+    return {
+        "ours": [p.detach().cpu() for p in ours.module.parameters()],
+        "theirs": [p.detach().cpu() for p in theirs.module.parameters()],
+    }
 
 
 def test_embers_distributed_data_parallel_matches_pytorchs_on_cuda(loopback):

@@ -3,6 +3,7 @@
 Skipped without CUDA (the whole suite is: ``tests/cuda`` runs on a GPU machine through
 ``benchmarks/device_check.sh``).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -31,8 +32,15 @@ def test_single_device_fit_equals_a_plain_cuda_loop():
     assert_close_modules(module, plain_cuda_loop())
 
 
-@pytest.mark.parametrize("precision, dtype", [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16),
-                                              ("16-mixed", torch.float16), ("64-true", torch.float64)])
+@pytest.mark.parametrize(
+    "precision, dtype",
+    [
+        ("32-true", torch.float32),
+        ("bf16-mixed", torch.bfloat16),
+        ("16-mixed", torch.float16),
+        ("64-true", torch.float64),
+    ],
+)
 def test_each_precision_matches_the_same_plain_cuda_loop(precision, dtype):
     module = MLP()
     t = trainer(precision=precision)
@@ -44,8 +52,7 @@ def test_each_precision_matches_the_same_plain_cuda_loop(precision, dtype):
         atol = 1e-5  # float64 here, float32 in the loop
     else:
         assert next(module.parameters()).dtype == torch.float32  # mixed precision keeps float32 weights
-        reference = plain_cuda_loop(autocast=dtype if dtype != torch.float32 else None,
-                                    scaler=precision == "16-mixed")
+        reference = plain_cuda_loop(autocast=dtype if dtype != torch.float32 else None, scaler=precision == "16-mixed")
         atol = 1e-6
     if precision == "16-mixed":
         assert t._precision.scaler is not None and t._precision.scaler.get_scale() > 0

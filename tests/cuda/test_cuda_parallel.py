@@ -3,6 +3,7 @@
 With one GPU, "another device" is the CPU (``replicate(module, ["cpu", "cuda:0"])``) or a second
 replica on GPU 0, which ember's DataParallel supports; tests that need two GPUs say so.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -99,7 +100,7 @@ def test_gather_to_the_cpu_returns_values_that_have_landed():
     x = torch.zeros(1 << 20, device="cuda")
     torch.cuda._sleep(200_000_000)  # the fill below waits behind ~0.1 s of GPU time
     x.fill_(3.0)
-    out = gather([x[: 1 << 19], x[1 << 19:]], "cpu")
+    out = gather([x[: 1 << 19], x[1 << 19 :]], "cpu")
     assert out.device.type == "cpu" and bool((out == 3.0).all())
 
 

@@ -11,6 +11,7 @@ happens; and a whole fit under ``"warn"`` counts the synchronisations between tw
 (transfer of the batch, step, bar, step-metric writes), step by step. ``16-mixed`` is left out:
 torch's GradScaler reads its inf/NaN flag on the host in every ``step`` (by design, in Lightning too).
 """
+
 from __future__ import annotations
 
 import io
@@ -65,9 +66,15 @@ class StrictSteps(Callback):
 def test_non_logging_steps_do_not_synchronise(tmp_path, precision):
     guard = StrictSteps()
     stream = io.StringIO()
-    t = trainer(max_epochs=2, precision=precision, log_every_n_steps=LOG_EVERY, default_root_dir=tmp_path,
-                logger=TensorBoardLogger(save_dir=tmp_path), enable_progress_bar=True,
-                callbacks=[guard, ProgressBar(mode="bar", stream=stream)])
+    t = trainer(
+        max_epochs=2,
+        precision=precision,
+        log_every_n_steps=LOG_EVERY,
+        default_root_dir=tmp_path,
+        logger=TensorBoardLogger(save_dir=tmp_path),
+        enable_progress_bar=True,
+        callbacks=[guard, ProgressBar(mode="bar", stream=stream)],
+    )
     try:
         t.fit(EpochLogging(), loader(n=256))
     finally:
@@ -95,9 +102,15 @@ def test_each_step_synchronises_at_most_once_per_log_write_and_per_redraw(tmp_pa
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         counter = CountSyncs(caught, stream)
-        t = trainer(max_epochs=1, log_every_n_steps=LOG_EVERY, default_root_dir=tmp_path, enable_checkpointing=True,
-                    logger=TensorBoardLogger(save_dir=tmp_path), enable_progress_bar=True,
-                    callbacks=[counter, ProgressBar(mode="bar", stream=stream)])
+        t = trainer(
+            max_epochs=1,
+            log_every_n_steps=LOG_EVERY,
+            default_root_dir=tmp_path,
+            enable_checkpointing=True,
+            logger=TensorBoardLogger(save_dir=tmp_path),
+            enable_progress_bar=True,
+            callbacks=[counter, ProgressBar(mode="bar", stream=stream)],
+        )
         torch.cuda.set_sync_debug_mode("warn")
         try:
             t.fit(EpochLogging(), loader(n=256))

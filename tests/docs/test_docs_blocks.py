@@ -5,6 +5,7 @@ and started with ``python script.py`` (PYTHONPATH at the repository root), so ev
 self-contained. What each block prints is checked against what its guide says it prints. Blocks
 marked ``text`` are output, layouts or commands for GPUs and clusters; they are not code.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,15 @@ from tests.docs.scripts import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(ROOT, "docs")
-GUIDES = ["quickstart.md", "from-lightning.md", "strategies.md", "checkpoints.md", "logging.md", "failures.md",
-          "tuning-and-profiling.md"]
+GUIDES = [
+    "quickstart.md",
+    "from-lightning.md",
+    "strategies.md",
+    "checkpoints.md",
+    "logging.md",
+    "failures.md",
+    "tuning-and-profiling.md",
+]
 
 
 def _blocks(guide: str) -> list[tuple[str, str]]:
@@ -53,8 +61,7 @@ EXPECT: dict[tuple[str, int], list[str]] = {
     ("strategies.md", 0): [r"SingleDeviceStrategy rank 0 of 1: 30 steps, val_acc 0\.\d+"],
     ("strategies.md", 1): [r"DataParallelStrategy rank 0 of 1: 30 steps, val_acc 0\.\d+"],
     # Both ranks print, with the same (reduced) metric.
-    ("strategies.md", 2): [r"DDPStrategy rank 0 of 2: 16 steps, val_acc 0\.\d+",
-                           r"DDPStrategy rank 1 of 2: 16 steps"],
+    ("strategies.md", 2): [r"DDPStrategy rank 0 of 2: 16 steps, val_acc 0\.\d+", r"DDPStrategy rank 1 of 2: 16 steps"],
     ("checkpoints.md", 0): [
         r"\['epoch=1-step=58\.ckpt', 'epoch=2-step=87\.ckpt', 'last\.ckpt'\]",
         r"best: epoch=\d-step=\d+\.ckpt 0\.\d+",
@@ -73,8 +80,10 @@ EXPECT: dict[tuple[str, int], list[str]] = {
         r"history 1 8 ",
     ],
     # The tuners' short fits print no profiler report; the real fit prints one.
-    ("tuning-and-profiling.md", 0): [r"^batch size 64, \d+ rates tried, suggested lr [0-9.e+-]+\nFIT Profiler Report",
-                                     r"\|  \[Strategy\]SingleDeviceStrategy\.backward\s+\|  [0-9.e-]+\s+\|  64 "],
+    ("tuning-and-profiling.md", 0): [
+        r"^batch size 64, \d+ rates tried, suggested lr [0-9.e+-]+\nFIT Profiler Report",
+        r"\|  \[Strategy\]SingleDeviceStrategy\.backward\s+\|  [0-9.e-]+\s+\|  64 ",
+    ],
     ("failures.md", 0): [],  # fails on purpose: see STATUS
     ("failures.md", 1): [],
     ("failures.md", 2): [
@@ -86,25 +95,41 @@ EXPECT: dict[tuple[str, int], list[str]] = {
 }
 # Blocks that end the job on purpose: their exit status and what stderr must say.
 STATUS: dict[tuple[str, int], tuple[int, list[str]]] = {
-    ("failures.md", 0): (1, [r"\[rank1\]: ValueError: bad batch on rank 1\n"
-                             r"\[rank1\]: \[ember ddp\] raised on rank 1 of 2\.",
-                             r"\[ember ddp\] rank 0: stopping because another rank failed\."]),
-    ("failures.md", 1): (1, [r"\[ember ddp\] rank 0: stopping the job: rank 1 is stuck in training_step at step 3 "
-                             r"\(epoch 0, batch 3\)",
-                             r"The watchdog deadline was \d+ s",
-                             r"\[ember ddp\] rank 1: Python stack",
-                             r"script\.py\", line 14 in training_step"]),
+    ("failures.md", 0): (
+        1,
+        [
+            r"\[rank1\]: ValueError: bad batch on rank 1\n"
+            r"\[rank1\]: \[ember ddp\] raised on rank 1 of 2\.",
+            r"\[ember ddp\] rank 0: stopping because another rank failed\.",
+        ],
+    ),
+    ("failures.md", 1): (
+        1,
+        [
+            r"\[ember ddp\] rank 0: stopping the job: rank 1 is stuck in training_step at step 3 "
+            r"\(epoch 0, batch 3\)",
+            r"The watchdog deadline was \d+ s",
+            r"\[ember ddp\] rank 1: Python stack",
+            r"script\.py\", line 14 in training_step",
+        ],
+    ),
 }
 # Blocks run twice in the same directory: what the first run exits with and prints (stdout, stderr).
 FIRST_RUN: dict[tuple[str, int], tuple[int, str, str]] = {
-    ("checkpoints.md", 1): (143, r"^starting at step 0\n$",
-                            r"Preempted by SIGTERM: saved \S+ember_logs/version_0/checkpoints/last\.ckpt; exiting with "
-                            r"status 143"),
+    ("checkpoints.md", 1): (
+        143,
+        r"^starting at step 0\n$",
+        r"Preempted by SIGTERM: saved \S+ember_logs/version_0/checkpoints/last\.ckpt; exiting with "
+        r"status 143",
+    ),
 }
 # Files each block leaves in its directory (paths relative to it).
 FILES: dict[tuple[str, int], list[str]] = {
-    ("quickstart.md", 0): ["ember_logs/version_0/hparams.yaml", "ember_logs/version_0/checkpoints/last.ckpt",
-                           "ember_logs/version_0/checkpoints/epoch=1-step=48.ckpt"],
+    ("quickstart.md", 0): [
+        "ember_logs/version_0/hparams.yaml",
+        "ember_logs/version_0/checkpoints/last.ckpt",
+        "ember_logs/version_0/checkpoints/epoch=1-step=48.ckpt",
+    ],
 }
 # Blocks that start processes of their own: a longer limit.
 SLOW = {("strategies.md", 2), ("failures.md", 0), ("failures.md", 1)}

@@ -6,6 +6,7 @@ the names a fragment leaves to the reader, such as ``MyModule`` and the loaders)
 is the suite itself, so it is compared with ``.ci/run`` instead of run; the CPU-index install needs
 the internet, so only its form is checked.
 """
+
 from __future__ import annotations
 
 import os
@@ -85,11 +86,17 @@ def test_python_block_runs(tmp_path, index):
 @pytest.mark.timeout(180)
 def test_the_example_command_runs(tmp_path):
     install, _, run = BASH[0].rpartition("&&")
-    assert "pip install -e \".[examples]\"" in install  # the install part: what .ci/run's clean clone proves
+    assert 'pip install -e ".[examples]"' in install  # the install part: what .ci/run's clean clone proves
     command = run.strip().split()
     assert command[:2] == ["python3", "examples/digits.py"]
-    done = subprocess.run([sys.executable, os.path.join(ROOT, *command[1].split("/")), *command[2:]], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=170, env={**os.environ, "PYTHONPATH": ROOT})
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, *command[1].split("/")), *command[2:]],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     accuracy = float(re.search(r"validation accuracy ([0-9.]+) after 10 epochs", done.stdout).group(1))
     assert accuracy > 0.95

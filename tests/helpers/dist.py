@@ -10,6 +10,7 @@ each rank destroys its process group, and the store is closed.
 
 ``count_collectives()`` counts calls to ``torch.distributed`` collectives in the current process.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -32,9 +33,20 @@ import torch.distributed as dist
 
 __all__ = ["run_ranks", "count_collectives", "RemoteTraceback"]
 
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce",
-                "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
-                "all_to_all_single", "barrier")
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+)
 
 
 class RemoteTraceback(Exception):
@@ -44,16 +56,23 @@ class RemoteTraceback(Exception):
         return self.args[0]
 
 
-def _entry(rank: int, world_size: int, port: int, timeout: float, fn: Callable[..., Any],
-           args: tuple, kwargs: dict, results: Any) -> None:
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    results: Any,
+) -> None:
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo's sockets on loopback
     torch.set_num_threads(1)
     delta = datetime.timedelta(seconds=timeout)
     try:
         store = dist.TCPStore("127.0.0.1", port, None, False, timeout=delta)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=delta)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=delta)
         result = fn(rank, world_size, *args, **kwargs)
     except BaseException as exc:  # report anything, including KeyboardInterrupt / SystemExit
         # Report before tearing down: destroying a group with a peer still mid-collective can
@@ -72,8 +91,9 @@ def _entry(rank: int, world_size: int, port: int, timeout: float, fn: Callable[.
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 60.0,
-              **kwargs: Any) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 60.0, **kwargs: Any
+) -> list[Any]:
     """Runs ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned gloo ranks.
 
     Args:
@@ -97,13 +117,25 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
     port = listener.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout),
-                          master_listen_fd=listener.detach())
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        None,
+        True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout),
+        master_listen_fd=listener.detach(),
+    )
     results = ctx.Queue()
-    procs = [ctx.Process(target=_entry, name=f"rank{rank}", daemon=True,
-                         args=(rank, world_size, port, timeout, fn, args, kwargs, results))
-             for rank in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_entry,
+            name=f"rank{rank}",
+            daemon=True,
+            args=(rank, world_size, port, timeout, fn, args, kwargs, results),
+        )
+        for rank in range(world_size)
+    ]
     finished = False
     try:
         for proc in procs:
@@ -131,17 +163,18 @@ def _collect(procs: list, results: Any, timeout: float) -> dict[int, Any]:
     while len(outcome) < len(procs):
         if time.monotonic() > deadline:
             missing = [r for r in range(len(procs)) if r not in outcome]
-            raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s "
-                               "(a hang: mismatched collectives or a deadlock)")
+            raise TimeoutError(
+                f"ranks {missing} did not finish within {timeout:.0f} s (a hang: mismatched collectives or a deadlock)"
+            )
         try:
             rank, ok, payload = results.get(timeout=0.2)
         except queue.Empty:
             # A rank that exited without reporting was killed or crashed in C++.
-            dead = [(r, p.exitcode) for r, p in enumerate(procs)
-                    if r not in outcome and p.exitcode is not None]
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
             if dead:
-                raise RuntimeError(f"rank {dead[0][0]} exited with code {dead[0][1]} "
-                                   "without returning a result") from None
+                raise RuntimeError(
+                    f"rank {dead[0][0]} exited with code {dead[0][1]} without returning a result"
+                ) from None
             continue
         if ok:
             outcome[rank] = pickle.loads(payload)
@@ -172,6 +205,7 @@ def count_collectives() -> Iterator[Counter]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             counts[name] += 1
             return original(*args, **kwargs)
+
         return wrapper
 
     for name, original in originals.items():

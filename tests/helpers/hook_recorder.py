@@ -4,6 +4,7 @@ Each call is recorded as ``"M.<hook>"`` (module), ``"C.<hook>"`` (callback) or `
 (datamodule), followed by ``(...)`` with the int and str arguments (keywords as ``name=value``,
 other keyword arguments as ``name=``), e.g. ``"M.optimizer_step(0,1)"`` or ``"C.setup(stage='fit')"``.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,20 +25,68 @@ def _fmt(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 
 MODULE_HOOKS = (
-    "prepare_data", "setup", "teardown", "configure_model", "configure_optimizers", "configure_callbacks",
-    "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_train_epoch_start", "on_train_epoch_end",
-    "on_train_batch_start", "on_train_batch_end", "on_validation_start", "on_validation_end",
-    "on_validation_epoch_start", "on_validation_epoch_end", "on_validation_batch_start", "on_validation_batch_end",
-    "on_test_start", "on_test_end", "on_test_epoch_start", "on_test_epoch_end", "on_test_batch_start",
-    "on_test_batch_end", "on_predict_start", "on_predict_end", "on_predict_epoch_start", "on_predict_epoch_end",
-    "on_predict_batch_start", "on_predict_batch_end", "on_before_backward", "on_after_backward",
-    "on_before_optimizer_step", "on_before_zero_grad", "on_save_checkpoint", "on_load_checkpoint",
-    "on_validation_model_zero_grad", "on_validation_model_eval", "on_validation_model_train", "on_test_model_eval",
+    "prepare_data",
+    "setup",
+    "teardown",
+    "configure_model",
+    "configure_optimizers",
+    "configure_callbacks",
+    "on_fit_start",
+    "on_fit_end",
+    "on_train_start",
+    "on_train_end",
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_validation_start",
+    "on_validation_end",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_test_start",
+    "on_test_end",
+    "on_test_epoch_start",
+    "on_test_epoch_end",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_predict_start",
+    "on_predict_end",
+    "on_predict_epoch_start",
+    "on_predict_epoch_end",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+    "on_validation_model_zero_grad",
+    "on_validation_model_eval",
+    "on_validation_model_train",
+    "on_test_model_eval",
     "on_test_model_train",
-    "on_predict_model_eval", "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer",
-    "optimizer_step", "optimizer_zero_grad", "backward", "configure_gradient_clipping", "clip_gradients",
-    "lr_scheduler_step", "train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader",
-    "training_step", "validation_step", "test_step", "predict_step", "load_state_dict",
+    "on_predict_model_eval",
+    "on_before_batch_transfer",
+    "transfer_batch_to_device",
+    "on_after_batch_transfer",
+    "optimizer_step",
+    "optimizer_zero_grad",
+    "backward",
+    "configure_gradient_clipping",
+    "clip_gradients",
+    "lr_scheduler_step",
+    "train_dataloader",
+    "val_dataloader",
+    "test_dataloader",
+    "predict_dataloader",
+    "training_step",
+    "validation_step",
+    "test_step",
+    "predict_step",
+    "load_state_dict",
 )
 
 
@@ -101,6 +150,7 @@ def _module_recorder(name: str) -> Any:
     def hook(self: HookModule, *args: Any, **kwargs: Any) -> Any:
         self.calls.append("M." + _fmt(name, args, kwargs))
         return getattr(super(RecordingHookModule, self), name)(*args, **kwargs)
+
     hook.__name__ = name
     return hook
 
@@ -123,6 +173,7 @@ class HookCallback(Callback):
 def _callback_recorder(name: str) -> Any:
     def hook(self: HookCallback, trainer: Any, module: Any, *args: Any, **kwargs: Any) -> None:
         self.calls.append("C." + _fmt(name, args, kwargs))
+
     hook.__name__ = name
     return hook
 
@@ -133,8 +184,16 @@ for _name in HOOKS:
 
 def trainer(calls: list[str], **kwargs: Any) -> ember.Trainer:
     """The trainer of the contract scenarios: 2 epochs of 2 batches, 2 validation batches, 1 sanity step."""
-    options: dict[str, Any] = dict(max_epochs=2, limit_train_batches=2, limit_val_batches=2, num_sanity_val_steps=1,
-                                   logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                                   accelerator="cpu", callbacks=[HookCallback(calls)])
+    options: dict[str, Any] = dict(
+        max_epochs=2,
+        limit_train_batches=2,
+        limit_val_batches=2,
+        num_sanity_val_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+        callbacks=[HookCallback(calls)],
+    )
     options.update(kwargs)
     return ember.Trainer(**options)

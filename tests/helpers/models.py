@@ -2,6 +2,7 @@
 
 Everything here is small enough that a fit takes milliseconds on one CPU core.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -35,8 +36,9 @@ class UnsizedBatches(IterableDataset):
 
     def __init__(self, n: int = 32, batch_size: int = 8, d: int = 4, seed: int = 0) -> None:
         data = regression_data(n, d, seed)
-        self.batches = [(data.tensors[0][i:i + batch_size], data.tensors[1][i:i + batch_size])
-                        for i in range(0, n, batch_size)]
+        self.batches = [
+            (data.tensors[0][i : i + batch_size], data.tensors[1][i : i + batch_size]) for i in range(0, n, batch_size)
+        ]
 
     def __iter__(self):
         return iter(self.batches)
@@ -94,7 +96,8 @@ class TrainOnlyModel(BoringModel):
 
 # ---------------------------------------------------------------------- recorders
 _MODULE_HOOKS = tuple(
-    n for n in vars(ember.TrainModule)
+    n
+    for n in vars(ember.TrainModule)
     if (n.startswith("on_") or n in ("setup", "teardown", "prepare_data"))
     and n not in ("on_save_checkpoint", "on_load_checkpoint", "on_before_batch_transfer", "on_after_batch_transfer")
     and not n.endswith(("_model_eval", "_model_train", "_model_zero_grad"))
@@ -103,11 +106,14 @@ _MODULE_HOOKS = tuple(
 
 def _recorder(owner: str, name: str, with_stage: bool):
     if with_stage:
+
         def hook(self, *args: Any, **kwargs: Any) -> None:
             self.calls.append(f"{owner}.{name}:{kwargs['stage'] if 'stage' in kwargs else args[-1]}")
     else:
+
         def hook(self, *args: Any) -> None:
             self.calls.append(f"{owner}.{name}")
+
     hook.__name__ = name
     return hook
 

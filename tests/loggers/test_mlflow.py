@@ -1,4 +1,5 @@
 """MLFlowLogger against a real local MLflow tracking store (a file store in tmp_path; no server)."""
+
 from __future__ import annotations
 
 from argparse import Namespace
@@ -22,8 +23,9 @@ def test_a_fit_logs_metrics_params_and_status_to_the_store(tmp_path):
     """The default configuration (checkpointing on): metrics at their steps, flattened hyper-parameters, the run
     FINISHED, and the checkpoints under <save_dir>/<experiment id>/<run id>/checkpoints as in Lightning."""
     logger = MLFlowLogger("exp", run_name="first", save_dir=str(tmp_path / "mlruns"), tags={"team": "x"})
-    trainer = ember.Trainer(max_epochs=2, logger=logger, log_every_n_steps=1, enable_progress_bar=False,
-                            default_root_dir=str(tmp_path))
+    trainer = ember.Trainer(
+        max_epochs=2, logger=logger, log_every_n_steps=1, enable_progress_bar=False, default_root_dir=str(tmp_path)
+    )
     module = BoringModel()
     module.save_hyperparameters({"lr": 0.1, "opt": {"name": "sgd"}, "ns": Namespace(k=3)})
     trainer.fit(module, regression_loader(n=16), regression_loader(n=8))
@@ -58,8 +60,14 @@ def test_a_failed_run_is_marked_failed_and_a_second_logger_continues_a_run(tmp_p
 
 def test_other_ranks_never_touch_the_store(tmp_path):
     logger = MLFlowLogger("exp", save_dir=str(tmp_path / "store"))
-    trainer = ember.Trainer(max_epochs=1, logger=logger, strategy=OtherRank(), enable_progress_bar=False,
-                            enable_checkpointing=False, log_every_n_steps=1)
+    trainer = ember.Trainer(
+        max_epochs=1,
+        logger=logger,
+        strategy=OtherRank(),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        log_every_n_steps=1,
+    )
     trainer.fit(BoringModel(), regression_loader(n=8))
     assert logger.experiment is None and logger.run_id is None
     from mlflow.tracking import MlflowClient

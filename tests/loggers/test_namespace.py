@@ -1,4 +1,5 @@
 """ember.loggers: the loggers under Lightning's module name, the same classes as ember.callbacks'."""
+
 from __future__ import annotations
 
 import pytest

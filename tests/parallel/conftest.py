@@ -1,4 +1,5 @@
 """Fixtures shared by the tests of ember.parallel."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The differentiable all-gather behind ``all_gather(..., sync_grads=True)``, on 2 real gloo ranks."""
+
 from __future__ import annotations
 
 import pytest

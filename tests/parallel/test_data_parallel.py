@@ -1,4 +1,5 @@
 """DataParallel: PyTorch's documented behaviour, on CPU replicas in threads."""
+
 from __future__ import annotations
 
 import copy
@@ -336,7 +337,10 @@ def test_cpu_inputs_reach_a_gpu_replica_and_gradients_come_back():
 
 def test_parallel_backward_on_cuda_is_refused_at_construction():
     model = mlp()
-    with pytest.raises(ValueError, match=r"parallel_backward=True .* CPU replicas only; on cuda:0 it would"
-                                         r" deadlock.*set it to False"):
+    with pytest.raises(
+        ValueError,
+        match=r"parallel_backward=True .* CPU replicas only; on cuda:0 it would"
+        r" deadlock.*set it to False",
+    ):
         DataParallel(model, device_ids=["cuda:0", "cuda:0"], parallel_backward=True)
     assert next(model.parameters()).device.type == "cpu"

@@ -5,6 +5,7 @@ returns a dict of measurements; the tests below assert on them. Each check compa
 ``torch.nn.parallel.DistributedDataParallel`` on identical models and data, and where it applies
 with one process on the concatenated global batch.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,8 +31,7 @@ pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 # ------------------------------------------------------------------------------ models
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 3))
+    return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
 
 
 class Tied(nn.Module):
@@ -48,8 +48,7 @@ class Tied(nn.Module):
 def wide() -> nn.Module:
     """A 256x256 layer: large enough for the reducer's copy-in path (LARGE_NUMEL)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
-                         nn.Linear(256, 3))
+    return nn.Sequential(nn.Linear(6, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 3))
 
 
 def batchnorm() -> nn.Module:
@@ -85,8 +84,15 @@ def data(world: int, steps: int = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(steps, world * B, 6, generator=g), torch.randn(steps, world * B, 3, generator=g)
 
 
-def train(model: nn.Module, wrap: Callable | None, rank: int, world: int, steps: int = STEPS,
-          micro: int = 1, set_to_none: bool = True) -> dict:
+def train(
+    model: nn.Module,
+    wrap: Callable | None,
+    rank: int,
+    world: int,
+    steps: int = STEPS,
+    micro: int = 1,
+    set_to_none: bool = True,
+) -> dict:
     """SGD on this rank's shard (or the whole batch when ``wrap`` is None)."""
     xs, ys = data(world, steps)
     net = wrap(model) if wrap else model
@@ -111,18 +117,19 @@ def diff(a: list, b: list) -> float:
     return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b) if x is not None)
 
 
-def compare(model_fn: Callable[[], nn.Module], rank: int, world: int, single: bool = True,
-            set_to_none: bool = True, **kwargs) -> dict:
-    ours = train(model_fn(), lambda m: EmberDDP(m, **kwargs), rank, world,
-                 set_to_none=set_to_none)
-    theirs = train(model_fn(), lambda m: TorchDDP(m, **kwargs), rank, world,
-                   set_to_none=set_to_none)
-    out = {"grads": diff(ours["grads"], theirs["grads"]),
-           "weights": diff(ours["weights"], theirs["weights"]), "counts": ours["counts"][:3]}
+def compare(
+    model_fn: Callable[[], nn.Module], rank: int, world: int, single: bool = True, set_to_none: bool = True, **kwargs
+) -> dict:
+    ours = train(model_fn(), lambda m: EmberDDP(m, **kwargs), rank, world, set_to_none=set_to_none)
+    theirs = train(model_fn(), lambda m: TorchDDP(m, **kwargs), rank, world, set_to_none=set_to_none)
+    out = {
+        "grads": diff(ours["grads"], theirs["grads"]),
+        "weights": diff(ours["weights"], theirs["weights"]),
+        "counts": ours["counts"][:3],
+    }
     if single:
         alone = train(model_fn(), None, rank, world, set_to_none=set_to_none)
-        out["single"] = max(diff(ours["grads"], alone["grads"]),
-                            diff(ours["weights"], alone["weights"]))
+        out["single"] = max(diff(ours["grads"], alone["grads"]), diff(ours["weights"], alone["weights"]))
     return out
 
 
@@ -149,17 +156,20 @@ def check_no_sync(rank: int, world: int) -> dict:
         for s in range(0, 12, 3):
             with count_collectives() as counts, ddp.no_sync():
                 for m in range(2):
-                    x, y = xs[s + m, rank * B:(rank + 1) * B], ys[s + m, rank * B:(rank + 1) * B]
+                    x, y = xs[s + m, rank * B : (rank + 1) * B], ys[s + m, rank * B : (rank + 1) * B]
                     F.mse_loss(ddp(x), y).backward()
             inside.append(sum(counts.values()))
-            x, y = xs[s + 2, rank * B:(rank + 1) * B], ys[s + 2, rank * B:(rank + 1) * B]
+            x, y = xs[s + 2, rank * B : (rank + 1) * B], ys[s + 2, rank * B : (rank + 1) * B]
             F.mse_loss(ddp(x), y).backward()
             grads = [p.grad.clone() for p in model.parameters()]
             opt.step()
             opt.zero_grad()
         results.append((grads, list(model.parameters())))
-    return {"grads": diff(results[0][0], results[1][0]),
-            "weights": diff(results[0][1], results[1][1]), "collectives_inside": inside[:4]}
+    return {
+        "grads": diff(results[0][0], results[1][0]),
+        "weights": diff(results[0][1], results[1][1]),
+        "collectives_inside": inside[:4],
+    }
 
 
 def check_hooks(rank: int, world: int) -> dict:
@@ -167,30 +177,29 @@ def check_hooks(rank: int, world: int) -> dict:
         return default_hooks.bf16_compress_hook(state, bucket)
 
     def first_grads(**kwargs) -> list:
-        return train(mlp(), lambda m: EmberDDP(m, bucket_cap_mb=SMALL_BUCKETS, **kwargs),
-                     rank, world, steps=1)["grads"]
+        return train(mlp(), lambda m: EmberDDP(m, bucket_cap_mb=SMALL_BUCKETS, **kwargs), rank, world, steps=1)["grads"]
 
     exact = first_grads()
     scale = max(g.abs().max().item() for g in exact)
-    out = {name: diff(first_grads(comm_hook=hook), exact) / scale
-           for name, hook in (("bf16", "bf16"), ("fp16", "fp16"))}
-    out["torch_bf16_hook"] = diff(first_grads(comm_hook=lambda b: bf16_torch(None, b)),
-                                  first_grads(comm_hook="bf16")) / scale
-    out["allreduce_hook"] = diff(
-        first_grads(comm_hook=lambda b: default_hooks.allreduce_hook(None, b)), exact)
+    out = {
+        name: diff(first_grads(comm_hook=hook), exact) / scale for name, hook in (("bf16", "bf16"), ("fp16", "fp16"))
+    }
+    out["torch_bf16_hook"] = (
+        diff(first_grads(comm_hook=lambda b: bf16_torch(None, b)), first_grads(comm_hook="bf16")) / scale
+    )
+    out["allreduce_hook"] = diff(first_grads(comm_hook=lambda b: default_hooks.allreduce_hook(None, b)), exact)
     return out
 
 
 def check_call(rank: int, world: int) -> dict:
     xs, ys = data(world, 1)
-    x, y = xs[0, rank * B:(rank + 1) * B], ys[0, rank * B:(rank + 1) * B]
+    x, y = xs[0, rank * B : (rank + 1) * B], ys[0, rank * B : (rank + 1) * B]
     module = Steps()
     reference = TorchDDP(copy.deepcopy(module.net))
     ddp = EmberDDP(module)  # kept alive: a dropped wrapper's hooks go quiet, as with torch
     ddp.call("training_step", x, y).backward()
     F.mse_loss(reference(x), y).backward()
-    return {"grads": diff([p.grad for p in module.parameters()],
-                          [p.grad for p in reference.parameters()])}
+    return {"grads": diff([p.grad for p in module.parameters()], [p.grad for p in reference.parameters()])}
 
 
 def check_rebuild_agreement(rank: int, world: int) -> dict:
@@ -223,7 +232,7 @@ def check_join(rank: int, world: int) -> dict:
             with ddp.join(divide_by_initial_world_size=divide):
                 for s in range(counts[rank]):
                     opt.zero_grad()
-                    x, y = xs[s, rank * B:(rank + 1) * B], ys[s, rank * B:(rank + 1) * B]
+                    x, y = xs[s, rank * B : (rank + 1) * B], ys[s, rank * B : (rank + 1) * B]
                     F.mse_loss(ddp(x), y).backward()
                     opt.step()
             weights.append([p.detach().clone() for p in model.parameters()])
@@ -238,12 +247,10 @@ CHECKS = {
     "batchnorm": lambda r, w: compare(batchnorm, r, w, single=False),
     "unused": lambda r, w: compare(Unused, r, w, single=False, find_unused_parameters=True),
     "static_graph": lambda r, w: compare(Unused, r, w, single=False, static_graph=True),
-    "bucket_view": lambda r, w: compare(mlp, r, w, gradient_as_bucket_view=True,
-                                        bucket_cap_mb=SMALL_BUCKETS),
+    "bucket_view": lambda r, w: compare(mlp, r, w, gradient_as_bucket_view=True, bucket_cap_mb=SMALL_BUCKETS),
     # Large gradients are copied in by their hooks when dropped, divided in place when kept.
     "large": lambda r, w: compare(wide, r, w, bucket_cap_mb=SMALL_BUCKETS),
-    "large_kept": lambda r, w: compare(wide, r, w, set_to_none=False,
-                                       bucket_cap_mb=SMALL_BUCKETS),
+    "large_kept": lambda r, w: compare(wide, r, w, set_to_none=False, bucket_cap_mb=SMALL_BUCKETS),
     "unused_error": check_unused_error,
     "no_sync": check_no_sync,
     "hooks": check_hooks,
@@ -274,8 +281,9 @@ def results(ranks: list[dict], name: str) -> list[dict]:
     return [r[name] for r in ranks]
 
 
-@pytest.mark.parametrize("name", ["mlp", "tied", "batchnorm", "unused", "static_graph",
-                                  "bucket_view", "large", "large_kept"])
+@pytest.mark.parametrize(
+    "name", ["mlp", "tied", "batchnorm", "unused", "static_graph", "bucket_view", "large", "large_kept"]
+)
 def test_matches_torch_ddp_after_one_step_and_twenty(ranks, name):
     for r in results(ranks, name):
         assert r["grads"] <= TOL and r["weights"] <= TOL, r

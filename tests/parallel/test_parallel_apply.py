@@ -1,4 +1,5 @@
 """parallel_apply: threads, propagated state, errors; attach_replica_graphs: parallel backward."""
+
 from __future__ import annotations
 
 import threading
@@ -20,7 +21,8 @@ def snapshot(*_args, **_kwargs):
         "autocast": torch.is_autocast_enabled("cpu"),
         "dtype": torch.get_autocast_dtype("cpu"),
         "threads": torch.get_num_threads(),
-        "args": _args, "kwargs": _kwargs,
+        "args": _args,
+        "kwargs": _kwargs,
     }
 
 
@@ -41,8 +43,9 @@ def test_inputs_kwargs_and_method():
         def training_step(self, batch, batch_idx, scale=1):
             return batch * scale + batch_idx
 
-    out = parallel_apply([Replica(), Replica()], [(1, 0), [5, 1]], [{"scale": 2}, {}],
-                         devices=["cpu", "cpu"], method="training_step")
+    out = parallel_apply(
+        [Replica(), Replica()], [(1, 0), [5, 1]], [{"scale": 2}, {}], devices=["cpu", "cpu"], method="training_step"
+    )
     assert out == [2, 6]
     got = parallel_apply([snapshot, snapshot], [torch.ones(1), (1, 2)])
     assert len(got[0]["args"]) == 1 and got[1]["args"] == (1, 2)  # a non-tuple is one argument

@@ -3,6 +3,7 @@
 A 1-rank gloo group exercises the whole hook / bucket / all-reduce path without spawning;
 multi-rank behaviour is in test_distributed.py.
 """
+
 from __future__ import annotations
 
 import gc
@@ -43,11 +44,14 @@ def test_assignment_separates_dtypes_and_orders_buckets_by_first_member():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 3000), st.booleans()), min_size=1, max_size=30),
-       st.integers(64, 4096), st.integers(64, 8192), st.randoms())
+@given(
+    st.lists(st.tuples(st.integers(1, 3000), st.booleans()), min_size=1, max_size=30),
+    st.integers(64, 4096),
+    st.integers(64, 8192),
+    st.randoms(),
+)
 def test_assignment_properties(spec, first, cap, rnd):
-    params = [torch.empty(n, dtype=torch.float64 if wide else torch.float32)
-              for n, wide in spec]
+    params = [torch.empty(n, dtype=torch.float64 if wide else torch.float32) for n, wide in spec]
     order = list(range(len(params)))
     rnd.shuffle(order)
     buckets = compute_bucket_assignment(params, order, [first, cap])
@@ -185,6 +189,7 @@ def test_find_unused_parameters_reads_the_used_map_back_only_when_something_was_
     reads = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or tolist(t))
+
     class Sometimes(WithUnused):
         def forward(self, x, uses_all):
             return self.used(x) + (self.unused(x) if uses_all else 0)

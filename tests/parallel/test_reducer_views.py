@@ -5,6 +5,7 @@ backward are counted with a dispatch mode and compared with a plain backward of 
 gradients are checked against plain autograd in the paths that still copy (the first backward,
 a zero_grad between forward and backward, a held old gradient, gradients on several devices).
 """
+
 from __future__ import annotations
 
 import copy
@@ -71,11 +72,11 @@ def test_reducer_ops_per_step_scale_with_buckets_not_parameters(group):
         assert sum(extra.values()) <= 3 * buckets + 1 < len(ddp.reducer.params), extra
     for p in model.parameters():
         assert p.grad.untyped_storage().data_ptr() in {
-            b.buffer.untyped_storage().data_ptr() for b in ddp.reducer.buckets}
+            b.buffer.untyped_storage().data_ptr() for b in ddp.reducer.buckets
+        }
 
 
-def check_against_plain(ddp: DDP, model: nn.Module, steps: int = 3,
-                        zero_grad_after_forward: bool = False) -> None:
+def check_against_plain(ddp: DDP, model: nn.Module, steps: int = 3, zero_grad_after_forward: bool = False) -> None:
     reference = copy.deepcopy(model)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
     torch.manual_seed(1)
@@ -100,8 +101,7 @@ def test_zero_grad_between_forward_and_backward_still_reduces_every_gradient(gro
     # The Trainer's order (training_step, then zero_grad, then backward): the gradients are
     # pointed at the buckets when backward starts, not when the forward ends.
     model = deep(6)
-    check_against_plain(DDP(model, bucket_cap_mb=2 * 72 * 4 / MiB), model,
-                        zero_grad_after_forward=True)
+    check_against_plain(DDP(model, bucket_cap_mb=2 * 72 * 4 / MiB), model, zero_grad_after_forward=True)
 
 
 def test_gradients_on_several_devices_take_the_copying_path(group):
@@ -129,8 +129,7 @@ def test_no_sync_accumulation_is_carried_into_the_buckets(group):
         reference(x).sum().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
-        assert p.grad.untyped_storage().data_ptr() == \
-            ddp.reducer.buckets[0].buffer.untyped_storage().data_ptr()
+        assert p.grad.untyped_storage().data_ptr() == ddp.reducer.buckets[0].buffer.untyped_storage().data_ptr()
 
 
 def test_a_rebuild_lays_the_new_buckets_over_the_dropped_memory(group):

@@ -1,4 +1,5 @@
 """replicate: replica structure, storage sharing, gradients, the structure cache, errors."""
+
 from __future__ import annotations
 
 import copy
@@ -79,13 +80,12 @@ def test_broadcast_reduce_add_are_twice_differentiable():
 
     def fn(a, b):
         a0, b0, a1, b1 = Broadcast.apply(devices, a, b)
-        return (a0 * a1).sum() + (b0 ** 2 * b1).sum()
+        return (a0 * a1).sum() + (b0**2 * b1).sum()
 
     assert torch.autograd.gradcheck(fn, (a, b))
     assert torch.autograd.gradgradcheck(fn, (a, b))
     grads = [torch.randn(3, dtype=torch.double, requires_grad=True) for _ in range(2)]
-    assert torch.autograd.gradcheck(lambda g0, g1: ReduceAdd.apply(torch.device("cpu"), 1, g0, g1),
-                                    grads)
+    assert torch.autograd.gradcheck(lambda g0, g1: ReduceAdd.apply(torch.device("cpu"), 1, g0, g1), grads)
 
 
 def test_detached_replicas_have_no_graph():
@@ -170,8 +170,7 @@ def test_parameters_not_on_first_device_is_a_clear_error():
     module.bias = nn.Parameter(torch.zeros(2, device="meta"))
     with pytest.raises(DeviceMismatchError, match=r"on device cpu \(device_ids\[0\]\).*meta"):
         replicate(module, CPU2)
-    assert issubclass(DeviceMismatchError, ValueError) and issubclass(DeviceMismatchError,
-                                                                      RuntimeError)
+    assert issubclass(DeviceMismatchError, ValueError) and issubclass(DeviceMismatchError, RuntimeError)
 
 
 def test_bad_mode():
@@ -187,8 +186,7 @@ def test_replicator_pickles_and_deep_copies_empty():
 
 
 def test_coalesced_copy_keeps_values_shapes_and_dtypes():
-    tensors = [torch.randn(3, 4), torch.arange(5), torch.randn(2).t(), torch.randn(4, 3).t(),
-               torch.eye(3).to_sparse()]
+    tensors = [torch.randn(3, 4), torch.arange(5), torch.randn(2).t(), torch.randn(4, 3).t(), torch.eye(3).to_sparse()]
     copies = _copy_to(tensors, torch.device("cpu"))
     for t, c in zip(tensors, copies):
         assert c.dtype == t.dtype and c.shape == t.shape
@@ -224,8 +222,14 @@ def test_coalesced_copies_keep_the_memory_layout():
 
 def test_reduce_add_coalesced_equals_per_tensor_sums():
     def row():
-        return [torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last), torch.randn(5),
-                torch.randn(3, dtype=torch.float64), torch.eye(2).to_sparse(), torch.randn(4, 2).t()]
+        return [
+            torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last),
+            torch.randn(5),
+            torch.randn(3, dtype=torch.float64),
+            torch.eye(2).to_sparse(),
+            torch.randn(4, 2).t(),
+        ]
+
     rows = [row(), row(), row()]
     sums = _reduce_add_coalesced(rows, torch.device("cpu"))
     for j, total in enumerate(sums):

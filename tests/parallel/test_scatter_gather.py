@@ -1,4 +1,5 @@
 """scatter / gather over nested batches: structures, uneven splits, errors, autograd, a property."""
+
 from __future__ import annotations
 
 import collections
@@ -74,7 +75,7 @@ def test_chunk_sizes_examples_and_empty_batch():
 
 
 def test_scatter_tensor_gives_views_on_cpu():
-    x = torch.arange(12.).view(6, 2)
+    x = torch.arange(12.0).view(6, 2)
     parts = scatter(x, ["cpu"] * 3)
     assert [p.shape[0] for p in parts] == [2, 2, 2]
     assert all(same_storage(p, x) for p in parts)
@@ -96,15 +97,20 @@ def test_scatter_along_other_dim():
 def test_scatter_walks_every_structure_and_keeps_types():
     x = torch.arange(4)
     batch = {
-        "tuple": (x, "t"), "list": [x, 3], "pair": Pair(x, None),
-        "ordered": collections.OrderedDict(a=x), "tagged": Tagged(a=x),
-        "default": collections.defaultdict(list, a=x), "data": Batch(x, label="L"),
-        "frozen": Frozen(x, {"k": 1}), "max": torch.max(torch.ones(4, 2), 1),
+        "tuple": (x, "t"),
+        "list": [x, 3],
+        "pair": Pair(x, None),
+        "ordered": collections.OrderedDict(a=x),
+        "tagged": Tagged(a=x),
+        "default": collections.defaultdict(list, a=x),
+        "data": Batch(x, label="L"),
+        "frozen": Frozen(x, {"k": 1}),
+        "max": torch.max(torch.ones(4, 2), 1),
     }
     parts = scatter(batch, CPU2)
     assert len(parts) == 2
     for r, part in enumerate(parts):
-        want = x[2 * r:2 * r + 2]
+        want = x[2 * r : 2 * r + 2]
         assert type(part) is dict
         assert type(part["tuple"]) is tuple and torch.equal(part["tuple"][0], want)
         assert type(part["list"]) is list and part["list"][1] == 3
@@ -127,8 +133,7 @@ def test_non_tensor_leaves_and_empty_containers_are_shared_by_reference():
 
 
 def test_scatter_kwargs_splits_args_and_kwargs_together():
-    args, kwargs = scatter_kwargs((torch.ones(3, 2),), {"mask": torch.zeros(3), "flag": True},
-                                  CPU2)
+    args, kwargs = scatter_kwargs((torch.ones(3, 2),), {"mask": torch.zeros(3), "flag": True}, CPU2)
     assert [a[0].shape[0] for a in args] == [2, 1]
     assert [k["mask"].shape[0] for k in kwargs] == [2, 1]
     assert all(k["flag"] is True for k in kwargs)
@@ -156,8 +161,10 @@ def test_scatter_error_for_zero_dim_tensor():
 
 
 def test_gather_concatenates_structures():
-    outs = [{"y": torch.ones(2, 3), "aux": (torch.zeros(2), None), "name": "m"},
-            {"y": torch.ones(1, 3), "aux": (torch.zeros(1), None), "name": "m"}]
+    outs = [
+        {"y": torch.ones(2, 3), "aux": (torch.zeros(2), None), "name": "m"},
+        {"y": torch.ones(1, 3), "aux": (torch.zeros(1), None), "name": "m"},
+    ]
     got = gather(outs, "cpu")
     assert got["y"].shape == (3, 3) and got["aux"][0].shape == (3,)
     assert got["aux"][1] is None and got["name"] == "m"
@@ -171,19 +178,18 @@ def test_gather_differing_non_tensors_become_a_list():
 def test_gather_dict_key_mismatch_is_an_error():
     keys = r"replica 1.*dict keys differ: \['a', 'b'\] vs \['a', 'c'\]"
     with pytest.raises(ValueError, match=keys):
-        gather([{"a": torch.ones(1), "b": torch.ones(1)},
-                {"a": torch.ones(1), "c": torch.ones(1)}], "cpu")
+        gather([{"a": torch.ones(1), "b": torch.ones(1)}, {"a": torch.ones(1), "c": torch.ones(1)}], "cpu")
     with pytest.raises(ValueError, match="different structures"):
         gather([(torch.ones(1),), [torch.ones(1)]], "cpu")
 
 
 def test_gather_scalars_become_a_vector_with_a_warning():
     with pytest.warns(UserWarning, match="all input tensors were scalars"):
-        got = gather([torch.tensor(1.), torch.tensor(2.)], "cpu")
-    assert got.tolist() == [1., 2.]
+        got = gather([torch.tensor(1.0), torch.tensor(2.0)], "cpu")
+    assert got.tolist() == [1.0, 2.0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert gather([torch.tensor(1.)], "cpu", warn_on_scalars=False).shape == (1,)
+        assert gather([torch.tensor(1.0)], "cpu", warn_on_scalars=False).shape == (1,)
 
 
 def test_scatter_gather_autograd_roundtrip_and_double_backward():
@@ -203,7 +209,7 @@ def test_scatter_of_tensor_requiring_grad_sends_grads_back():
     parts = scatter(x, ["cpu"] * 3)
     assert all(p.grad_fn is not None for p in parts)
     gather([p * 2 for p in parts], "cpu").sum().backward()
-    assert torch.equal(x.grad, torch.full((5, 3), 2.))
+    assert torch.equal(x.grad, torch.full((5, 3), 2.0))
 
 
 def test_flatten_unflatten_roundtrip():
@@ -225,7 +231,7 @@ def _batches(batch_size: int):
     def tensor(shape: list[int], seed: int) -> torch.Tensor:
         return torch.randn(batch_size, *shape, generator=torch.Generator().manual_seed(seed))
 
-    tensors = st.builds(tensor, st.lists(st.integers(1, 3), max_size=2), st.integers(0, 2 ** 16))
+    tensors = st.builds(tensor, st.lists(st.integers(1, 3), max_size=2), st.integers(0, 2**16))
     others = st.one_of(st.integers(), st.text(max_size=3), st.none(), st.just(()), st.just([]))
     leaves = st.one_of(tensors, others)
     return st.recursive(

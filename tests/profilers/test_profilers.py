@@ -1,5 +1,6 @@
 """``Trainer(profiler=...)``: what each profiler records and reports, where the report goes, and that
 with no profiler the step path is the plain bound methods (nothing wrapped)."""
+
 from __future__ import annotations
 
 import glob
@@ -39,16 +40,30 @@ class Net(ember.TrainModule):
 
 def fit(tmp_path, profiler, **kwargs) -> ember.Trainer:
     # The default configuration: logger and checkpointing on.
-    trainer = ember.Trainer(accelerator="cpu", max_epochs=2, profiler=profiler, default_root_dir=tmp_path,
-                            enable_progress_bar=False, log_every_n_steps=1, **kwargs)
+    trainer = ember.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        profiler=profiler,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        log_every_n_steps=1,
+        **kwargs,
+    )
     trainer.fit(Net(), regression_loader(n=32, batch_size=8), regression_loader(n=16, batch_size=8))
     return trainer
 
 
-STEP_ACTIONS = ("run_training_epoch", "run_training_batch", "[FitLoop].train_dataloader_next",
-                "[Strategy]SingleDeviceStrategy.training_step", "[Strategy]SingleDeviceStrategy.backward",
-                "[TrainModule]Net.optimizer_step", "[Strategy]SingleDeviceStrategy.validation_step",
-                "[TrainModule]Net.on_train_epoch_end", "[Callback]ModelCheckpoint.on_train_epoch_end")
+STEP_ACTIONS = (
+    "run_training_epoch",
+    "run_training_batch",
+    "[FitLoop].train_dataloader_next",
+    "[Strategy]SingleDeviceStrategy.training_step",
+    "[Strategy]SingleDeviceStrategy.backward",
+    "[TrainModule]Net.optimizer_step",
+    "[Strategy]SingleDeviceStrategy.validation_step",
+    "[TrainModule]Net.on_train_epoch_end",
+    "[Callback]ModelCheckpoint.on_train_epoch_end",
+)
 
 
 def test_simple_profiler_times_every_part_of_the_step_and_prints_the_table(tmp_path, capsys):
@@ -59,8 +74,9 @@ def test_simple_profiler_times_every_part_of_the_step_and_prints_the_table(tmp_p
     for action in STEP_ACTIONS:
         assert action in out, action
     # 2 epochs x 4 batches; the loader's next is asked once more per epoch (the StopIteration).
-    rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in out.splitlines()
-            if line.startswith("|  ")}
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[3].strip() for line in out.splitlines() if line.startswith("|  ")
+    }
     assert rows["run_training_epoch"] == "2"
     assert rows["run_training_batch"] == "8"
     assert rows["[Strategy]SingleDeviceStrategy.backward"] == "8"
@@ -134,8 +150,14 @@ def test_a_custom_profiler_gets_setup_actions_and_describe():
             self.stages.append((stage, local_rank))
 
     profiler = Recording()
-    trainer = ember.Trainer(accelerator="cpu", max_steps=3, profiler=profiler, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False)
+    trainer = ember.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        profiler=profiler,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     trainer.fit(Net(), regression_loader(n=32, batch_size=8))
     assert profiler.stages == [("fit", None)]
     assert profiler.started.count("run_training_batch") == 3
@@ -149,11 +171,21 @@ def test_no_profiler_leaves_the_step_path_unwrapped(tmp_path):
     class Spy(ember.callbacks.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             step = trainer.fit_loop.step
-            seen.update(training_step=step._training_step, backward=step._backward,
-                        optimizer_step=step._optimizer_step, strategy=trainer.strategy)
+            seen.update(
+                training_step=step._training_step,
+                backward=step._backward,
+                optimizer_step=step._optimizer_step,
+                strategy=trainer.strategy,
+            )
 
-    trainer = ember.Trainer(accelerator="cpu", max_steps=1, callbacks=[Spy()], logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False)
+    trainer = ember.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        callbacks=[Spy()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     assert isinstance(trainer.profiler, PassThroughProfiler)
     module = Net()
     trainer.fit(module, regression_loader(n=32, batch_size=8))

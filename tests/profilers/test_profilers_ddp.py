@@ -1,5 +1,6 @@
 """Profilers under ddp, on 2 real gloo ranks: each rank writes its own report file (named by its
 rank), and a printed report comes from rank zero only."""
+
 from __future__ import annotations
 
 import os
@@ -31,11 +32,25 @@ class Net(ember.TrainModule):
 
 
 def profiled_fit(rank: int, world: int, folder: str) -> str:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     for profiler in (SimpleProfiler(dirpath=folder, filename="perf"), SimpleProfiler()):
-        trainer = ember.Trainer(strategy=DDPStrategy(), accelerator="cpu", devices=world, max_steps=3, logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False, profiler=profiler)
+        trainer = ember.Trainer(
+            strategy=DDPStrategy(),
+            accelerator="cpu",
+            devices=world,
+            max_steps=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            profiler=profiler,
+        )
         trainer.fit(Net(), regression_loader(n=32, batch_size=4))
     return str(rank)
 
@@ -47,6 +62,7 @@ def test_each_rank_writes_its_own_report_and_rank_zero_prints(tmp_path, capfd):
     for rank in (0, 1):
         text = (tmp_path / f"fit-perf-{rank}.txt").read_text()
         assert "[Strategy]DDPStrategy.backward" in text
-        assert [line.split("|")[3].strip() for line in text.splitlines()
-                if line.startswith("|  run_training_batch")] == ["3"]
+        assert [
+            line.split("|")[3].strip() for line in text.splitlines() if line.startswith("|  run_training_batch")
+        ] == ["3"]
     assert capfd.readouterr().out.count("FIT Profiler Report") == 1  # the second fit printed, on rank zero

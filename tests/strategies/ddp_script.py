@@ -4,6 +4,7 @@ Every rank writes ``<out>/rank<r>.pt`` (weights, epoch metrics, pid) when fit re
 ``<out>/pid<r>`` as soon as it starts, so a test can check that no process outlived the job.
 ``--fail raise|kill --fail-rank r`` makes rank ``r`` raise or SIGKILL itself at step 3.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,16 +54,24 @@ class Net(ember.TrainModule):
 def loaders(batch: int) -> tuple[DataLoader, DataLoader]:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(N, 6, generator=g), torch.randn(N, 3, generator=g)
-    return (DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True),
-            DataLoader(TensorDataset(x[:13], y[:13]), batch_size=3))
+    return (
+        DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True),
+        DataLoader(TensorDataset(x[:13], y[:13]), batch_size=3),
+    )
 
 
 def train(strategy: str, devices: int, batch: int, module: Net | None = None) -> tuple[Net, ember.Trainer]:
     module = module or Net()  # before seeding: Net's own manual_seed must not move the stream
     ember.seed_everything(3)
-    trainer = ember.Trainer(strategy=strategy, devices=devices, max_epochs=2, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False,
-                            num_sanity_val_steps=0)
+    trainer = ember.Trainer(
+        strategy=strategy,
+        devices=devices,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, *loaders(batch))
     return module, trainer
 
@@ -75,12 +84,16 @@ def main() -> None:
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    module, trainer = train(args.strategy, args.devices, B,
-                            Net(args.fail, args.fail_rank, args.out))
-    torch.save({"weights": module.state_dict(), "pid": os.getpid(),
-                "world_size": trainer.world_size,
-                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
-               os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
+    module, trainer = train(args.strategy, args.devices, B, Net(args.fail, args.fail_rank, args.out))
+    torch.save(
+        {
+            "weights": module.state_dict(),
+            "pid": os.getpid(),
+            "world_size": trainer.world_size,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        },
+        os.path.join(args.out, f"rank{trainer.global_rank}.pt"),
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ lands mid-training). Steps are slowed down a little so that training outlasts an
 ``--end exit3|segv|term --end-rank r`` makes rank ``r`` end that way at step 3: ``os._exit(3)``,
 SIGSEGV, or a SIGTERM sent to itself alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,10 +65,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(STEPS * 2, 4, generator=g),
-                         torch.randn(STEPS * 2, 1, generator=g))
-    trainer = ember.Trainer(strategy=args.strategy, devices=2, accelerator="cpu", max_epochs=1,
-                            enable_progress_bar=False)
+    data = TensorDataset(torch.randn(STEPS * 2, 4, generator=g), torch.randn(STEPS * 2, 1, generator=g))
+    trainer = ember.Trainer(
+        strategy=args.strategy, devices=2, accelerator="cpu", max_epochs=1, enable_progress_bar=False
+    )
     trainer.fit(Net(args.out, args.end, args.end_rank), DataLoader(data, batch_size=1))
 
 

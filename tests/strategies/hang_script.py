@@ -12,6 +12,7 @@ and progress bar).
 Every rank writes ``<out>/pid<r>`` when fit starts, and ``<out>/done<r>`` (JSON: the watchdog's
 last deadline and slowest step) when fit returns.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,19 +77,24 @@ def main() -> None:
     if args.watchdog is not None:
         options["watchdog_timeout"] = None if args.watchdog == "none" else float(args.watchdog)
     strategy = DDPStrategy(**options) if args.devices > 1 else "auto"
-    trainer = ember.Trainer(strategy=strategy, devices=args.devices, accelerator="cpu", max_epochs=1,
-                            log_every_n_steps=1)
+    trainer = ember.Trainer(
+        strategy=strategy, devices=args.devices, accelerator="cpu", max_epochs=1, log_every_n_steps=1
+    )
     if args.grace is not None:
         trainer.preemption_grace = args.grace
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(args.steps * args.devices * 2, 4, generator=g),
-                         torch.randn(args.steps * args.devices * 2, 2, generator=g))
+    data = TensorDataset(
+        torch.randn(args.steps * args.devices * 2, 4, generator=g),
+        torch.randn(args.steps * args.devices * 2, 2, generator=g),
+    )
     module = Net(args)
     trainer.fit(module, DataLoader(data, batch_size=2))
     watchdog = getattr(trainer.strategy, "watchdog", None)
     with open(os.path.join(args.out, f"done{trainer.global_rank}"), "w") as f:
-        json.dump({"deadline": getattr(watchdog, "deadline", None),
-                   "slowest_step": getattr(watchdog, "slowest_step", None)}, f)
+        json.dump(
+            {"deadline": getattr(watchdog, "deadline", None), "slowest_step": getattr(watchdog, "slowest_step", None)},
+            f,
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """More CPU ranks than cores on one machine: a warning that says so and what to do."""
+
 from __future__ import annotations
 
 import os

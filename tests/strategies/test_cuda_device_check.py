@@ -4,6 +4,7 @@
 machine; here (no GPU) it must fail fast, before installing anything, with a clear message and a
 non-zero status. On a machine with CUDA these tests are skipped: there the script runs for real.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,15 +17,16 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.processes,
-              pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: the check runs for real there"),
-              pytest.mark.timeout(60)]
+pytestmark = [
+    pytest.mark.processes,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: the check runs for real there"),
+    pytest.mark.timeout(60),
+]
 
 
 def _run(args: list[str], **env: str) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=50,
-                          env={**os.environ, **env})
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=50, env={**os.environ, **env})
     return done, time.monotonic() - start
 
 
@@ -52,8 +54,9 @@ def test_gpu_benchmark_refuses_to_run_without_cuda():
 
 
 def test_the_cuda_suite_is_collected_and_skipped_cleanly():
-    done, _ = _run([sys.executable, "-m", "pytest", "tests/cuda", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
-                    "-rs"])
+    done, _ = _run(
+        [sys.executable, "-m", "pytest", "tests/cuda", "-p", "no:cacheprovider", "-o", "addopts=", "-q", "-rs"]
+    )
     assert done.returncode == 0, done.stdout[-3000:]
     last = done.stdout.strip().splitlines()[-1]
     assert "skipped" in last and "passed" not in last and "error" not in last, last

@@ -5,6 +5,7 @@ set), and runs several Trainer fits; rank 0 also trains with ``strategy="single"
 batch (``world * B``) for reference. One spawn per world size: the checks return numbers and the
 tests assert on them.
 """
+
 from __future__ import annotations
 
 import os
@@ -101,6 +102,7 @@ def _counting(name, original):
         if _Active.module is not None and _Active.module.comms:
             _Active.module.comms[-1][name] += 1
         return original(*args, **kwargs)
+
     wrapper._counted = True
     return wrapper
 
@@ -109,17 +111,26 @@ def loaders(world: int, global_batch: bool, val_size: int = 21) -> tuple[DataLoa
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(N, 6, generator=g), torch.randn(N, 3, generator=g)
     batch = B * world if global_batch else B
-    return (DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True),
-            DataLoader(TensorDataset(x[:val_size], y[:val_size]), batch_size=5))
+    return (
+        DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True),
+        DataLoader(TensorDataset(x[:val_size], y[:val_size]), batch_size=5),
+    )
 
 
 def fit(kind: str, world: int, strategy, **trainer_kwargs) -> tuple[Net, ember.Trainer]:
     ember.seed_everything(7)  # same global RNG on every run: the shuffle order comes from it
     module = Net(kind)
     devices = 1 if strategy == "single" else world
-    trainer = ember.Trainer(strategy=strategy, devices=devices, max_steps=STEPS, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False,
-                            num_sanity_val_steps=0, **trainer_kwargs)
+    trainer = ember.Trainer(
+        strategy=strategy,
+        devices=devices,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        **trainer_kwargs,
+    )
     trainer.fit(module, *loaders(world, strategy == "single"))
     return module, trainer
 
@@ -132,13 +143,14 @@ def diff(a, b) -> float:
 
 def parity(kind: str, rank: int, world: int, strategy_kwargs=None, **trainer_kwargs) -> dict:
     module, trainer = fit(kind, world, DDPStrategy(**(strategy_kwargs or {})), **trainer_kwargs)
-    out = {"weights": [t.detach().clone() for t in module.state_dict().values()],
-           "comms": [dict(c) for c in module.comms],
-           "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+    out = {
+        "weights": [t.detach().clone() for t in module.state_dict().values()],
+        "comms": [dict(c) for c in module.comms],
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+    }
     if rank == 0:
         alone, single = fit(kind, world, "single", **trainer_kwargs)
-        out["vs_single_weights"] = diff(list(module.state_dict().values()),
-                                        list(alone.state_dict().values()))
+        out["vs_single_weights"] = diff(list(module.state_dict().values()), list(alone.state_dict().values()))
         out["vs_single_grads"] = diff(module.grads, alone.grads)
         out["single_metrics"] = {k: float(v) for k, v in single.callback_metrics.items()}
     return out
@@ -147,12 +159,16 @@ def parity(kind: str, rank: int, world: int, strategy_kwargs=None, **trainer_kwa
 def check_user_collectives(rank: int, world: int) -> dict:
     strategy = DDPStrategy()
     t = torch.tensor(float(rank + 1))
-    return {"sum": strategy.reduce(t, "sum").item(), "mean": strategy.reduce(t, "mean").item(),
-            "max": strategy.reduce(t, "max").item(), "gather": strategy.all_gather(t).tolist(),
-            "broadcast": strategy.broadcast({"from": rank}, src=world - 1),
-            "any": strategy.reduce_boolean_decision(rank == 1, all=False),
-            "all": strategy.reduce_boolean_decision(rank == 1, all=True),
-            "input_untouched": t.item() == rank + 1}
+    return {
+        "sum": strategy.reduce(t, "sum").item(),
+        "mean": strategy.reduce(t, "mean").item(),
+        "max": strategy.reduce(t, "max").item(),
+        "gather": strategy.all_gather(t).tolist(),
+        "broadcast": strategy.broadcast({"from": rank}, src=world - 1),
+        "any": strategy.reduce_boolean_decision(rank == 1, all=False),
+        "all": strategy.reduce_boolean_decision(rank == 1, all=True),
+        "input_untouched": t.item() == rank + 1,
+    }
 
 
 CHECKS = {
@@ -168,8 +184,14 @@ CHECKS = {
 
 
 def suite(rank: int, world: int) -> dict:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     out = {}
     for name, check in CHECKS.items():
         try:
@@ -220,8 +242,7 @@ def test_epoch_metrics_are_identical_on_every_rank_and_equal_one_process(ranks):
     for r in got:
         assert r["metrics"] == got[0]["metrics"]
     # 21 validation samples do not split evenly: no padding, so the mean is the exact one.
-    assert got[0]["metrics"]["val_loss"] == pytest.approx(got[0]["single_metrics"]["val_loss"],
-                                                          rel=1e-5)
+    assert got[0]["metrics"]["val_loss"] == pytest.approx(got[0]["single_metrics"]["val_loss"], rel=1e-5)
 
 
 def test_reduce_all_gather_broadcast_for_user_code(ranks):
@@ -268,8 +289,14 @@ class OneWeight(ember.TrainModule):
 
 
 def lbfgs_with_a_rank_whose_loss_never_changes(rank: int, world: int) -> list[float]:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     # Rank 0's shard (even positions) has x = 0, y = 0: its own loss is 0 whatever the weight, so on its
     # own LBFGS would stop after one iteration while rank 1 goes on, and the ranks would call the
     # closure (and the gradient all-reduce) a different number of times.
@@ -277,8 +304,9 @@ def lbfgs_with_a_rank_whose_loss_never_changes(rank: int, world: int) -> list[fl
     y = torch.tensor([[0.0], [5.0]] * 4)
     module = OneWeight()
     torch.nn.init.zeros_(module.w.weight)
-    ember.Trainer(strategy="ddp", devices=world, max_epochs=1, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False).fit(module, DataLoader(TensorDataset(x, y), batch_size=4))
+    ember.Trainer(
+        strategy="ddp", devices=world, max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    ).fit(module, DataLoader(TensorDataset(x, y), batch_size=4))
     return module.w.weight.detach().flatten().tolist()
 
 
@@ -290,8 +318,16 @@ def test_lbfgs_ranks_decide_from_the_same_loss():
 def _cuda_rank(local_rank: int, devices: list[int], **kwargs) -> DDPStrategy:
     # Only device objects: nothing here touches CUDA, so it runs on any machine.
     strategy = DDPStrategy(accelerator="cuda", devices=[torch.device("cuda", i) for i in devices], **kwargs)
-    strategy._world = World(rank=local_rank, world_size=2, local_rank=local_rank, local_world_size=2,
-                            node_rank=0, master_addr="127.0.0.1", master_port=1, source="torchrun")
+    strategy._world = World(
+        rank=local_rank,
+        world_size=2,
+        local_rank=local_rank,
+        local_world_size=2,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=1,
+        source="torchrun",
+    )
     return strategy
 
 
@@ -302,8 +338,11 @@ def test_each_local_rank_takes_its_own_listed_device():
 
 def test_a_local_rank_beyond_the_listed_devices_is_an_error_not_a_shared_gpu():
     strategy = _cuda_rank(1, [1])
-    with pytest.raises(ValueError, match=r"local rank 1 of a ddp job with 2 process\(es\) per machine, but "
-                                         r"devices=\[1\] lists only 1 CUDA device.*devices=2"):
+    with pytest.raises(
+        ValueError,
+        match=r"local rank 1 of a ddp job with 2 process\(es\) per machine, but "
+        r"devices=\[1\] lists only 1 CUDA device.*devices=2",
+    ):
         _ = strategy.root_device
 
 

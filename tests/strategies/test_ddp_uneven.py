@@ -8,6 +8,7 @@ pay for this: their per-step collectives are counted.
 
 One spawn of two gloo ranks runs every scenario; each returns numbers the tests assert on.
 """
+
 from __future__ import annotations
 
 import glob
@@ -95,8 +96,16 @@ class PerStepCollectives(ember.callbacks.Callback):
 
 def quiet_trainer(**kwargs) -> ember.Trainer:
     kwargs.setdefault("max_epochs", 1)
-    return ember.Trainer(strategy="ddp", devices=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, num_sanity_val_steps=0, **kwargs)
+    return ember.Trainer(
+        strategy="ddp",
+        devices=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
 
 
 def fit(trainer: ember.Trainer, train, val=None) -> dict:
@@ -104,10 +113,13 @@ def fit(trainer: ember.Trainer, train, val=None) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, train, val)
-    return {"weights": [p.detach().clone() for p in module.parameters()],
-            "global_step": trainer.global_step, "epochs": trainer.current_epoch,
-            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-            "warnings": [str(w.message) for w in caught]}
+    return {
+        "weights": [p.detach().clone() for p in module.parameters()],
+        "global_step": trainer.global_step,
+        "epochs": trainer.current_epoch,
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "warnings": [str(w.message) for w in caught],
+    }
 
 
 def reference_weights(counts: list[int], epochs: int, k: int = 1, limit: int | None = None) -> list[torch.Tensor]:
@@ -122,8 +134,8 @@ def reference_weights(counts: list[int], epochs: int, k: int = 1, limit: int | N
             window = range(start, min(start + k, steps))
             opt.zero_grad()
             for i in window:
-                x = torch.cat([x[i * B:(i + 1) * B] for x, _ in streams])
-                y = torch.cat([y[i * B:(i + 1) * B] for _, y in streams])
+                x = torch.cat([x[i * B : (i + 1) * B] for x, _ in streams])
+                y = torch.cat([y[i * B : (i + 1) * B] for _, y in streams])
                 (F.mse_loss(module(x), y) / len(window)).backward()
             opt.step()
     return [p.detach().clone() for p in module.parameters()]
@@ -138,8 +150,9 @@ def uneven_default_config(rank: int, root: str) -> dict:
     # 64 and 40 samples: 32 and 20 batches. Logger, checkpointing and progress bar as by default.
     trainer = ember.Trainer(strategy="ddp", devices=2, accelerator="cpu", max_epochs=2, default_root_dir=root)
     out = fit(trainer, DataLoader(Stream([64, 40]), batch_size=B), DataLoader(Stream([10, 6], offset=1), batch_size=B))
-    out["checkpoints"] = sorted(os.path.basename(p) for p in glob.glob(os.path.join(root, "**", "*.ckpt"),
-                                                                       recursive=True))
+    out["checkpoints"] = sorted(
+        os.path.basename(p) for p in glob.glob(os.path.join(root, "**", "*.ckpt"), recursive=True)
+    )
     if rank == 0:
         out["vs_reference"] = diff(out["weights"], reference_weights([64, 40], epochs=2))
         x, y = (torch.cat(t) for t in zip(samples(0, 10, 1), samples(1, 6, 1)))
@@ -188,9 +201,11 @@ def evaluation(rank: int) -> dict:
     # 5 and 3 batches: rank 1 adds two padding batches; the epoch metric is the mean over all 16 samples.
     module = Net()
     loader = DataLoader(Stream([10, 6], offset=2), batch_size=B)
-    out = {"validate": quiet_trainer().validate(module, loader)[0]["val_loss"],
-           "test": quiet_trainer().test(module, loader)[0]["test_loss"],
-           "predict": len(quiet_trainer().predict(module, loader))}
+    out = {
+        "validate": quiet_trainer().validate(module, loader)[0]["val_loss"],
+        "test": quiet_trainer().test(module, loader)[0]["test_loss"],
+        "predict": len(quiet_trainer().predict(module, loader)),
+    }
     x, y = (torch.cat(t) for t in zip(samples(0, 10, 2), samples(1, 6, 2)))
     with torch.no_grad():
         out["reference"] = F.mse_loss(module(x), y).item()
@@ -206,8 +221,10 @@ def error_of(fn) -> str:
 
 
 def empty_rank(rank: int) -> dict:
-    return {"fit": error_of(lambda: quiet_trainer().fit(Net(), DataLoader(Stream([8, 0]), batch_size=B))),
-            "validate": error_of(lambda: quiet_trainer().validate(Net(), DataLoader(Stream([8, 0]), batch_size=B)))}
+    return {
+        "fit": error_of(lambda: quiet_trainer().fit(Net(), DataLoader(Stream([8, 0]), batch_size=B))),
+        "validate": error_of(lambda: quiet_trainer().validate(Net(), DataLoader(Stream([8, 0]), batch_size=B))),
+    }
 
 
 SCENARIOS = {
@@ -224,8 +241,14 @@ SCENARIOS = {
 
 
 def suite(rank: int, world: int, root: str) -> dict:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     out = {}
     for name, scenario in SCENARIOS.items():
         try:
@@ -284,8 +307,10 @@ def test_even_stream_under_ddp_does_not_warn(ranks):
         assert uneven_warnings(r) == []
         # The only warnings: ember cannot shard an IterableDataset (the test shards it by rank), and, on rank
         # zero, Lightning's notice that Net's validation_step has no validation data in this fit.
-        assert all("cannot be sharded" in w or "defines validation_step, but this fit has no validation data" in w
-                   for w in r["warnings"]), r["warnings"]
+        assert all(
+            "cannot be sharded" in w or "defines validation_step, but this fit has no validation data" in w
+            for w in r["warnings"]
+        ), r["warnings"]
 
 
 def test_accumulation_windows_close_together_including_the_short_last_one(ranks):

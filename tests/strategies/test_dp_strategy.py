@@ -1,4 +1,5 @@
 """strategy="dp": exact parity with "single", combined logging, errors, no thread left behind."""
+
 from __future__ import annotations
 
 import threading
@@ -20,8 +21,7 @@ class MLP(ember.TrainModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(),
-                                       torch.nn.Linear(16, 1))
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -54,8 +54,9 @@ def loader(n: int = 37, batch_size: int = 8) -> DataLoader:
 
 def fit(strategy: Any, devices: int, **kwargs: Any) -> tuple[MLP, ember.Trainer]:
     module = MLP()
-    trainer = fast_trainer(strategy=strategy, devices=devices, accelerator="cpu", max_epochs=2,
-                           num_sanity_val_steps=0, **kwargs)
+    trainer = fast_trainer(
+        strategy=strategy, devices=devices, accelerator="cpu", max_epochs=2, num_sanity_val_steps=0, **kwargs
+    )
     trainer.fit(module, loader(), loader(13, 4))
     return module, trainer
 
@@ -75,9 +76,13 @@ def test_dp_parity_with_single_accumulation_and_clipping(devices):
     assert t_dp.global_step == t_single.global_step == 6
     assert_same_weights(dp, single)
     for key in ("train_loss_epoch", "sq_sum", "sq_max", "val_loss"):
-        torch.testing.assert_close(torch.as_tensor(t_dp.callback_metrics[key]),
-                                   torch.as_tensor(t_single.callback_metrics[key]),
-                                   rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(
+            torch.as_tensor(t_dp.callback_metrics[key]),
+            torch.as_tensor(t_single.callback_metrics[key]),
+            rtol=1e-5,
+            atol=1e-6,
+            msg=key,
+        )
 
 
 def test_dp_one_graph_backward_gives_the_same_weights():
@@ -173,8 +178,7 @@ def test_one_device_is_the_plain_module():
 
 
 def test_parallel_backward_on_cuda_is_refused_before_the_module_moves():
-    strategy = DataParallelStrategy(accelerator="cuda", devices=[torch.device("cuda", 0)] * 2,
-                                    parallel_backward=True)
+    strategy = DataParallelStrategy(accelerator="cuda", devices=[torch.device("cuda", 0)] * 2, parallel_backward=True)
     module = MLP()
     with pytest.raises(ValueError, match=r"parallel_backward=True .* on cuda:0 it would deadlock"):
         strategy.setup(None, module)

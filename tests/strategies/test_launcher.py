@@ -1,6 +1,7 @@
 """Every way a ddp job starts (script re-run, torchrun on one and on two "nodes", ddp_spawn) and
 how it stops when a rank raises or is killed: within 10 s, non-zero, the rank named once, and no
 process left behind. Jobs run ``ddp_script.py`` as real programs."""
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,7 @@ def free_port() -> int:
 
 def start(command: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def finish(proc: subprocess.Popen, limit: float = 60) -> tuple[int, str]:
@@ -71,18 +71,53 @@ def test_plain_script_reruns_itself_for_the_other_ranks(tmp_path):
 
 
 def test_torchrun_nproc_per_node(tmp_path):
-    code, log = finish(start([*TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                              "--master-port", str(free_port()), SCRIPT, "--devices", "2",
-                              "--out", str(tmp_path)]))
+    code, log = finish(
+        start(
+            [
+                *TORCHRUN,
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(free_port()),
+                SCRIPT,
+                "--devices",
+                "2",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+    )
     assert code == 0, log
     assert_trained_like_single(tmp_path, 2)
 
 
 def test_torchrun_two_nodes_on_loopback(tmp_path):
     port = str(free_port())
-    nodes = [start([*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-                    "--master-addr", "127.0.0.1", "--master-port", port, SCRIPT, "--devices", "1",
-                    "--out", str(tmp_path)]) for node in (0, 1)]
+    nodes = [
+        start(
+            [
+                *TORCHRUN,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                SCRIPT,
+                "--devices",
+                "1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        for node in (0, 1)
+    ]
     for node in nodes:
         code, log = finish(node)
         assert code == 0, log
@@ -96,8 +131,7 @@ def test_ddp_spawn_hands_back_weights_and_metrics(tmp_path):
         torch.testing.assert_close(module.state_dict()[key], value, atol=1e-5, rtol=0)
     assert trainer.global_step == single.global_step > 0
     for key in ("train_loss_epoch", "val_loss"):
-        assert float(trainer.callback_metrics[key]) == pytest.approx(float(single.callback_metrics[key]),
-                                                                     rel=1e-5)
+        assert float(trainer.callback_metrics[key]) == pytest.approx(float(single.callback_metrics[key]), rel=1e-5)
 
 
 # ------------------------------------------------------------------------------ failures
@@ -105,8 +139,25 @@ def test_ddp_spawn_hands_back_weights_and_metrics(tmp_path):
 @pytest.mark.parametrize("fail", ["raise", "kill"])
 def test_a_failing_rank_stops_the_whole_job_quickly_and_is_reported_once(tmp_path, strategy, fail):
     began = time.monotonic()
-    code, log = finish(start([sys.executable, SCRIPT, "--strategy", strategy, "--devices", "2",
-                              "--fail", fail, "--fail-rank", "1", "--out", str(tmp_path)]), limit=30)
+    code, log = finish(
+        start(
+            [
+                sys.executable,
+                SCRIPT,
+                "--strategy",
+                strategy,
+                "--devices",
+                "2",
+                "--fail",
+                fail,
+                "--fail-rank",
+                "1",
+                "--out",
+                str(tmp_path),
+            ]
+        ),
+        limit=30,
+    )
     took = time.monotonic() - began
     assert code != 0, log
     assert took < 10 + 3, f"took {took:.1f} s (about 3 s of it is starting Python twice)\n{log}"
@@ -123,22 +174,41 @@ def test_a_failing_rank_stops_the_whole_job_quickly_and_is_reported_once(tmp_pat
 
 # ------------------------------------------------------------------------------ environments
 def test_detects_torchrun_slurm_and_plain_runs():
-    torchrun = launcher.detect_world({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
-                                      "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
-                                      "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+    torchrun = launcher.detect_world(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "1",
+            "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "29500",
+        }
+    )
     assert torchrun == launcher.World(3, 4, 1, 2, 1, "10.0.0.1", 29500, "torchrun")
-    slurm = launcher.detect_world({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-                                   "SLURM_NODEID": "2", "SLURM_NTASKS_PER_NODE": "4(x2)",
-                                   "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123",
-                                   "SLURM_JOB_NAME": "train"})
+    slurm = launcher.detect_world(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "2",
+            "SLURM_NTASKS_PER_NODE": "4(x2)",
+            "SLURM_NODELIST": "gpu[07-08]",
+            "SLURM_JOB_ID": "123",
+            "SLURM_JOB_NAME": "train",
+        }
+    )
     assert slurm == launcher.World(5, 8, 1, 4, 2, "gpu07", 15123, "slurm")
-    assert launcher.detect_world({"SLURM_PROCID": "0", "SLURM_NTASKS": "2",
-                                  "SLURM_JOB_NAME": "bash"}) is None  # an interactive allocation
+    assert (
+        launcher.detect_world({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NAME": "bash"}) is None
+    )  # an interactive allocation
     assert launcher.detect_world({}) is None
 
 
-@pytest.mark.parametrize("nodelist, first", [("node7", "node7"), ("gpu[03-05,9],cpu1", "gpu03"),
-                                             ("a[1],b[2-3]", "a1"), ("host-1,host-2", "host-1")])
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [("node7", "node7"), ("gpu[03-05,9],cpu1", "gpu03"), ("a[1],b[2-3]", "a1"), ("host-1,host-2", "host-1")],
+)
 def test_first_host_of_a_slurm_node_list(nodelist, first):
     assert launcher.first_host(nodelist) == first
 
@@ -148,9 +218,12 @@ def test_store_listens_on_loopback_only():
 
     store = launcher.loopback_store(datetime.timedelta(seconds=5))
     port = f":{store.port:04X}"
-    listening = [line.split()[1] for name in ("/proc/net/tcp", "/proc/net/tcp6")
-                 for line in Path(name).read_text().splitlines()[1:]
-                 if line.split()[1].endswith(port) and line.split()[3] == "0A"]
+    listening = [
+        line.split()[1]
+        for name in ("/proc/net/tcp", "/proc/net/tcp6")
+        for line in Path(name).read_text().splitlines()[1:]
+        if line.split()[1].endswith(port) and line.split()[3] == "0A"
+    ]
     assert listening == ["0100007F" + port], listening  # 127.0.0.1, not every interface
     del store
 
@@ -173,21 +246,30 @@ def test_peer_failures_are_recognised():
 def test_ddp_spawn_explains_what_could_not_be_pickled():
     train, _ = ddp_script.loaders(4)
     unpicklable = torch.utils.data.DataLoader(train.dataset, batch_size=4, collate_fn=lambda b: b)
-    trainer = ddp_script.ember.Trainer(strategy="ddp_spawn", devices=2, max_epochs=1, logger=False,
-                                       enable_checkpointing=False, enable_progress_bar=False)
+    trainer = ddp_script.ember.Trainer(
+        strategy="ddp_spawn",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     with pytest.raises(RuntimeError, match="ddp_spawn.*pickling.*strategy='ddp'"):
         trainer.fit(ddp_script.Net(), unpicklable)
 
 
 def test_ddp_spawn_of_a_script_read_from_stdin_says_to_save_it(tmp_path):
     # Its workers would re-import the main module from a file that does not exist and die at start-up.
-    script = ("import torch, ember\nfrom tests.helpers.models import BoringModel, regression_loader\n"
-              "t = ember.Trainer(strategy='ddp_spawn', devices=2, max_epochs=1, logger=False, "
-              "enable_checkpointing=False, enable_progress_bar=False)\n"
-              "t.fit(BoringModel(), regression_loader())\n")
+    script = (
+        "import torch, ember\nfrom tests.helpers.models import BoringModel, regression_loader\n"
+        "t = ember.Trainer(strategy='ddp_spawn', devices=2, max_epochs=1, logger=False, "
+        "enable_checkpointing=False, enable_progress_bar=False)\n"
+        "t.fit(BoringModel(), regression_loader())\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-"], input=script, cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-"], input=script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 1
     assert "'<stdin>' is not a file (a script read from stdin?). Save the script to a file" in done.stderr
 

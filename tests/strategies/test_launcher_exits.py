@@ -7,6 +7,7 @@ program in a fresh directory, with ``strategy="ddp"`` (the script re-runs itself
 rank stop at a step boundary, writes ``last.ckpt`` and exits 143; Ctrl-C ends the launching process
 by SIGINT (a shell's 130). Each job runs in its own session, killed as a group whatever happens.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,9 +33,15 @@ class Job:
     def __init__(self, workdir: Path, *args: str) -> None:
         self.workdir = workdir
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, SCRIPT, "--out", str(workdir), *args],
-                                     cwd=workdir, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, SCRIPT, "--out", str(workdir), *args],
+            cwd=workdir,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
     def wait_until_training(self, limit: float = 45) -> None:
         """Returns once both ranks have taken a few steps."""
@@ -90,10 +97,10 @@ def assert_preempted(workdir: Path, code: int, log: str) -> None:
 
 # ------------------------------------------------------------------------------ no traceback
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
-@pytest.mark.parametrize("end, said", [("exit3", "rank 1 exited with status 3"),
-                                       ("segv", "rank 1 was killed by signal 11 (SIGSEGV)")])
-def test_a_rank_that_ends_without_a_traceback_is_named_and_the_job_exits_1(job, tmp_path, strategy,
-                                                                          end, said):
+@pytest.mark.parametrize(
+    "end, said", [("exit3", "rank 1 exited with status 3"), ("segv", "rank 1 was killed by signal 11 (SIGSEGV)")]
+)
+def test_a_rank_that_ends_without_a_traceback_is_named_and_the_job_exits_1(job, tmp_path, strategy, end, said):
     code, log = job("--strategy", strategy, "--end", end, "--end-rank", "1").finish()
     assert code == 1, log
     assert log.count(said) == 1, log

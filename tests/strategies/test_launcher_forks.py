@@ -1,6 +1,7 @@
 """A process forked after ember joined the process group (a DataLoader worker, say) drops its copies
 of the group's connections, so a rank killed with SIGKILL is seen gone by its peers at once rather
 than when its orphaned loader workers exit; the parent's group keeps working."""
+
 from __future__ import annotations
 
 import datetime
@@ -29,8 +30,9 @@ def _fork_and_look(rank: int, world_size: int) -> tuple[list[int], list[int], fl
     store = dist.distributed_c10d._get_default_store()
     dist.destroy_process_group()  # the helper's own group; join again the way ember's ddp does
     world = launcher.World(rank, world_size, rank, world_size, 0, "127.0.0.1", 0, "torchrun")
-    launcher.Launcher(world, datetime.timedelta(seconds=30), store=dist.PrefixStore("again", store)) \
-        .init_process_group("gloo")
+    launcher.Launcher(world, datetime.timedelta(seconds=30), store=dist.PrefixStore("again", store)).init_process_group(
+        "gloo"
+    )
     ours = sorted(launcher._group_sockets)
     r, w = os.pipe()
     pid = os.fork()

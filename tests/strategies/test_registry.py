@@ -1,4 +1,5 @@
 """The strategy registry: built-in names, clear errors, and third-party strategies registered by name."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The resumable sampler swap (ember.strategies.resumable)."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,12 +22,32 @@ def test_swap_keeps_every_loader_setting():
     def init(worker_id):
         pass
 
-    user = DataLoader(ds(), batch_size=3, shuffle=True, num_workers=2, collate_fn=collate, drop_last=True,
-                      worker_init_fn=init, persistent_workers=True, prefetch_factor=3, timeout=7)
+    user = DataLoader(
+        ds(),
+        batch_size=3,
+        shuffle=True,
+        num_workers=2,
+        collate_fn=collate,
+        drop_last=True,
+        worker_init_fn=init,
+        persistent_workers=True,
+        prefetch_factor=3,
+        timeout=7,
+    )
     swapped = make_resumable(user)
     assert isinstance(swapped, DataLoader) and swapped is not user
-    for attr in ("dataset", "batch_size", "num_workers", "collate_fn", "drop_last", "worker_init_fn",
-                 "persistent_workers", "prefetch_factor", "timeout", "pin_memory"):
+    for attr in (
+        "dataset",
+        "batch_size",
+        "num_workers",
+        "collate_fn",
+        "drop_last",
+        "worker_init_fn",
+        "persistent_workers",
+        "prefetch_factor",
+        "timeout",
+        "pin_memory",
+    ):
         assert getattr(swapped, attr) == getattr(user, attr), attr
     sampler = resumable_sampler_of(swapped)
     assert isinstance(sampler, ShardedSampler) and sampler.shuffle and sampler.num_replicas == 1
@@ -34,14 +55,19 @@ def test_swap_keeps_every_loader_setting():
     assert not isinstance(make_resumable(DataLoader(ds(), batch_size=3)).sampler, SequentialSampler)
 
 
-@pytest.mark.parametrize("make, reason", [
-    (lambda: type("Sub", (DataLoader,), {})(ds(), batch_size=2), "not a plain torch DataLoader"),
-    (lambda: DataLoader(type("It", (IterableDataset,), {"__iter__": lambda s: iter([1])})(), batch_size=2),
-     "IterableDataset"),
-    (lambda: DataLoader(ds(), batch_size=None), "batch_size=None"),
-    (lambda: DataLoader(ds(), sampler=list(range(10)), batch_size=2), "custom sampler"),
-    (lambda: DataLoader(ds(), batch_sampler=[[0, 1], [2, 3]]), "custom batch_sampler"),
-])
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda: type("Sub", (DataLoader,), {})(ds(), batch_size=2), "not a plain torch DataLoader"),
+        (
+            lambda: DataLoader(type("It", (IterableDataset,), {"__iter__": lambda s: iter([1])})(), batch_size=2),
+            "IterableDataset",
+        ),
+        (lambda: DataLoader(ds(), batch_size=None), "batch_size=None"),
+        (lambda: DataLoader(ds(), sampler=list(range(10)), batch_size=2), "custom sampler"),
+        (lambda: DataLoader(ds(), batch_sampler=[[0, 1], [2, 3]]), "custom batch_sampler"),
+    ],
+)
 def test_loaders_that_cannot_be_rebuilt_are_left_alone(make, reason):
     loader = make()
     assert reason in why_not_swappable(loader)

@@ -1,4 +1,5 @@
 """ShardedSampler: disjoint shards of one global order, padding policy, epochs, resuming."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,8 +39,8 @@ def test_batch_k_of_all_ranks_is_batch_k_of_one_process_with_the_global_batch(n,
     order = ShardedSampler(n, 1, 0, seed=7).global_order()
     parts = shards(n, world, seed=7, even=False)
     for k in range(-(-n // (world * b))):
-        together = sorted(i for p in parts for i in p[k * b:(k + 1) * b])
-        assert together == sorted(order[k * world * b:(k + 1) * world * b])
+        together = sorted(i for p in parts for i in p[k * b : (k + 1) * b])
+        assert together == sorted(order[k * world * b : (k + 1) * world * b])
 
 
 @settings(max_examples=60, deadline=None)
@@ -47,15 +48,20 @@ def test_batch_k_of_all_ranks_is_batch_k_of_one_process_with_the_global_batch(n,
 def test_eval_shards_with_a_batch_size_give_every_rank_the_same_batches(n, world, b, drop_last, shuffle):
     if n < world:
         return  # the ddp strategy refuses this (each rank needs a sample)
-    samplers = [ShardedSampler(n, world, r, shuffle=shuffle, seed=1, even=False, batch_size=b, drop_last=drop_last)
-                for r in range(world)]
-    loaders = [list(torch.utils.data.DataLoader(range(n), batch_size=b, drop_last=drop_last, sampler=s))
-               for s in samplers]
+    samplers = [
+        ShardedSampler(n, world, r, shuffle=shuffle, seed=1, even=False, batch_size=b, drop_last=drop_last)
+        for r in range(world)
+    ]
+    loaders = [
+        list(torch.utils.data.DataLoader(range(n), batch_size=b, drop_last=drop_last, sampler=s)) for s in samplers
+    ]
     assert len({len(batches) for batches in loaders}) == 1  # every rank runs the same steps
     assert [len(s) for s in samplers] == [len(list(s)) for s in samplers]
     real = [batches[: s.real_batches] for s, batches in zip(samplers, loaders)]
-    unpadded = [list(torch.utils.data.DataLoader(range(n), batch_size=b, drop_last=drop_last, sampler=p))
-                for p in shards(n, world, shuffle=shuffle, seed=1, even=False)]
+    unpadded = [
+        list(torch.utils.data.DataLoader(range(n), batch_size=b, drop_last=drop_last, sampler=p))
+        for p in shards(n, world, shuffle=shuffle, seed=1, even=False)
+    ]
     # Before the padding batch, each rank's batches are exactly its unpadded shard's.
     assert [[t.tolist() for t in batches] for batches in real] == [[t.tolist() for t in u] for u in unpadded]
     for s, batches in zip(samplers, loaders):
@@ -68,9 +74,14 @@ def test_eval_shards_with_a_batch_size_give_every_rank_the_same_batches(n, world
 
 
 def test_eval_padding_needs_a_batch_size_and_never_touches_training_shards():
-    assert [len(s) for s in (ShardedSampler(33, 2, 1, even=False),
-                             ShardedSampler(33, 2, 1, even=False, batch_size=4),
-                             ShardedSampler(33, 2, 1, even=True, batch_size=4))] == [16, 17, 17]
+    assert [
+        len(s)
+        for s in (
+            ShardedSampler(33, 2, 1, even=False),
+            ShardedSampler(33, 2, 1, even=False, batch_size=4),
+            ShardedSampler(33, 2, 1, even=True, batch_size=4),
+        )
+    ] == [16, 17, 17]
     assert list(ShardedSampler(33, 2, 1, shuffle=False, even=False, batch_size=4))[-1] == 0
     assert ShardedSampler(33, 2, 1, even=True, batch_size=4).real_batches is None
 

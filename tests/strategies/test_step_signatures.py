@@ -1,6 +1,7 @@
 """``def training_step(self, batch)`` (no ``batch_idx``) works as in Lightning 2.6.6, where the step's
 signature decides whether ``batch_idx`` is passed: a step with fewer than two parameters
 and no ``batch_idx`` / ``*args`` gets the batch alone."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -40,8 +41,16 @@ class NoIndex(ember.TrainModule):
 @pytest.mark.parametrize("strategy, devices", [("single", 1), ("dp", 2)])
 def test_steps_without_batch_idx(strategy, devices):
     module = NoIndex()
-    trainer = ember.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0)
+    trainer = ember.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, _loader(), _loader())
     assert trainer.global_step == 2
     replicas = devices if strategy == "dp" else 1
@@ -67,12 +76,25 @@ def test_which_signatures_take_batch_idx():
 def _ddp_rank(rank: int, world: int) -> list[tuple[str, int]]:
     import os
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     module = NoIndex()
-    ember.Trainer(strategy="ddp", accelerator="cpu", devices=world, max_epochs=1, logger=False,
-                  enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0).fit(
-        module, _loader(16), _loader(16))
+    ember.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=world,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+    ).fit(module, _loader(16), _loader(16))
     return module.seen
 
 

@@ -7,6 +7,7 @@ the rank waits in, so the gradients still come out averaged across ranks; inside
 ``no_backward_sync`` it runs with nothing communicated; before ``setup`` (no wrapper) it is simply
 called. The callables here double the loss and count their calls, so the gradients show which ran.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace

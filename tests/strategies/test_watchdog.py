@@ -7,6 +7,7 @@ in a fresh directory (default logger and checkpoints): a rank that sleeps for go
 collective timeout and within the default deadline otherwise; a healthy job whose steps are slow
 is not stopped; a collective that times out names the rank that did not arrive.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,9 +67,19 @@ class Ranks:
     def __init__(self, floor: float | None = 5.0, timeout: float = 1800.0) -> None:
         store = dist.HashStore()
         self.beacons = [wd.Beacon(), wd.Beacon()]
-        self.dogs = [wd.Watchdog(store, r, 2, self.beacons[r], floor=floor, timeout=timeout,
-                                 progress=lambda: {"stage": "fitting", "step": 3, "epoch": 0}, run="test")
-                     for r in range(2)]
+        self.dogs = [
+            wd.Watchdog(
+                store,
+                r,
+                2,
+                self.beacons[r],
+                floor=floor,
+                timeout=timeout,
+                progress=lambda: {"stage": "fitting", "step": 3, "epoch": 0},
+                run="test",
+            )
+            for r in range(2)
+        ]
         self.verdicts: list[tuple[int, dict]] = []
         for r, dog in enumerate(self.dogs):
             dog._act = lambda verdict, r=r: self.verdicts.append((r, verdict))
@@ -174,8 +185,7 @@ def test_without_a_blocking_collective_the_rank_behind_is_named():
     verdict = ranks.verdicts[0][1]
     assert ranks.verdicts[0][0] == 0 and verdict["dump"] == [1]
     assert "rank 1 is stuck in training_step at step 3 (epoch 0, batch 3)" in verdict["summary"]
-    assert "Rank 0 is ahead, at step 3 (epoch 0, batch 3), and has made no progress for 6 s" \
-        in verdict["summary"]
+    assert "Rank 0 is ahead, at step 3 (epoch 0, batch 3), and has made no progress for 6 s" in verdict["summary"]
 
 
 @pytest.mark.parametrize("rank1", ["level", "waiting", "evaluating"])
@@ -208,8 +218,7 @@ def test_no_verdicts_when_turned_off_but_a_timeout_still_names_the_missing_rank(
     ranks.dogs[0]._await = lambda counter, expected: asked.append((counter, expected))
     message = ranks.dogs[0].explain_timeout(GRADIENTS)
     assert message.startswith("rank 1 is stuck in training_step at step 3 (epoch 0, batch 3)")
-    assert f"did not arrive at {GRADIENTS}, where rank 0 waited for it until the collective timeout (8 s)" \
-        in message
+    assert f"did not arrive at {GRADIENTS}, where rank 0 waited for it until the collective timeout (8 s)" in message
     assert "rank 0 is" not in message  # the rank that waited is never the one blamed
     assert asked == [("request/1/answered", 1)]  # rank 1 was asked for its stack
 
@@ -250,8 +259,14 @@ def test_acting_on_a_verdict_prints_the_stack_and_exits(capfd, monkeypatch):
 # ------------------------------------------------------------------------------ real jobs
 def start(out: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, SCRIPT, "--out", str(out), *args], cwd=out, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, "--out", str(out), *args],
+        cwd=out,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen, limit: float) -> tuple[int, str]:
@@ -274,8 +289,9 @@ def hang_began(out: Path, rank: int, proc: subprocess.Popen) -> float:
 
 
 def assert_names_rank_1_with_its_stack(log: str) -> None:
-    assert "[ember ddp] rank 0: stopping the job: rank 1 is stuck in training_step at step 3 " \
-           "(epoch 0, batch 3)" in log, log
+    assert (
+        "[ember ddp] rank 0: stopping the job: rank 1 is stuck in training_step at step 3 (epoch 0, batch 3)" in log
+    ), log
     assert "[ember ddp] rank 1: Python stack" in log, log
     assert STACK_LINE.search(log), log
     assert "Traceback" not in log, log  # no rank reports the stop as an error of its own
@@ -306,8 +322,10 @@ def test_under_ddp_spawn_the_callers_error_is_the_watchdogs_verdict(tmp_path):
     # The caller raises once (its own traceback), with the watchdog's verdict as the message.
     assert log.count("Traceback") == 1, log
     last = log.strip().splitlines()[-1]
-    assert last.startswith("RuntimeError: [ember ddp] rank 0 (watchdog): stopping the job: rank 1 is stuck in "
-                           "training_step at step 3 (epoch 0, batch 3)"), log
+    assert last.startswith(
+        "RuntimeError: [ember ddp] rank 0 (watchdog): stopping the job: rank 1 is stuck in "
+        "training_step at step 3 (epoch 0, batch 3)"
+    ), log
     assert last.endswith("(backward); the job was stopped."), last
     assert_processes_gone(tmp_path, count=2)
 
@@ -333,9 +351,10 @@ def test_a_collective_timeout_names_the_rank_that_did_not_arrive(tmp_path):
     proc = start(tmp_path, "--hang-rank", "1", "--timeout", "5", "--watchdog", "none")
     code, log = finish(proc, limit=40)
     assert code == 1, log
-    assert ("CollectiveTimeout: rank 1 is stuck in training_step at step 3 (epoch 0, batch 3)" in log
-            and f"It did not arrive at {GRADIENTS}, where rank 0 waited for it until the collective "
-                "timeout (5 s)." in log), log
+    assert (
+        "CollectiveTimeout: rank 1 is stuck in training_step at step 3 (epoch 0, batch 3)" in log
+        and f"It did not arrive at {GRADIENTS}, where rank 0 waited for it until the collective timeout (5 s)." in log
+    ), log
     assert STACK_LINE.search(log), log  # rank 1 printed its stack when asked
     assert "Timed out waiting" not in log.split("CollectiveTimeout")[-1]  # gloo's words are only the cause
     assert_processes_gone(tmp_path, count=2)

@@ -9,6 +9,7 @@ Runs in OUT_DIR with the default logger and checkpointing (ModelCheckpoint every
 restarts resume the way a user's job does. Attempts are counted in OUT_DIR/attempts (one line per
 start of rank 0), and attempt i is killed at the i-th step of --kill-at; only the first is signalled.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,9 @@ class Net(ember.TrainModule):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         self.args = args
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1),
-                                       torch.nn.Linear(32, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
+        )
 
     def training_step(self, batch, batch_idx):
         a, rank, step, n = self.args, self.global_rank, self.trainer.global_step, attempt(self.args.out)
@@ -62,8 +64,12 @@ class Net(ember.TrainModule):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
-    p.add_argument("--kill-at", type=lambda v: [int(s) for s in v.split(",")], default=[],
-                   help="the step at which attempt 0, 1, ... is killed: 7 or 7,15")
+    p.add_argument(
+        "--kill-at",
+        type=lambda v: [int(s) for s in v.split(",")],
+        default=[],
+        help="the step at which attempt 0, 1, ... is killed: 7 or 7,15",
+    )
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--signal-at", type=int, default=-1)
     p.add_argument("--workers", type=int, default=0)
@@ -80,13 +86,17 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(96, 8, generator=g)
     data = TensorDataset(x, x.sum(1, keepdim=True).sin())
-    loader = DataLoader(data, batch_size=8, shuffle=True, num_workers=args.workers,
-                        persistent_workers=args.workers > 0)
+    loader = DataLoader(data, batch_size=8, shuffle=True, num_workers=args.workers, persistent_workers=args.workers > 0)
     module = Net(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    trainer = ember.Trainer(max_epochs=args.epochs, strategy="ddp" if world > 1 else "auto", devices=world,
-                            enable_progress_bar=False, log_every_n_steps=2,
-                            callbacks=[ModelCheckpoint(every_n_train_steps=args.every, save_top_k=-1)])
+    trainer = ember.Trainer(
+        max_epochs=args.epochs,
+        strategy="ddp" if world > 1 else "auto",
+        devices=world,
+        enable_progress_bar=False,
+        log_every_n_steps=2,
+        callbacks=[ModelCheckpoint(every_n_train_steps=args.every, save_top_k=-1)],
+    )
     trainer.fit(module, loader, ckpt_path="auto" if args.auto else None)
     if trainer.is_global_zero:
         torch.save(module.state_dict(), "final.pt")

@@ -1,4 +1,5 @@
 """One test (or a few) per Trainer argument: what it changes in a real fit."""
+
 from __future__ import annotations
 
 import os
@@ -139,13 +140,16 @@ def test_accumulate_grad_batches_global_step(k, steps):
 
 
 # ---------------------------------------------------------------------- validation cadence
-@pytest.mark.parametrize("interval,expected", [
-    (1.0, [(0, 8), (1, 8)]),
-    (0.5, [(0, 4), (0, 8), (1, 4), (1, 8)]),
-    (0.25, [(0, 2), (0, 4), (0, 6), (0, 8), (1, 2), (1, 4), (1, 6), (1, 8)]),
-    (3, [(0, 3), (0, 6), (1, 3), (1, 6)]),
-    (8, [(0, 8), (1, 8)]),
-])
+@pytest.mark.parametrize(
+    "interval,expected",
+    [
+        (1.0, [(0, 8), (1, 8)]),
+        (0.5, [(0, 4), (0, 8), (1, 4), (1, 8)]),
+        (0.25, [(0, 2), (0, 4), (0, 6), (0, 8), (1, 2), (1, 4), (1, 6), (1, 8)]),
+        (3, [(0, 3), (0, 6), (1, 3), (1, 6)]),
+        (8, [(0, 8), (1, 8)]),
+    ],
+)
 def test_val_check_interval(interval, expected):
     _, c = fit(n_train=64, max_epochs=2, val_check_interval=interval, limit_val_batches=1)
     assert c.val_runs == expected
@@ -159,8 +163,11 @@ def test_val_check_interval_int_across_epochs_with_check_val_every_n_epoch_none(
 
 
 def test_val_check_interval_larger_than_the_epoch_is_an_error():
-    with pytest.raises(ValueError, match=r"val_check_interval=10 is larger than the 4 training batches.*"
-                                         r"check_val_every_n_epoch=None"):
+    with pytest.raises(
+        ValueError,
+        match=r"val_check_interval=10 is larger than the 4 training batches.*"
+        r"check_val_every_n_epoch=None",
+    ):
         fit(val_check_interval=10)
 
 
@@ -208,8 +215,9 @@ def test_int_limit_larger_than_a_stream_without_length():
     # The stream has 5 batches, the limit allows 10: the epoch still ends (and validates, and closes its
     # accumulation window) when the stream runs out.
     counter = Counter()
-    trainer = fast_trainer(callbacks=[counter], max_epochs=2, accumulate_grad_batches=2, limit_train_batches=10,
-                           num_sanity_val_steps=0)
+    trainer = fast_trainer(
+        callbacks=[counter], max_epochs=2, accumulate_grad_batches=2, limit_train_batches=10, num_sanity_val_steps=0
+    )
     trainer.fit(BoringModel(), UnsizedBatches(n=40), regression_loader(n=8))
     assert len(counter.train) == 10
     assert trainer.global_step == 6  # windows of 2, 2 and 1 in each epoch
@@ -304,8 +312,14 @@ def test_log_every_n_steps_bad_value(bad):
 def test_fast_dev_run_true_runs_one_batch_of_each_without_loggers():
     logger = RecordingLogger()
     counter = Counter()
-    trainer = ember.Trainer(fast_dev_run=True, logger=logger, callbacks=[counter], enable_progress_bar=False,
-                            max_epochs=10, num_sanity_val_steps=2)
+    trainer = ember.Trainer(
+        fast_dev_run=True,
+        logger=logger,
+        callbacks=[counter],
+        enable_progress_bar=False,
+        max_epochs=10,
+        num_sanity_val_steps=2,
+    )
     # As Lightning: the loggers given are replaced by one DummyLogger, which writes nothing.
     assert [type(lg).__name__ for lg in trainer.loggers] == ["DummyLogger"] and logger not in trainer.callbacks
     trainer.fit(BoringModel(), regression_loader(), regression_loader())

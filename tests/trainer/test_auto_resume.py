@@ -1,5 +1,6 @@
 """fit(ckpt_path="auto") and the automatic resume of a restarted torchrun / SLURM job, in one process
 (the real restarts are in test_elastic.py)."""
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,14 @@ def no_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def trainer(root: Path, epochs: int, **kwargs) -> ember.Trainer:
     kwargs.setdefault("callbacks", [ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)])
-    return ember.Trainer(max_epochs=epochs, default_root_dir=str(root), enable_progress_bar=False,
-                         enable_model_summary=False, log_every_n_steps=1, **kwargs)
+    return ember.Trainer(
+        max_epochs=epochs,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        **kwargs,
+    )
 
 
 def fit(root: Path, epochs: int, ckpt_path=None, **kwargs) -> ember.Trainer:
@@ -45,14 +52,17 @@ def fit(root: Path, epochs: int, ckpt_path=None, **kwargs) -> ember.Trainer:
 def test_restart_and_job_key_from_the_environment() -> None:
     assert auto_resume.restart({}) is None
     assert auto_resume.restart({"TORCHELASTIC_RESTART_COUNT": "0", "SLURM_RESTART_COUNT": ""}) is None
-    assert auto_resume.restart({"TORCHELASTIC_RESTART_COUNT": "2"}) == \
-        "torchrun restart 2 (TORCHELASTIC_RESTART_COUNT=2)"
+    assert (
+        auto_resume.restart({"TORCHELASTIC_RESTART_COUNT": "2"}) == "torchrun restart 2 (TORCHELASTIC_RESTART_COUNT=2)"
+    )
     assert auto_resume.restart({"SLURM_RESTART_COUNT": "1"}) == "SLURM requeue 1 (SLURM_RESTART_COUNT=1)"
     assert auto_resume.job_key({}) is None
     assert auto_resume.job_key({"SLURM_JOB_ID": "17"}) == "slurm:17"
     # A requeue keeps the job id; an array task is named by its array job and task.
-    assert auto_resume.job_key({"SLURM_JOB_ID": "20", "SLURM_ARRAY_JOB_ID": "19", "SLURM_ARRAY_TASK_ID": "1"}) == \
-        "slurm:19_1"
+    assert (
+        auto_resume.job_key({"SLURM_JOB_ID": "20", "SLURM_ARRAY_JOB_ID": "19", "SLURM_ARRAY_TASK_ID": "1"})
+        == "slurm:19_1"
+    )
     a = auto_resume.job_key({"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_RUN_ID": "none"})
     b = auto_resume.job_key({"TORCHELASTIC_RESTART_COUNT": "3", "TORCHELASTIC_RUN_ID": "none"})
     assert a == b and a is not None and a.startswith("torchrun:none:")  # the same agent: the same job
@@ -87,8 +97,12 @@ def test_auto_skips_weights_only_exception_and_unreadable_files(tmp_path: Path, 
     torch.save({**state, "weights_only": True}, ck / "weights.ckpt")
     torch.save(state, ck / "on_exception.ckpt")
     with pytest.warns(UserWarning, match="zz-garbage.ckpt .* cannot be read"):
-        t = fit(tmp_path, 1, ckpt_path="auto",
-                callbacks=[ModelCheckpoint(dirpath=str(ck), every_n_train_steps=2, save_top_k=-1)])
+        t = fit(
+            tmp_path,
+            1,
+            ckpt_path="auto",
+            callbacks=[ModelCheckpoint(dirpath=str(ck), every_n_train_steps=2, save_top_k=-1)],
+        )
     assert t.ckpt_path == str(good)
     assert f"resuming from {good} (epoch 0, global step 2)" in capfd.readouterr().err
 
@@ -116,8 +130,10 @@ def test_a_restart_never_takes_another_jobs_checkpoint(tmp_path: Path, monkeypat
     monkeypatch.setenv("SLURM_JOB_ID", "8")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # job 8 restarted before writing any checkpoint
     t = fit(tmp_path, 1)
-    assert "SLURM requeue 1 (SLURM_RESTART_COUNT=1): no checkpoint of this job yet; starting from scratch" in \
-        capfd.readouterr().err
+    assert (
+        "SLURM requeue 1 (SLURM_RESTART_COUNT=1): no checkpoint of this job yet; starting from scratch"
+        in capfd.readouterr().err
+    )
     assert t.ckpt_path is None and t.global_step == 4
 
 
@@ -163,7 +179,8 @@ def test_auto_skips_a_newest_file_that_fails_its_checksum(tmp_path: Path, capfd)
     assert sorted(skipped) == sorted(
         f"Skipping {ck / name} while looking for a checkpoint to resume from: it is corrupt: record "
         f"'{record}' fails its checksum. Trying the next most recent one."
-        for name in ("last.ckpt", "epoch=0-step=4.ckpt"))
+        for name in ("last.ckpt", "epoch=0-step=4.ckpt")
+    )
     assert t.ckpt_path == str(ck / "epoch=0-step=2.ckpt")
     assert f"resuming from {ck / 'epoch=0-step=2.ckpt'} (epoch 0, global step 2)" in capfd.readouterr().err
     ref = fit(tmp_path / "ref", 3)
@@ -190,11 +207,17 @@ def test_last_skips_a_dangling_link_for_the_good_last_beside_it(tmp_path: Path) 
     fit(tmp_path, 1, callbacks=[ModelCheckpoint(dirpath=str(ck), save_last="link")])
     fit(tmp_path, 1, callbacks=[ModelCheckpoint(dirpath=str(ck))])  # a second run: last-v1.ckpt
     (ck / os.readlink(ck / "last.ckpt")).unlink()  # the file the first run's link points to
-    with pytest.warns(UserWarning, match=rf"ckpt_path='last' skips {re.escape(str(ck / 'last.ckpt'))}, a symbolic "
-                      r"link to 'epoch=0-step=4.ckpt', which does not exist \(the checkpoint it pointed to"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"ckpt_path='last' skips {re.escape(str(ck / 'last.ckpt'))}, a symbolic "
+        r"link to 'epoch=0-step=4.ckpt', which does not exist \(the checkpoint it pointed to",
+    ):
         t = fit(tmp_path, 2, ckpt_path="last", callbacks=[ModelCheckpoint(dirpath=str(ck))])
     assert t.ckpt_path == str(ck / "last-v1.ckpt") and t.global_step == 8
     os.remove(ck / "last-v1.ckpt")
-    with pytest.raises(CheckpointNotFoundError, match=r"ckpt_path='last': .*last.ckpt is a symbolic link to "
-                       r"'epoch=0-step=4.ckpt', which does not exist .* and there is no other last checkpoint"):
+    with pytest.raises(
+        CheckpointNotFoundError,
+        match=r"ckpt_path='last': .*last.ckpt is a symbolic link to "
+        r"'epoch=0-step=4.ckpt', which does not exist .* and there is no other last checkpoint",
+    ):
         fit(tmp_path, 2, ckpt_path="last", callbacks=[ModelCheckpoint(dirpath=str(ck))])

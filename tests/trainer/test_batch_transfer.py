@@ -1,4 +1,5 @@
 """Moving batches to the device (and casting them for 64-true), and inferring their size for self.log."""
+
 from __future__ import annotations
 
 import collections

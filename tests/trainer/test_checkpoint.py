@@ -1,4 +1,5 @@
 """Checkpoint contents, atomic writes, validated loading and its errors, RNG state, load_from_checkpoint."""
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,9 @@ class Net(ember.TrainModule):
 
 def loader() -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)), batch_size=4,
-                      shuffle=True)
+    return DataLoader(
+        TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)), batch_size=4, shuffle=True
+    )
 
 
 def trained(tmp_path, module: ember.TrainModule | None = None, **kw: Any) -> tuple[ember.TrainModule, ember.Trainer]:
@@ -59,8 +61,10 @@ def ckpt_file(tmp_path) -> str:
 
 
 def snapshot(directory) -> dict[str, tuple[int, bytes]]:
-    return {n: (os.stat(os.path.join(directory, n)).st_mtime_ns, open(os.path.join(directory, n), "rb").read())
-            for n in sorted(os.listdir(directory))}
+    return {
+        n: (os.stat(os.path.join(directory, n)).st_mtime_ns, open(os.path.join(directory, n), "rb").read())
+        for n in sorted(os.listdir(directory))
+    }
 
 
 # ---------------------------------------------------------------------------------------------- contents
@@ -113,8 +117,12 @@ def test_module_and_callback_hooks_add_and_read_keys(tmp_path):
     trained(tmp_path, Hooked(), callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c")), CB()])
     assert torch.load(tmp_path / "c" / "last.ckpt", weights_only=True)["cb_extra"] == 5
     cb = CB()
-    t = ember.Trainer(max_epochs=3, enable_progress_bar=False, logger=False,
-                      callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c")), cb])
+    t = ember.Trainer(
+        max_epochs=3,
+        enable_progress_bar=False,
+        logger=False,
+        callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c")), cb],
+    )
     t.fit(Hooked(), loader(), ckpt_path=str(tmp_path / "c" / "last.ckpt"))
     assert torch.equal(Hooked.loaded, torch.ones(2))
     assert cb.count == 3  # 2 restored + 1 more epoch
@@ -177,7 +185,8 @@ def test_save_weights_only_and_validate_from_checkpoint(tmp_path):
     assert ckpt["weights_only"] and "optimizer_states" not in ckpt
     with pytest.raises(CheckpointError, match="weights only"):
         ember.Trainer(max_epochs=3, enable_progress_bar=False, logger=False, enable_checkpointing=False).fit(
-            Net(), loader(), ckpt_path=path)
+            Net(), loader(), ckpt_path=path
+        )
 
 
 # ---------------------------------------------------------------------------------------------- atomic writes
@@ -227,16 +236,18 @@ _CRASH_SCRIPT = textwrap.dedent("""
 def test_crash_between_write_and_rename_keeps_previous_last(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(_CRASH_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "c"), os.path.dirname(__file__)],
-                          capture_output=True, timeout=25)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "c"), os.path.dirname(__file__)], capture_output=True, timeout=25
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     names = os.listdir(tmp_path / "c")
     assert "last.ckpt" in names and any(n.endswith(".tmp") for n in names), names
     ckpt = checkpoint.load(str(tmp_path / "c" / "last.ckpt"))
     assert ckpt["progress"]["current_epoch"] == 0 and ckpt["progress"]["epoch_finished"]  # the previous good one
     # A new fit resumes from it despite the stale temporary file beside it.
-    t = ember.Trainer(max_epochs=2, enable_progress_bar=False, logger=False,
-                      callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c"))])
+    t = ember.Trainer(
+        max_epochs=2, enable_progress_bar=False, logger=False, callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c"))]
+    )
     t.fit(Net(), loader(), ckpt_path="last")
     assert t.global_step == 8
     assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path / "c")), "the stale temporary file was not removed"
@@ -245,8 +256,12 @@ def test_crash_between_write_and_rename_keeps_previous_last(tmp_path):
 # ---------------------------------------------------------------------------------------------- bad input
 def _fit_from(path: str, module: ember.TrainModule | None = None, tmp_path=None) -> ember.TrainModule:
     module = module or Net()
-    t = ember.Trainer(max_epochs=3, enable_progress_bar=False, logger=False,
-                      callbacks=[ModelCheckpoint(dirpath=os.path.dirname(path))])
+    t = ember.Trainer(
+        max_epochs=3,
+        enable_progress_bar=False,
+        logger=False,
+        callbacks=[ModelCheckpoint(dirpath=os.path.dirname(path))],
+    )
     t.fit(module, loader(), ckpt_path=path)
     return module
 
@@ -261,18 +276,21 @@ def _write_bytes(data: bytes):
     return lambda p: open(p, "wb").write(data)
 
 
-@pytest.mark.parametrize("case, pattern", [
-    ("missing", r"No checkpoint file at .*nope.ckpt.*Checkpoints in .*last.ckpt"),
-    ("truncated", r"truncated, corrupt"),
-    ("empty", r"empty \(0 bytes\)"),
-    ("bitflip", r"corrupt: record .* fails its checksum"),
-    ("text", r"truncated, corrupt, or not a torch file"),
-    ("state_dict", r"not an ember checkpoint.*bare state_dict"),
-    ("pickled", r"pickled Python objects.*GLOBAL posix.system"),
-    ("other_model", r"does not fit Net: .*missing keys.*net.0.weight.*unexpected keys.*other.weight"),
-    ("shape", r"shape mismatches: net.0.weight: checkpoint \(16, 4\) vs module \(8, 4\)"),
-    ("newer", r"format version 99, newer than this ember reads"),
-])
+@pytest.mark.parametrize(
+    "case, pattern",
+    [
+        ("missing", r"No checkpoint file at .*nope.ckpt.*Checkpoints in .*last.ckpt"),
+        ("truncated", r"truncated, corrupt"),
+        ("empty", r"empty \(0 bytes\)"),
+        ("bitflip", r"corrupt: record .* fails its checksum"),
+        ("text", r"truncated, corrupt, or not a torch file"),
+        ("state_dict", r"not an ember checkpoint.*bare state_dict"),
+        ("pickled", r"pickled Python objects.*GLOBAL posix.system"),
+        ("other_model", r"does not fit Net: .*missing keys.*net.0.weight.*unexpected keys.*other.weight"),
+        ("shape", r"shape mismatches: net.0.weight: checkpoint \(16, 4\) vs module \(8, 4\)"),
+        ("newer", r"format version 99, newer than this ember reads"),
+    ],
+)
 def test_bad_checkpoints_give_clear_errors_and_change_nothing(tmp_path, ckpt_file, case, pattern):
     good = open(ckpt_file, "rb").read()
     saved = torch.load(ckpt_file, weights_only=True)
@@ -316,8 +334,11 @@ def test_directory_and_optimizer_mismatch_errors(tmp_path, ckpt_file):
         def configure_optimizers(self):
             return torch.optim.SGD([{"params": self.net[0].parameters()}, {"params": self.net[2].parameters()}], lr=0.1)
 
-    with pytest.raises(CheckpointError, match=r"1 optimizer\(s\) and 1 LR scheduler\(s\) but configure_optimizers "
-                                              r"returned 1 and 0"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"1 optimizer\(s\) and 1 LR scheduler\(s\) but configure_optimizers "
+        r"returned 1 and 0",
+    ):
         _fit_from(ckpt_file, TwoGroups())
 
 
@@ -331,8 +352,13 @@ def test_grad_scaler_state_round_trips(tmp_path):
     _, trainer = trained(tmp_path, precision="16-mixed")
     saved = torch.load(tmp_path / "c" / "last.ckpt", weights_only=True)["precision"]
     assert saved["scale"] == trainer._precision.scaler.get_scale() and "_growth_tracker" in saved
-    t = ember.Trainer(max_epochs=2, enable_progress_bar=False, logger=False, precision="16-mixed",
-                      callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c"))])
+    t = ember.Trainer(
+        max_epochs=2,
+        enable_progress_bar=False,
+        logger=False,
+        precision="16-mixed",
+        callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c"))],
+    )
     t.fit(Net(), loader(), ckpt_path="last")
     assert t._precision.scaler.get_scale() == saved["scale"]
 
@@ -342,8 +368,14 @@ def test_validation_progress_is_saved_after_the_validation(tmp_path):
         def validation_step(self, batch, batch_idx):
             self.log("v", 1.0)
 
-    t = ember.Trainer(max_epochs=1, enable_progress_bar=False, logger=False, val_check_interval=0.5,
-                      num_sanity_val_steps=0, callbacks=[ModelCheckpoint(dirpath=str(tmp_path), save_top_k=-1)])
+    t = ember.Trainer(
+        max_epochs=1,
+        enable_progress_bar=False,
+        logger=False,
+        val_check_interval=0.5,
+        num_sanity_val_steps=0,
+        callbacks=[ModelCheckpoint(dirpath=str(tmp_path), save_top_k=-1)],
+    )
     t.fit(WithVal(), loader(), loader())
     mid = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=True)["progress"]
     assert (mid["batch_in_epoch"], mid["val_checks_in_epoch"]) == (2, 1)
@@ -353,6 +385,7 @@ def test_a_missing_file_suggests_only_what_the_caller_accepts(tmp_path):
     missing = str(tmp_path / "nope.ckpt")
     with pytest.raises(CheckpointNotFoundError, match=r"or ckpt_path='last' to resume") as fit:
         _fit_from(missing, Net())
+
     class Tested(Net):
         def test_step(self, batch: Any, batch_idx: int) -> None:
             pass

@@ -7,6 +7,7 @@ with ``strategy="ddp"`` (ember re-runs the script for rank 1): rank 1 SIGKILLed 
 workers, a callback raising with 2 workers, and each one's resume. Every sample is
 identified by its index, so the tests can check which samples each epoch trained on.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,14 @@ STOP = 11  # checkpoints every 4 steps: resumes from step 8 = epoch 1, batch 2 (
 
 def _join(rank: int, world: int) -> None:
     warnings.simplefilter("ignore")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
 
 
 def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -78,8 +85,12 @@ def program(mode: str, root: str, out: str, workers: str = "2") -> None:
 
 
 def run_program(mode: str, root: str, out: str, workers: int = 2) -> int:
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), mode, root, out, str(workers)],
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), mode, root, out, str(workers)],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         output, _ = proc.communicate(timeout=60)
     finally:
@@ -186,7 +197,7 @@ def test_one_rank_to_three_with_what_is_left_not_a_multiple_of_three(tmp_path):
     order = epoch_order(ckpt)
     assert sorted(epoch0) == sorted(order[16:] + order[:1])  # every unseen sample, padded with the order's first
     for epoch in (1, 2):
-        assert sorted(i for seen, _ in ranks for i in seen[11 + 16 * (epoch - 1):11 + 16 * epoch]) == list(range(R.N))
+        assert sorted(i for seen, _ in ranks for i in seen[11 + 16 * (epoch - 1) : 11 + 16 * epoch]) == list(range(R.N))
     # Checkpoints written later in the resumed epoch record the real global position (16 + 3 per step).
     for step, position in ((20, 28), (24, 40)):
         saved = torch.load(str(tmp_path / "three" / "ckpts" / f"epoch=0-step={step}.ckpt"), weights_only=True)

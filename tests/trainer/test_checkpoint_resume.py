@@ -3,6 +3,7 @@
 Also run as a script (``python test_checkpoint_resume.py ROOT WORKERS KILL_STEP``) by the
 ``kill -9`` test: it trains with step checkpoints and SIGKILLs itself at ``KILL_STEP``.
 """
+
 from __future__ import annotations
 
 import gc
@@ -32,8 +33,9 @@ class DropoutNet(ember.TrainModule):
     def __init__(self, hidden: int = 16, lr: float = 0.01) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                                       torch.nn.Linear(hidden, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(hidden, 1)
+        )
         self.seen: list[int] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -73,15 +75,28 @@ class StopAt(Callback):
                 raise RuntimeError(f"stop at step {self.step}")
 
 
-def fit(root: str, workers: int = 0, callbacks: list[Callback] | None = None, ckpt_path: str | None = None,
-        checkpoint: ModelCheckpoint | None = None, val: bool = False, batch_size: int = BATCH,
-        **trainer_kwargs: Any) -> tuple[DropoutNet, ember.Trainer]:
+def fit(
+    root: str,
+    workers: int = 0,
+    callbacks: list[Callback] | None = None,
+    ckpt_path: str | None = None,
+    checkpoint: ModelCheckpoint | None = None,
+    val: bool = False,
+    batch_size: int = BATCH,
+    **trainer_kwargs: Any,
+) -> tuple[DropoutNet, ember.Trainer]:
     ember.seed_everything(0)
     module = DropoutNet()
     cbs = [checkpoint or ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=4)]
     trainer_kwargs.setdefault("max_epochs", EPOCHS)
-    trainer = ember.Trainer(enable_progress_bar=False, logger=False, default_root_dir=root,
-                            callbacks=cbs + list(callbacks or []), num_sanity_val_steps=0, **trainer_kwargs)
+    trainer = ember.Trainer(
+        enable_progress_bar=False,
+        logger=False,
+        default_root_dir=root,
+        callbacks=cbs + list(callbacks or []),
+        num_sanity_val_steps=0,
+        **trainer_kwargs,
+    )
     loader = DataLoader(dataset(), batch_size=batch_size, shuffle=True, num_workers=workers)
     val_loader = DataLoader(dataset(), batch_size=8) if val else None
     trainer.fit(module, loader, val_loader, ckpt_path=ckpt_path)
@@ -124,13 +139,14 @@ def test_resume_after_callback_raises_is_bitwise(tmp_path, reference, workers, s
     assert trainer.global_step == EPOCHS * N // BATCH
     assert_same_weights(resumed, reference[workers])
     # The resumed epoch's train metrics are the uninterrupted epoch's (its running sums were in the checkpoint).
-    assert trainer.history == REF_HISTORY[workers][-len(trainer.history):]
+    assert trainer.history == REF_HISTORY[workers][-len(trainer.history) :]
     # Resumed from the last multiple of 4 steps (12: the boundary after epoch 0's last batch).
     assert len(resumed.seen) == EPOCHS * N - stop // 4 * 4 * BATCH
 
 
 def test_resume_does_not_rerun_validation_or_epoch_end(tmp_path):
     """Checkpoints written after a mid-epoch validation and at an epoch end resume after that point."""
+
     class Count(Callback):
         def __init__(self) -> None:
             self.val = self.epoch_end = 0
@@ -142,8 +158,13 @@ def test_resume_does_not_rerun_validation_or_epoch_end(tmp_path):
             self.epoch_end += 1
 
     ref_count = Count()
-    ref, _ = fit(str(tmp_path / "ref"), val=True, val_check_interval=0.5, callbacks=[ref_count],
-                 checkpoint=ModelCheckpoint(dirpath=str(tmp_path / "ref" / "c")))
+    ref, _ = fit(
+        str(tmp_path / "ref"),
+        val=True,
+        val_check_interval=0.5,
+        callbacks=[ref_count],
+        checkpoint=ModelCheckpoint(dirpath=str(tmp_path / "ref" / "c")),
+    )
     assert (ref_count.val, ref_count.epoch_end) == (6, 3)
     root = str(tmp_path / "run")
     ckpt = ModelCheckpoint(dirpath=os.path.join(root, "c"))  # saves after every validation (mid-epoch and end)
@@ -151,8 +172,14 @@ def test_resume_does_not_rerun_validation_or_epoch_end(tmp_path):
         fit(root, val=True, val_check_interval=0.5, callbacks=[StopAt(20)], checkpoint=ckpt)
     # Stopped at step 20: the last save was the validation after batch 18 (mid-epoch 1).
     count = Count()
-    resumed, trainer = fit(root, val=True, val_check_interval=0.5, callbacks=[count], ckpt_path="last",
-                           checkpoint=ModelCheckpoint(dirpath=os.path.join(root, "c")))
+    resumed, trainer = fit(
+        root,
+        val=True,
+        val_check_interval=0.5,
+        callbacks=[count],
+        ckpt_path="last",
+        checkpoint=ModelCheckpoint(dirpath=os.path.join(root, "c")),
+    )
     assert (count.val, count.epoch_end) == (3, 2)  # validations after batches 24, 30, 36; ends of epochs 1, 2
     assert_same_weights(resumed, ref)
 
@@ -167,15 +194,20 @@ def test_resume_from_epoch_end_checkpoint_steps_epoch_schedulers_once(tmp_path):
         ember.seed_everything(0)
         m = EpochSched()
         tk = {"max_epochs": 3, **kw.pop("tk", {})}
-        t = ember.Trainer(enable_progress_bar=False, logger=False, num_sanity_val_steps=0,
-                          callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "c"))], **tk)
+        t = ember.Trainer(
+            enable_progress_bar=False,
+            logger=False,
+            num_sanity_val_steps=0,
+            callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "c"))],
+            **tk,
+        )
         t.fit(m, DataLoader(dataset(), batch_size=BATCH, shuffle=True), **kw)
         return m, t
 
     ref, rt = run(str(tmp_path / "ref"))
     run(str(tmp_path / "a"), tk={"max_epochs": 1})  # last.ckpt written at the end of epoch 0
     resumed, t = run(str(tmp_path / "a"), ckpt_path="last")
-    assert t.optimizers[0].param_groups[0]["lr"] == rt.optimizers[0].param_groups[0]["lr"] == 0.1 * 0.5 ** 3
+    assert t.optimizers[0].param_groups[0]["lr"] == rt.optimizers[0].param_groups[0]["lr"] == 0.1 * 0.5**3
     assert_same_weights(resumed, ref)
 
 
@@ -242,7 +274,8 @@ def test_shuffled_order_matches_a_plain_torch_loop():
     module = DropoutNet()
     ember.seed_everything(3)
     ember.Trainer(max_epochs=1, enable_progress_bar=False, logger=False, enable_checkpointing=False).fit(
-        module, DataLoader(dataset(), batch_size=BATCH, shuffle=True))
+        module, DataLoader(dataset(), batch_size=BATCH, shuffle=True)
+    )
     assert module.seen == expected
 
 
@@ -269,7 +302,7 @@ def test_unresumable_loader_falls_back_to_skipping_batches(tmp_path):
         run(str(tmp_path / "a"), stop=8)
     with pytest.warns(UserWarning, match="cannot resume at the sampler level"):
         resumed = run(str(tmp_path / "a"), ckpt_path="last")
-    assert resumed.seen == ref.seen[5 * BATCH:]
+    assert resumed.seen == ref.seen[5 * BATCH :]
 
 
 def _kill_run(root: str, workers: int, kill_step: int) -> None:
@@ -282,8 +315,12 @@ def _kill_run(root: str, workers: int, kill_step: int) -> None:
 def test_resume_after_kill_9_is_bitwise(tmp_path, reference, workers):
     kill_step = random.randrange(6, EPOCHS * N // BATCH - 1)
     root = str(tmp_path)
-    proc = subprocess.Popen([sys.executable, __file__, root, str(workers), str(kill_step)],
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, root, str(workers), str(kill_step)],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         out, _ = proc.communicate(timeout=50)
     finally:
@@ -307,8 +344,9 @@ if __name__ == "__main__":
 def test_last_with_no_checkpoint_names_where_the_default_logger_runs_would_be(tmp_path):
     from tests.helpers.models import BoringModel, regression_loader
 
-    trainer = ember.Trainer(max_epochs=1, enable_progress_bar=False, default_root_dir=str(tmp_path),
-                            log_every_n_steps=1)
+    trainer = ember.Trainer(
+        max_epochs=1, enable_progress_bar=False, default_root_dir=str(tmp_path), log_every_n_steps=1
+    )
     with pytest.warns(UserWarning, match="found no checkpoint") as record:
         trainer.fit(BoringModel(), regression_loader(), ckpt_path="last")
     message = next(str(w.message) for w in record if "found no checkpoint" in str(w.message))

@@ -5,6 +5,7 @@ The compiled graphs run on a counting eager backend: what is tested here is embe
 ``torch.compile`` result, compiling its steps, the strategies around them, the checkpoint keys), not
 inductor's code generation, which would take minutes per test on a small CPU machine.
 """
+
 from __future__ import annotations
 
 import copy
@@ -94,17 +95,34 @@ def test_compiling_something_else_than_a_train_module_is_refused():
 
 def _two_ranks(rank: int, world: int) -> dict:
     import os
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     torch.manual_seed(0)
     eager = BoringModel()
     compiled = copy.deepcopy(eager)
     backend = CountingBackend()
     for module in (eager, torch.compile(compiled, backend=backend)):
-        ember.Trainer(strategy="ddp", devices=world, accelerator="cpu", max_epochs=1, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False).fit(module, regression_loader())
-    return {"graphs": backend.graphs, "eager": [p.detach() for p in eager.parameters()],
-            "compiled": [p.detach() for p in compiled.parameters()]}
+        ember.Trainer(
+            strategy="ddp",
+            devices=world,
+            accelerator="cpu",
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+        ).fit(module, regression_loader())
+    return {
+        "graphs": backend.graphs,
+        "eager": [p.detach() for p in eager.parameters()],
+        "compiled": [p.detach() for p in compiled.parameters()],
+    }
 
 
 @pytest.mark.processes

@@ -1,4 +1,5 @@
 """The single-device trainer on CUDA: skipped cleanly on machines without it."""
+
 from __future__ import annotations
 
 import pytest

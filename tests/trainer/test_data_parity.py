@@ -1,6 +1,7 @@
 """Where a fit's batches come from and when, as a Lightning 2.6 user's code observes it: the Trainer's loader
 attributes, samplers' ``set_epoch``, reloading, ``overfit_batches``, loaders without a length, the sanity
 check's random numbers, and an epoch ended early by ``on_train_batch_start``."""
+
 from __future__ import annotations
 
 import warnings
@@ -83,8 +84,10 @@ class EpochSampler(Sampler[int]):
 def test_set_epoch_reaches_the_users_train_and_validation_samplers():
     train, val = EpochSampler(32), EpochSampler(16)
     fast_trainer(max_epochs=3, limit_train_batches=2, limit_val_batches=2).fit(
-        BoringModel(), DataLoader(regression_data(32), sampler=train, batch_size=8),
-        DataLoader(regression_data(16), sampler=val, batch_size=8))
+        BoringModel(),
+        DataLoader(regression_data(32), sampler=train, batch_size=8),
+        DataLoader(regression_data(16), sampler=val, batch_size=8),
+    )
     assert train.epochs == [0, 1, 2]
     assert val.epochs == [0, 0, 1, 2]  # the sanity check, then each epoch's validation (as Lightning)
     test_sampler = EpochSampler(16)
@@ -105,10 +108,23 @@ def test_the_validation_loader_is_reloaded_when_a_validation_is_due():
             requested.append(("val", self.current_epoch))
             return super().val_dataloader()
 
-    fast_trainer(max_epochs=5, reload_dataloaders_every_n_epochs=1, check_val_every_n_epoch=2,
-                 limit_train_batches=1, limit_val_batches=1).fit(M())
-    assert requested == [("val", 0), ("train", 0), ("train", 1), ("val", 1), ("train", 2), ("train", 3), ("val", 3),
-                         ("train", 4)]
+    fast_trainer(
+        max_epochs=5,
+        reload_dataloaders_every_n_epochs=1,
+        check_val_every_n_epoch=2,
+        limit_train_batches=1,
+        limit_val_batches=1,
+    ).fit(M())
+    assert requested == [
+        ("val", 0),
+        ("train", 0),
+        ("train", 1),
+        ("val", 1),
+        ("train", 2),
+        ("train", 3),
+        ("val", 3),
+        ("train", 4),
+    ]
 
 
 # ---------------------------------------------------------------------- overfit_batches
@@ -214,9 +230,11 @@ def test_validation_step_without_validation_data_warns_once_per_fit():
         warnings.simplefilter("always")
         trainer.fit(BoringModel(), regression_loader())
     said = [str(w.message) for w in caught if "validation_step" in str(w.message)]
-    assert said == ["BoringModel defines validation_step, but this fit has no validation data (no val_dataloaders "
-                    "passed to fit and no val_dataloader() on the module or datamodule), so validation is skipped. "
-                    "Pass val_dataloaders to validate."]
+    assert said == [
+        "BoringModel defines validation_step, but this fit has no validation data (no val_dataloaders "
+        "passed to fit and no val_dataloader() on the module or datamodule), so validation is skipped. "
+        "Pass val_dataloaders to validate."
+    ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(TrainOnlyModel(), regression_loader())  # no validation_step: nothing to say
@@ -238,8 +256,12 @@ def test_fast_dev_run_reads_as_lightning_and_skips_early_stopping():
             seen.append(type(self.logger).__name__)
             return super().training_step(batch, batch_idx)
 
-    trainer = ember.Trainer(fast_dev_run=True, accelerator="cpu", enable_progress_bar=False,
-                            callbacks=[ember.callbacks.EarlyStopping(monitor="not_logged")])
+    trainer = ember.Trainer(
+        fast_dev_run=True,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        callbacks=[ember.callbacks.EarlyStopping(monitor="not_logged")],
+    )
     trainer.fit(M())  # an unknown monitor is not checked in a smoke run (it would raise otherwise)
     assert seen == ["DummyLogger"] and trainer.global_step == 1
     assert fast_trainer(fast_dev_run=True, logger=False).loggers == []

@@ -4,6 +4,7 @@ changes nothing when a checkpoint is bad, and two jobs on one directory never br
 These run in the default configuration (TensorBoard logger on, checkpointing on) unless a test
 says otherwise, because that is where users are.
 """
+
 from __future__ import annotations
 
 import copy
@@ -55,8 +56,9 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _run(script, cwd, *args):
-    proc = subprocess.run([sys.executable, str(script), *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(script), *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     step, log_dir = proc.stdout.split("RESULT ", 1)[1].split()
     return int(step), log_dir, proc.stderr
@@ -113,7 +115,8 @@ def test_two_trainers_in_one_process_resume_like_two_scripts(tmp_path):
 def test_last_picks_the_most_recently_written_run(tmp_path):
     for epochs in (1, 2):  # version_0 then version_1, each a fresh run
         ember.Trainer(max_epochs=epochs, enable_progress_bar=False, default_root_dir=str(tmp_path)).fit(
-            BoringModel(), regression_loader())
+            BoringModel(), regression_loader()
+        )
     old = tmp_path / "ember_logs" / "version_1" / "checkpoints" / "last.ckpt"
     os.utime(old, (time.time() - 100, time.time() - 100))  # version_0's last.ckpt is now the newer one
     t = ember.Trainer(max_epochs=3, enable_progress_bar=False, default_root_dir=str(tmp_path))
@@ -124,7 +127,8 @@ def test_last_picks_the_most_recently_written_run(tmp_path):
 
 def test_last_keeps_a_logger_version_the_user_chose(tmp_path):
     ember.Trainer(max_epochs=1, enable_progress_bar=False, default_root_dir=str(tmp_path)).fit(
-        BoringModel(), regression_loader())
+        BoringModel(), regression_loader()
+    )
     logger = ember.callbacks.TensorBoardLogger(save_dir=str(tmp_path), version="mine")
     t = ember.Trainer(max_epochs=2, enable_progress_bar=False, default_root_dir=str(tmp_path), logger=logger)
     with pytest.warns(UserWarning, match="found no checkpoint"):  # only version "mine" is searched
@@ -140,24 +144,35 @@ def _files(directory):
 @pytest.mark.parametrize("monitor", [None, "train_loss"])
 def test_resuming_from_another_runs_checkpoint_leaves_that_run_untouched(tmp_path, monitor):
     run_a = tmp_path / "runA"
-    ember.Trainer(max_epochs=2, enable_progress_bar=False, default_root_dir=str(run_a),
-                  callbacks=[ModelCheckpoint(monitor=monitor)]).fit(BoringModel(), regression_loader())
+    ember.Trainer(
+        max_epochs=2,
+        enable_progress_bar=False,
+        default_root_dir=str(run_a),
+        callbacks=[ModelCheckpoint(monitor=monitor)],
+    ).fit(BoringModel(), regression_loader())
     a_dir = run_a / "ember_logs" / "version_0" / "checkpoints"
     before = _files(a_dir)
     assert len(before) == 2, before  # epoch=1-step=8.ckpt and last.ckpt
-    t = ember.Trainer(max_epochs=4, enable_progress_bar=False, default_root_dir=str(tmp_path / "runB"),
-                      callbacks=[ModelCheckpoint(monitor=monitor)])
+    t = ember.Trainer(
+        max_epochs=4,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path / "runB"),
+        callbacks=[ModelCheckpoint(monitor=monitor)],
+    )
     with pytest.warns(UserWarning, match="not carried over"):
         t.fit(BoringModel(), regression_loader(), ckpt_path=str(a_dir / "last.ckpt"))
     assert t.global_step == 16
     assert _files(a_dir) == before, "resuming deleted or rewrote the other run's checkpoints"
     assert sorted(os.listdir(tmp_path / "runB" / "ember_logs" / "version_0" / "checkpoints")) == [
-        "epoch=3-step=16.ckpt", "last.ckpt"]
+        "epoch=3-step=16.ckpt",
+        "last.ckpt",
+    ]
 
 
 def test_resuming_version_0s_checkpoint_from_a_new_version_deletes_nothing_of_version_0(tmp_path):
     ember.Trainer(max_epochs=2, enable_progress_bar=False, default_root_dir=str(tmp_path)).fit(
-        BoringModel(), regression_loader())
+        BoringModel(), regression_loader()
+    )
     v0 = tmp_path / "ember_logs" / "version_0" / "checkpoints"
     before = _files(v0)
     t = ember.Trainer(max_epochs=4, enable_progress_bar=False, default_root_dir=str(tmp_path))
@@ -224,26 +239,35 @@ def _resume_expecting_error(tmp_path, ckpt, match):
     return str(info.value)
 
 
-@pytest.mark.parametrize("entry, corrupt, match", [
-    ("progress", lambda c: c.__setitem__("progress", "epoch 3"), r"'progress' entry: progress is a str"),
-    ("progress", lambda c: c["progress"].__setitem__("global_step", "7"), r"'progress'.*global_step is '7'"),
-    ("progress", lambda c: c["progress"].pop("batch_in_epoch"), r"'progress'.*batch_in_epoch is None"),
-    ("progress", lambda c: c["progress"].__setitem__("batch_in_epoch", 99), r"'progress'.*at batch 99 of an epoch "
-                                                                              r"that has 4 batches"),
-    ("optimizer_states", lambda c: c.__setitem__("optimizer_states", [{"state": {}}]), r"'optimizer_states'"),
-    ("optimizer_states",
-     lambda c: c["optimizer_states"][0].__setitem__("state", {0: {"momentum_buffer": torch.ones(7)}}),
-     r"'optimizer_states'.*'momentum_buffer' for parameter 0 has shape \(7,\)"),
-    ("lr_schedulers", lambda c: c.__setitem__("lr_schedulers", ["x"]), r"'optimizer_states'.*1 LR scheduler"),
-    ("callbacks", lambda c: c.__setitem__("callbacks", ["x"]), r"'callbacks' entry: callbacks is a list"),
-    ("callbacks", lambda c: c["callbacks"].__setitem__("_Recorder", 3), r"'callbacks'.*_Recorder"),
-    ("sampler", lambda c: c["sampler"].__setitem__("position", 33), r"'sampler'.*position 33 is beyond the 32"),
-    ("sampler", lambda c: c["sampler"].__setitem__("epoch", -1), r"'sampler'.*epoch is -1"),
-    ("rng", lambda c: c["rng"]["per_rank"][0].__setitem__("torch", torch.zeros(3)), r"'rng'.*torch generator"),
-    ("strategy", lambda c: c.__setitem__("strategy", {"world_size": 0}), r"'strategy'.*world_size is 0"),
-    ("callback_metrics", lambda c: c["callback_metrics"].__setitem__("x", "high"), r"'callback_metrics'"),
-    ("epoch_metrics", lambda c: c.__setitem__("epoch_metrics", [{"name": "x"}]), r"'epoch_metrics'.*lacks"),
-])
+@pytest.mark.parametrize(
+    "entry, corrupt, match",
+    [
+        ("progress", lambda c: c.__setitem__("progress", "epoch 3"), r"'progress' entry: progress is a str"),
+        ("progress", lambda c: c["progress"].__setitem__("global_step", "7"), r"'progress'.*global_step is '7'"),
+        ("progress", lambda c: c["progress"].pop("batch_in_epoch"), r"'progress'.*batch_in_epoch is None"),
+        (
+            "progress",
+            lambda c: c["progress"].__setitem__("batch_in_epoch", 99),
+            r"'progress'.*at batch 99 of an epoch "
+            r"that has 4 batches",
+        ),
+        ("optimizer_states", lambda c: c.__setitem__("optimizer_states", [{"state": {}}]), r"'optimizer_states'"),
+        (
+            "optimizer_states",
+            lambda c: c["optimizer_states"][0].__setitem__("state", {0: {"momentum_buffer": torch.ones(7)}}),
+            r"'optimizer_states'.*'momentum_buffer' for parameter 0 has shape \(7,\)",
+        ),
+        ("lr_schedulers", lambda c: c.__setitem__("lr_schedulers", ["x"]), r"'optimizer_states'.*1 LR scheduler"),
+        ("callbacks", lambda c: c.__setitem__("callbacks", ["x"]), r"'callbacks' entry: callbacks is a list"),
+        ("callbacks", lambda c: c["callbacks"].__setitem__("_Recorder", 3), r"'callbacks'.*_Recorder"),
+        ("sampler", lambda c: c["sampler"].__setitem__("position", 33), r"'sampler'.*position 33 is beyond the 32"),
+        ("sampler", lambda c: c["sampler"].__setitem__("epoch", -1), r"'sampler'.*epoch is -1"),
+        ("rng", lambda c: c["rng"]["per_rank"][0].__setitem__("torch", torch.zeros(3)), r"'rng'.*torch generator"),
+        ("strategy", lambda c: c.__setitem__("strategy", {"world_size": 0}), r"'strategy'.*world_size is 0"),
+        ("callback_metrics", lambda c: c["callback_metrics"].__setitem__("x", "high"), r"'callback_metrics'"),
+        ("epoch_metrics", lambda c: c.__setitem__("epoch_metrics", [{"name": "x"}]), r"'epoch_metrics'.*lacks"),
+    ],
+)
 def test_a_malformed_entry_changes_nothing_and_names_the_entry(tmp_path, entry, corrupt, match):
     ckpt = _saved(tmp_path)
     corrupt(ckpt)
@@ -254,8 +278,12 @@ def test_a_malformed_entry_changes_nothing_and_names_the_entry(tmp_path, entry, 
 def test_an_integer_tensor_is_not_cast_into_a_float_parameter(tmp_path):
     ckpt = _saved(tmp_path)
     ckpt["state_dict"]["layer.weight"] = torch.ones(1, 4, dtype=torch.int64)
-    message = _resume_expecting_error(tmp_path, ckpt, r"dtype mismatches: layer.weight: checkpoint torch.int64 vs "
-                                                      r"module torch.float32")
+    message = _resume_expecting_error(
+        tmp_path,
+        ckpt,
+        r"dtype mismatches: layer.weight: checkpoint torch.int64 vs "
+        r"module torch.float32",
+    )
     assert "Nothing was loaded" in message
 
 
@@ -307,8 +335,9 @@ def test_a_restore_calls_each_callback_hook_once_and_a_failure_still_puts_its_at
     torch.save(ckpt, path)
     calls: list[str] = []
     counting = _Counting(calls)
-    t = ember.Trainer(max_epochs=3, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                      callbacks=[counting])
+    t = ember.Trainer(
+        max_epochs=3, enable_progress_bar=False, logger=False, enable_checkpointing=False, callbacks=[counting]
+    )
     t.fit(BoringModel(), regression_loader(), ckpt_path=str(path))
     assert calls == ["load_state_dict"] and counting.history == [0, 5, 6]
 
@@ -316,8 +345,13 @@ def test_a_restore_calls_each_callback_hook_once_and_a_failure_still_puts_its_at
     torch.save(ckpt, path)
     calls = []
     counting = _Counting(calls)
-    t = ember.Trainer(max_epochs=3, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                      callbacks=[counting, _Explodes()])
+    t = ember.Trainer(
+        max_epochs=3,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[counting, _Explodes()],
+    )
     with pytest.raises(RuntimeError, match="cannot load this"):
         t.fit(BoringModel(), regression_loader(), ckpt_path=str(path))
     assert calls == ["load_state_dict"] and counting.history == [0]  # loaded, then put back
@@ -325,8 +359,12 @@ def test_a_restore_calls_each_callback_hook_once_and_a_failure_still_puts_its_at
 
 def test_a_valid_checkpoint_still_resumes_after_validation(tmp_path):
     _saved(tmp_path)
-    t = ember.Trainer(max_epochs=3, enable_progress_bar=False, logger=False,
-                      callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c"), every_n_train_steps=3, save_top_k=-1)])
+    t = ember.Trainer(
+        max_epochs=3,
+        enable_progress_bar=False,
+        logger=False,
+        callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c"), every_n_train_steps=3, save_top_k=-1)],
+    )
     t.fit(BoringModel(), regression_loader(), ckpt_path="last")
     assert t.global_step == 12
 
@@ -361,18 +399,25 @@ def test_a_second_job_on_the_same_directory_stops_at_start_up_and_the_first_fini
     script.write_text(_SLOW)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     go = tmp_path / "go"
-    first = subprocess.Popen([sys.executable, str(script), str(tmp_path), repo, "6", str(go)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), repo, "6", str(go)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert first.stdout.readline().strip() == "RUNNING"
         try:
-            second = subprocess.run([sys.executable, str(script), str(tmp_path), repo, "1"], capture_output=True,
-                                    text=True, timeout=60)
+            second = subprocess.run(
+                [sys.executable, str(script), str(tmp_path), repo, "1"], capture_output=True, text=True, timeout=60
+            )
         finally:
             go.touch()
         assert second.returncode != 0 and "DONE" not in second.stdout
-        assert f"Another run (pid {first.pid} on host {socket.gethostname()}) is writing checkpoints into " \
-               f"{tmp_path / 'checkpoints'}" in second.stderr, second.stderr[-2000:]
+        assert (
+            f"Another run (pid {first.pid} on host {socket.gethostname()}) is writing checkpoints into "
+            f"{tmp_path / 'checkpoints'}" in second.stderr
+        ), second.stderr[-2000:]
         out, err = first.communicate(timeout=60)
     finally:
         if first.poll() is None:
@@ -416,14 +461,19 @@ def test_a_live_writers_temporary_file_survives_another_fits_start_up(tmp_path):
         os.makedirs(tmp_path / "c")
         in_flight = tmp_path / "c" / f".last.ckpt~{temporary_prefix('x').split('~')[1]}~{sleeper.pid}~q1w2e3.tmp"
         in_flight.write_bytes(b"half a checkpoint")
-        ember.Trainer(max_epochs=1, enable_progress_bar=False, logger=False,
-                      callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c"))]).fit(BoringModel(), regression_loader())
+        ember.Trainer(
+            max_epochs=1,
+            enable_progress_bar=False,
+            logger=False,
+            callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c"))],
+        ).fit(BoringModel(), regression_loader())
         assert in_flight.read_bytes() == b"half a checkpoint"
     finally:
         sleeper.kill()
         sleeper.wait()
-    ember.Trainer(max_epochs=1, enable_progress_bar=False, logger=False,
-                  callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c"))]).fit(BoringModel(), regression_loader())
+    ember.Trainer(
+        max_epochs=1, enable_progress_bar=False, logger=False, callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c"))]
+    ).fit(BoringModel(), regression_loader())
     assert not in_flight.exists(), "the dead writer's temporary file was not removed"
 
 
@@ -450,16 +500,22 @@ class _Big(BoringModel):
 
 @pytest.mark.processes
 def test_disk_full_says_so_and_keeps_the_previous_checkpoint(tiny_disk):
-    t = ember.Trainer(max_epochs=3, enable_progress_bar=False, default_root_dir=str(tiny_disk),
-                      callbacks=[ModelCheckpoint(save_on_exception=True)])
+    t = ember.Trainer(
+        max_epochs=3,
+        enable_progress_bar=False,
+        default_root_dir=str(tiny_disk),
+        callbacks=[ModelCheckpoint(save_on_exception=True)],
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(OSError) as info:
             t.fit(_Big(), regression_loader())
     err = info.value
     assert err.errno == errno.ENOSPC
-    assert str(err).startswith(f"[Errno {errno.ENOSPC}] No space left on device while writing "
-                               f"{tiny_disk / 'ember_logs' / 'version_0' / 'checkpoints' / 'epoch=1-step=8.ckpt'}")
+    assert str(err).startswith(
+        f"[Errno {errno.ENOSPC}] No space left on device while writing "
+        f"{tiny_disk / 'ember_logs' / 'version_0' / 'checkpoints' / 'epoch=1-step=8.ckpt'}"
+    )
     assert isinstance(err.__cause__, RuntimeError)  # torch's own error stays chained
     ckpts = tiny_disk / "ember_logs" / "version_0" / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["epoch=0-step=4.ckpt", "last.ckpt"]
@@ -515,8 +571,9 @@ def test_ddp_spawn_fit_does_not_warn_and_test_logs_into_the_fits_version(tmp_pat
     script = tmp_path / "spawn.py"
     script.write_text(_SPAWN)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), repo], capture_output=True, text=True,
-                          timeout=110)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), repo], capture_output=True, text=True, timeout=110
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Warning" not in proc.stderr, proc.stderr[-3000:]
     fit_dir, test_dir = proc.stdout.split("DIRS ", 1)[1].split()

@@ -6,6 +6,7 @@ script (same checkpoint cadence, same data loader workers): they must be bitwise
 are real processes in the default configuration (default logger, checkpointing on, a fresh
 directory); elastic_script.py kills or signals itself at a chosen step of the first attempts.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,18 @@ import torch
 pytestmark = pytest.mark.processes
 
 SCRIPT = Path(__file__).with_name("elastic_script.py")
-_LAUNCH_VARS = ("TORCHELASTIC_", "SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "ROLE_")
+_LAUNCH_VARS = (
+    "TORCHELASTIC_",
+    "SLURM_",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "ROLE_",
+)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -38,8 +49,24 @@ def run(cmd: list[str], env: dict[str, str], timeout: float = 150) -> subprocess
 
 def torchrun(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     out.mkdir()
-    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "--max-restarts", "2", "--monitor-interval", "0.1", str(SCRIPT), str(out), *args], clean_env())
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "2",
+            "--monitor-interval",
+            "0.1",
+            str(SCRIPT),
+            str(out),
+            *args,
+        ],
+        clean_env(),
+    )
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -72,8 +99,10 @@ def test_torchrun_restarts_after_kill9_continue_bitwise(tmp_path: Path, workers:
     assert job.returncode == 0, f"{why}:\n{job.stderr[-4000:]}"
     assert attempts(tmp_path / "job") == len(kills) + 1, why
     for n in range(1, len(kills) + 1):
-        assert f"[ember] torchrun restart {n} (TORCHELASTIC_RESTART_COUNT={n}): resuming from " in job.stderr or \
-            f"torchrun restart {n} (TORCHELASTIC_RESTART_COUNT={n}): no checkpoint of this job yet" in job.stderr, why
+        assert (
+            f"[ember] torchrun restart {n} (TORCHELASTIC_RESTART_COUNT={n}): resuming from " in job.stderr
+            or f"torchrun restart {n} (TORCHELASTIC_RESTART_COUNT={n}): no checkpoint of this job yet" in job.stderr
+        ), why
     assert_bitwise(final_weights(tmp_path / "ref"), final_weights(tmp_path / "job"), why)
     # The restarts wrote into the first attempt's run directory: one run, not one per attempt.
     assert sorted(p.name for p in (tmp_path / "job" / "ember_logs").iterdir()) == ["version_0"]
@@ -88,8 +117,10 @@ def test_shell_loop_with_ckpt_path_auto_continues_bitwise(tmp_path: Path) -> Non
     ref = run([sys.executable, str(SCRIPT), str(tmp_path / "ref"), "--auto"], env)
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert "[ember]" not in ref.stderr  # a fresh start with "auto" says nothing
-    loop = (f'for i in 1 2 3; do "{sys.executable}" "{SCRIPT}" "{tmp_path / "job"}" --auto '
-            f'--kill-rank 0 --kill-at {kill} && exit 0; done; exit 1')
+    loop = (
+        f'for i in 1 2 3; do "{sys.executable}" "{SCRIPT}" "{tmp_path / "job"}" --auto '
+        f"--kill-rank 0 --kill-at {kill} && exit 0; done; exit 1"
+    )
     job = run(["bash", "-c", loop], env)
     assert job.returncode == 0, f"killed at step {kill}:\n{job.stderr[-3000:]}"
     assert attempts(tmp_path / "job") == 2

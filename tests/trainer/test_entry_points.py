@@ -1,4 +1,5 @@
 """fit / validate / test / predict: what they take and return, and the Trainer's public state."""
+
 from __future__ import annotations
 
 import math
@@ -137,8 +138,9 @@ def test_trainer_and_module_state_during_fit():
 
     class Peek(Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            seen.setdefault("steps", []).append((trainer.current_epoch, module.current_epoch, trainer.global_step,
-                                                 module.global_step))
+            seen.setdefault("steps", []).append(
+                (trainer.current_epoch, module.current_epoch, trainer.global_step, module.global_step)
+            )
             seen["training"] = trainer.training
             seen["state"] = trainer.state
             seen["module_trainer"] = module.trainer is trainer

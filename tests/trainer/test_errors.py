@@ -1,4 +1,5 @@
 """Bad input gets an error that says what was wrong and what to do."""
+
 from __future__ import annotations
 
 import warnings
@@ -25,8 +26,11 @@ def test_training_step_returning_none_skips_the_batch_with_a_warning():
     module = returning(lambda loss, i: None if i == 1 else loss)
     before = module.layer.weight.detach().clone()
     trainer = fast_trainer(limit_train_batches=2)
-    with pytest.warns(UserWarning, match=r"training_step returned None for batch 1: skipping its backward and "
-                                         r"optimizer step"):
+    with pytest.warns(
+        UserWarning,
+        match=r"training_step returned None for batch 1: skipping its backward and "
+        r"optimizer step",
+    ):
         trainer.fit(module, regression_loader())
     assert trainer.global_step == 1
     assert not torch.equal(before, module.layer.weight)
@@ -42,7 +46,8 @@ def test_training_step_returning_none_everywhere_trains_nothing_and_warns_once_p
             trainer.fit(module, regression_loader())
         assert [str(w.message) for w in caught if "returned None" in str(w.message)] == [
             "training_step returned None for batch 0: skipping its backward and optimizer step, and those of every "
-            "batch that returns None (said once per fit)."]
+            "batch that returns None (said once per fit)."
+        ]
     assert trainer.global_step == 0 and torch.equal(before, module.layer.weight)
 
 
@@ -56,17 +61,24 @@ def test_none_inside_an_accumulation_window_skips_only_that_batch():
 
 def test_training_step_returning_a_non_scalar():
     module = returning(lambda loss, i: loss.expand(3))
-    with pytest.raises(ValueError, match=r"training_step returned a loss of shape \(3,\); the loss must be a scalar. "
-                                         r"Reduce it \(e.g. loss.mean\(\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"training_step returned a loss of shape \(3,\); the loss must be a scalar. "
+        r"Reduce it \(e.g. loss.mean\(\)\)",
+    ):
         fast_trainer().fit(module, regression_loader())
 
 
-@pytest.mark.parametrize("value,name", [(lambda loss: loss.item(), "float"), (lambda loss: [loss], "list"),
-                                        (lambda loss: "loss", "str")])
+@pytest.mark.parametrize(
+    "value,name", [(lambda loss: loss.item(), "float"), (lambda loss: [loss], "list"), (lambda loss: "loss", "str")]
+)
 def test_training_step_returning_a_non_tensor(value, name):
     module = returning(lambda loss, i: value(loss))
-    with pytest.raises(TypeError, match=rf"training_step must return a scalar loss tensor, a dict with 'loss', or None "
-                                        rf"to skip the batch; it returned {name}"):
+    with pytest.raises(
+        TypeError,
+        match=rf"training_step must return a scalar loss tensor, a dict with 'loss', or None "
+        rf"to skip the batch; it returned {name}",
+    ):
         fast_trainer().fit(module, regression_loader())
 
 
@@ -99,8 +111,11 @@ def test_missing_configure_optimizers():
     class NoOpt(TrainOnlyModel):
         configure_optimizers = ember.TrainModule.configure_optimizers
 
-    with pytest.raises(NotImplementedError, match=r"NoOpt must define configure_optimizers\(\) returning an optimizer, "
-                                                  r"a list of them"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"NoOpt must define configure_optimizers\(\) returning an optimizer, "
+        r"a list of them",
+    ):
         fast_trainer().fit(NoOpt(), regression_loader())
 
 
@@ -128,8 +143,11 @@ def test_unknown_accelerator():
 def test_cuda_requested_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for accelerator in ("cuda", "gpu"):
-        with pytest.raises(RuntimeError, match=r"accelerator='cuda' was requested but CUDA is not available.*"
-                                               r"Use accelerator='cpu'"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"accelerator='cuda' was requested but CUDA is not available.*"
+            r"Use accelerator='cpu'",
+        ):
             fast_trainer(accelerator=accelerator)
 
 
@@ -144,8 +162,11 @@ def test_more_devices_than_available(monkeypatch, accelerator):
 
 
 def test_unknown_precision():
-    with pytest.raises(ValueError, match=r"Unknown precision 'half'. Use one of '32-true', '64-true', 'bf16-mixed', "
-                                         r"'16-mixed'"):
+    with pytest.raises(
+        ValueError,
+        match=r"Unknown precision 'half'. Use one of '32-true', '64-true', 'bf16-mixed', "
+        r"'16-mixed'",
+    ):
         fast_trainer(precision="half")
 
 
@@ -160,13 +181,16 @@ def test_max_epochs_minus_one_is_allowed():
     assert fast_trainer(max_epochs=-1, max_steps=3).max_epochs == -1
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"max_steps": -2}, r"max_steps must be a non-negative int \(or -1 for no limit\), got -2"),
-    ({"min_epochs": -1}, r"min_epochs must be a non-negative int, got -1"),
-    ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches must be a positive int, got 0"),
-    ({"gradient_clip_algorithm": "l2"}, r"gradient_clip_algorithm must be 'norm' or 'value', got 'l2'"),
-    ({"gradient_clip_val": -1.0}, r"gradient_clip_val must be >= 0, got -1.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"max_steps": -2}, r"max_steps must be a non-negative int \(or -1 for no limit\), got -2"),
+        ({"min_epochs": -1}, r"min_epochs must be a non-negative int, got -1"),
+        ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches must be a positive int, got 0"),
+        ({"gradient_clip_algorithm": "l2"}, r"gradient_clip_algorithm must be 'norm' or 'value', got 'l2'"),
+        ({"gradient_clip_val": -1.0}, r"gradient_clip_val must be >= 0, got -1.0"),
+    ],
+)
 def test_bad_loop_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fast_trainer(**kwargs)
@@ -175,8 +199,11 @@ def test_bad_loop_arguments(kwargs, match):
 # ---------------------------------------------------------------------- data
 def test_empty_train_loader():
     empty = DataLoader(TensorDataset(torch.empty(0, 4), torch.empty(0, 1)), batch_size=4)
-    with pytest.raises(ValueError, match=r"The train dataloader is empty \(0 batches after limit_train_batches\). "
-                                         r"Check the dataset, batch_size with drop_last"):
+    with pytest.raises(
+        ValueError,
+        match=r"The train dataloader is empty \(0 batches after limit_train_batches\). "
+        r"Check the dataset, batch_size with drop_last",
+    ):
         fast_trainer().fit(BoringModel(), empty)
 
 
@@ -196,8 +223,11 @@ def test_empty_train_stream_without_length_ends_its_epochs_with_a_warning():
         warnings.simplefilter("always")
         trainer.fit(BoringModel(), Nothing())
     said = [str(w.message) for w in caught if "yielded no batch" in str(w.message)]
-    assert len(said) == 1 and said[0].startswith("The train dataloader yielded no batch. Check the dataset is not "
-                                                 "empty") and "(epoch 0; it has no length" in said[0]
+    assert (
+        len(said) == 1
+        and said[0].startswith("The train dataloader yielded no batch. Check the dataset is not empty")
+        and "(epoch 0; it has no length" in said[0]
+    )
     assert trainer.current_epoch == 2 and trainer.global_step == 0
 
 
@@ -213,20 +243,29 @@ def test_fractional_val_check_interval_on_a_train_loader_without_length():
     # Without a length there is no "half an epoch": it would silently never validate.
     from tests.helpers.models import UnsizedBatches
 
-    with pytest.raises(ValueError, match=r"val_check_interval=0.5 is a fraction of an epoch, but the train dataloader "
-                                         r"has no length.*int"):
+    with pytest.raises(
+        ValueError,
+        match=r"val_check_interval=0.5 is a fraction of an epoch, but the train dataloader "
+        r"has no length.*int",
+    ):
         fast_trainer(val_check_interval=0.5).fit(BoringModel(), UnsizedBatches(), regression_loader())
 
 
 def test_fit_without_training_data():
-    with pytest.raises(ValueError, match=r"fit needs training data: pass train_dataloaders, or a datamodule with "
-                                         r"train_dataloader\(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"fit needs training data: pass train_dataloaders, or a datamodule with "
+        r"train_dataloader\(\)",
+    ):
         fast_trainer().fit(BoringModel())
 
 
 def test_val_loader_without_validation_step():
-    with pytest.raises(ValueError, match=r"Validation data was given but TrainOnlyModel defines no validation_step. "
-                                         r"Define validation_step or do not pass val_dataloaders"):
+    with pytest.raises(
+        ValueError,
+        match=r"Validation data was given but TrainOnlyModel defines no validation_step. "
+        r"Define validation_step or do not pass val_dataloaders",
+    ):
         fast_trainer().fit(TrainOnlyModel(), regression_loader(), regression_loader())
 
 

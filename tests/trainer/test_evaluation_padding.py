@@ -9,6 +9,7 @@ so epoch values still equal the single-process ones over the 33 samples exactly.
 
 One spawn of two gloo ranks runs every scenario; each returns numbers the tests assert on.
 """
+
 from __future__ import annotations
 
 import glob
@@ -92,8 +93,15 @@ def reference_loss(module: Net, n: int = N) -> float:
 
 
 def quiet_trainer(**kwargs) -> ember.Trainer:
-    return ember.Trainer(strategy="ddp", devices=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, **kwargs)
+    return ember.Trainer(
+        strategy="ddp",
+        devices=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        **kwargs,
+    )
 
 
 def floats(metrics: dict) -> dict:
@@ -105,19 +113,36 @@ def fit_default(rank: int, root: str) -> dict:
     # Logger, checkpointing (monitoring the epoch value) and the sanity check as by default.
     module = Net()
     checkpoint = ember.callbacks.ModelCheckpoint(monitor="val_loss", save_last=True)
-    trainer = ember.Trainer(strategy="ddp", devices=2, accelerator="cpu", max_epochs=2, limit_train_batches=3,
-                            default_root_dir=root, callbacks=[checkpoint], enable_progress_bar=False)
+    trainer = ember.Trainer(
+        strategy="ddp",
+        devices=2,
+        accelerator="cpu",
+        max_epochs=2,
+        limit_train_batches=3,
+        default_root_dir=root,
+        callbacks=[checkpoint],
+        enable_progress_bar=False,
+    )
     trainer.fit(module, DataLoader(data(), batch_size=B), DataLoader(data(), batch_size=B))
-    return {"metrics": floats(trainer.callback_metrics), "reference": reference_loss(module),
-            "steps": len(module.ran), "batch_ends": module.batch_ends,
-            "checkpoints": sorted(os.path.basename(p) for p in glob.glob(f"{root}/**/*.ckpt", recursive=True))}
+    return {
+        "metrics": floats(trainer.callback_metrics),
+        "reference": reference_loss(module),
+        "steps": len(module.ran),
+        "batch_ends": module.batch_ends,
+        "checkpoints": sorted(os.path.basename(p) for p in glob.glob(f"{root}/**/*.ckpt", recursive=True)),
+    }
 
 
 def validate(rank: int, drop_last: bool = False, n: int = N) -> dict:
     module = Net()
     (result,) = quiet_trainer().validate(module, DataLoader(data(n), batch_size=B, drop_last=drop_last))
-    return {"result": result, "reference": reference_loss(module, n), "ran": module.ran,
-            "gathered": module.gathered, "batch_ends": module.batch_ends}
+    return {
+        "result": result,
+        "reference": reference_loss(module, n),
+        "ran": module.ran,
+        "gathered": module.gathered,
+        "batch_ends": module.batch_ends,
+    }
 
 
 def run_test(rank: int) -> dict:
@@ -146,15 +171,26 @@ def stream(rank: int) -> dict:
     x, y, _ = data().tensors
     with torch.no_grad():
         reference = F.mse_loss(module(x[:32]), y[:32]).item()
-    return {"result": result, "reference": reference, "ran": module.ran, "gathered": module.gathered,
-            "empty": error_of(lambda: quiet_trainer().validate(Net(), DataLoader(Stream([8, 0]), batch_size=B)))}
+    return {
+        "result": result,
+        "reference": reference,
+        "ran": module.ran,
+        "gathered": module.gathered,
+        "empty": error_of(lambda: quiet_trainer().validate(Net(), DataLoader(Stream([8, 0]), batch_size=B))),
+    }
 
 
 def stream_rank0_short(rank: int) -> dict:
     # Rank 0 (which writes the logs) has 3 batches, rank 1 has 5: rank 0 runs two padding batches.
     logger = RecordingLogger()
-    trainer = ember.Trainer(strategy="ddp", devices=2, accelerator="cpu", logger=logger, enable_checkpointing=False,
-                            enable_progress_bar=False)
+    trainer = ember.Trainer(
+        strategy="ddp",
+        devices=2,
+        accelerator="cpu",
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     trainer.validate(Net(), DataLoader(Stream([12, 20]), batch_size=B))
     return {"own": len(logger.steps_with("val_own")), "synced": len(logger.steps_with("val_loss_step"))}
 
@@ -184,8 +220,14 @@ SCENARIOS = {
 
 
 def suite(rank: int, world: int, root: str) -> dict:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     out = {}
     for name, scenario in SCENARIOS.items():
         try:

@@ -1,6 +1,7 @@
 """Trainer flags as Lightning's: min_steps with min_epochs and should_stop, limit_train_batches=0,
 overfit_batches, max_time, benchmark, detect_anomaly, enable_autolog_hparams. Every expected value was
 observed on Lightning 2.6.6 first with the same module and data (32 samples, batches of 8: 4 per epoch)."""
+
 from __future__ import annotations
 
 import logging
@@ -38,29 +39,35 @@ def fit_stopping(at: int, **kwargs):
 
 
 # ---------------------------------------------------------------------- min_steps / min_epochs / should_stop
-@pytest.mark.parametrize(("kwargs", "steps", "epochs", "last"), [
-    # Lightning 2.6.6, should_stop set at global_step 2, max_epochs=5:
-    ({}, 2, 1, (0, 1, 2)),                                    # stops at once
-    ({"min_steps": 6}, 6, 2, (1, 1, 6)),                      # mid-epoch, as soon as 6 steps are taken
-    ({"min_steps": 7}, 7, 2, (1, 2, 7)),
-    ({"min_steps": 3}, 4, 1, (0, 3, 4)),                      # min_steps alone implies min_epochs=1
-    ({"min_steps": 0}, 4, 1, (0, 3, 4)),
-    ({"min_epochs": 2}, 8, 2, (1, 3, 8)),                     # at the end of epoch 1
-    ({"min_epochs": 2, "min_steps": 3}, 8, 2, (1, 3, 8)),
-    ({"min_epochs": 1, "min_steps": 10}, 10, 3, (2, 1, 10)),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "steps", "epochs", "last"),
+    [
+        # Lightning 2.6.6, should_stop set at global_step 2, max_epochs=5:
+        ({}, 2, 1, (0, 1, 2)),  # stops at once
+        ({"min_steps": 6}, 6, 2, (1, 1, 6)),  # mid-epoch, as soon as 6 steps are taken
+        ({"min_steps": 7}, 7, 2, (1, 2, 7)),
+        ({"min_steps": 3}, 4, 1, (0, 3, 4)),  # min_steps alone implies min_epochs=1
+        ({"min_steps": 0}, 4, 1, (0, 3, 4)),
+        ({"min_epochs": 2}, 8, 2, (1, 3, 8)),  # at the end of epoch 1
+        ({"min_epochs": 2, "min_steps": 3}, 8, 2, (1, 3, 8)),
+        ({"min_epochs": 1, "min_steps": 10}, 10, 3, (2, 1, 10)),
+    ],
+)
 def test_should_stop_waits_for_min_epochs_and_min_steps(kwargs, steps, epochs, last):
     trainer, stopper = fit_stopping(2, max_epochs=5, **kwargs)
     assert (trainer.global_step, trainer.current_epoch, stopper.seen[-1]) == (steps, epochs, last)
     assert trainer.should_stop
 
 
-@pytest.mark.parametrize(("kwargs", "steps", "epochs"), [
-    # Lightning 2.6.6, no stop requested: max_epochs and max_steps still win over the minimums.
-    ({"max_epochs": 1, "min_steps": 10}, 4, 1),
-    ({"max_epochs": 2, "min_epochs": 3}, 8, 2),
-    ({"max_epochs": 5, "max_steps": 3, "min_steps": 6}, 3, 1),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "steps", "epochs"),
+    [
+        # Lightning 2.6.6, no stop requested: max_epochs and max_steps still win over the minimums.
+        ({"max_epochs": 1, "min_steps": 10}, 4, 1),
+        ({"max_epochs": 2, "min_epochs": 3}, 8, 2),
+        ({"max_epochs": 5, "max_steps": 3, "min_steps": 6}, 3, 1),
+    ],
+)
 def test_max_limits_win_over_the_minimums(kwargs, steps, epochs):
     trainer, _ = fit_stopping(99, **kwargs)
     assert (trainer.global_step, trainer.current_epoch, trainer.should_stop) == (steps, epochs, False)
@@ -72,17 +79,22 @@ def test_the_continue_message_is_logged_once(caplog):
     with caplog.at_level(logging.INFO, logger="ember.trainer.loops"):
         fit_stopping(2, max_epochs=5, min_steps=6)
     lines = [r.getMessage() for r in caplog.records if "signaled to stop" in r.getMessage()]
-    assert lines == ["Trainer was signaled to stop but the required min_epochs=1 or min_steps=6 has not been met. "
-                     "Training will continue..."]
+    assert lines == [
+        "Trainer was signaled to stop but the required min_epochs=1 or min_steps=6 has not been met. "
+        "Training will continue..."
+    ]
 
 
-@pytest.mark.parametrize(("kwargs", "steps", "epochs", "stopped_epoch", "wait"), [
-    # Lightning 2.6.6: EarlyStopping("v", patience=0) on a rising "v" stops after epoch 1; min_epochs=3 runs
-    # epoch 2 whole; min_steps=10 stops at step 10, mid-epoch 2; EarlyStopping keeps counting meanwhile.
-    ({}, 8, 2, 1, 1),
-    ({"min_epochs": 3}, 12, 3, 2, 2),
-    ({"min_steps": 10}, 10, 3, 2, 2),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "steps", "epochs", "stopped_epoch", "wait"),
+    [
+        # Lightning 2.6.6: EarlyStopping("v", patience=0) on a rising "v" stops after epoch 1; min_epochs=3 runs
+        # epoch 2 whole; min_steps=10 stops at step 10, mid-epoch 2; EarlyStopping keeps counting meanwhile.
+        ({}, 8, 2, 1, 1),
+        ({"min_epochs": 3}, 12, 3, 2, 2),
+        ({"min_steps": 10}, 10, 3, 2, 2),
+    ],
+)
 def test_early_stopping_waits_for_min_epochs_and_min_steps(kwargs, steps, epochs, stopped_epoch, wait):
     class Rising(BoringModel):
         def validation_step(self, batch, batch_idx, dataloader_idx=0):
@@ -92,7 +104,11 @@ def test_early_stopping_waits_for_min_epochs_and_min_steps(kwargs, steps, epochs
     trainer = fast_trainer(callbacks=[es], max_epochs=10, num_sanity_val_steps=0, **kwargs)
     trainer.fit(Rising(), regression_loader(), regression_loader())
     assert (trainer.global_step, trainer.current_epoch, es.stopped_epoch, es.wait_count) == (
-        steps, epochs, stopped_epoch, wait)
+        steps,
+        epochs,
+        stopped_epoch,
+        wait,
+    )
 
 
 class StopAtTrainStart(Callback):
@@ -100,9 +116,14 @@ class StopAtTrainStart(Callback):
         trainer.should_stop = True
 
 
-@pytest.mark.parametrize(("kwargs", "steps", "epochs"), [
-    ({}, 0, 0), ({"min_epochs": 1}, 4, 1), ({"min_steps": 1}, 4, 1),  # Lightning 2.6.6, max_epochs=3
-])
+@pytest.mark.parametrize(
+    ("kwargs", "steps", "epochs"),
+    [
+        ({}, 0, 0),
+        ({"min_epochs": 1}, 4, 1),
+        ({"min_steps": 1}, 4, 1),  # Lightning 2.6.6, max_epochs=3
+    ],
+)
 def test_should_stop_before_the_first_epoch(kwargs, steps, epochs):
     trainer = fast_trainer(callbacks=[StopAtTrainStart()], max_epochs=3, **kwargs)
     trainer.fit(TrainOnlyModel(), regression_loader())
@@ -157,11 +178,14 @@ class Requests(BoringModel):
         return regression_loader()
 
 
-@pytest.mark.parametrize(("sanity", "calls", "requested"), [
-    # Lightning 2.6.6: the sanity check runs, the train loader is never requested, no train hook runs.
-    (2, ["fit_start", "sanity_start", "val_batch", "val_batch", "fit_end"], ["val"]),
-    (0, ["fit_start", "fit_end"], []),
-])
+@pytest.mark.parametrize(
+    ("sanity", "calls", "requested"),
+    [
+        # Lightning 2.6.6: the sanity check runs, the train loader is never requested, no train hook runs.
+        (2, ["fit_start", "sanity_start", "val_batch", "val_batch", "fit_end"], ["val"]),
+        (0, ["fit_start", "fit_end"], []),
+    ],
+)
 def test_limit_train_batches_zero_skips_training(sanity, calls, requested):
     hooks, module = Hooks(), Requests()
     trainer = fast_trainer(callbacks=[hooks], limit_train_batches=0, max_epochs=2, num_sanity_val_steps=sanity)
@@ -213,8 +237,11 @@ def test_overfit_batches_replaces_both_limits_and_turns_shuffling_off(overfit, p
     with pytest.warns(UserWarning) as record:
         trainer.fit(module, train, val)
     messages = [str(w.message) for w in record if "overfit" in str(w.message)]
-    assert messages == [f"You requested to overfit but enabled {k} dataloader shuffling. We are turning off the {k} "
-                        "dataloader shuffling for you." for k in ("val", "train")]  # Lightning 2.6.6's words
+    assert messages == [
+        f"You requested to overfit but enabled {k} dataloader shuffling. We are turning off the {k} "
+        "dataloader shuffling for you."
+        for k in ("val", "train")
+    ]  # Lightning 2.6.6's words
     assert trainer.limit_train_batches == trainer.limit_val_batches == overfit
     assert (trainer.num_training_batches, trainer.num_val_batches) == (per_epoch, [per_epoch])
     firsts = [-1.126, -0.614][:per_epoch]
@@ -363,16 +390,21 @@ def fit_logging(**kwargs):
     return trainer, [(step, sorted(m)) for step, m in lg.records]
 
 
-@pytest.mark.parametrize(("kwargs", "records"), [
-    # Lightning 2.6.6 (records as (step, keys)): with 7 batches and log_every_n_steps=50 the loggers get only
-    # the epoch values; max_steps ending the fit writes nothing more; a should_stop set in on_train_batch_end
-    # writes that step's values (Lightning logs every step once should_stop is set).
-    ({"max_epochs": 2}, [(6, ["ep", "epoch"]), (13, ["ep", "epoch"])]),
-    ({"max_epochs": 2, "log_every_n_steps": 5},
-     [(4, ["epoch", "loss"]), (6, ["ep", "epoch"]), (9, ["epoch", "loss"]), (13, ["ep", "epoch"])]),
-    ({"max_epochs": 2, "max_steps": 3}, [(2, ["ep", "epoch"])]),
-    ({"max_epochs": 2, "callbacks": [StopAtTwo()]}, [(1, ["epoch", "loss"]), (1, ["ep", "epoch"])]),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "records"),
+    [
+        # Lightning 2.6.6 (records as (step, keys)): with 7 batches and log_every_n_steps=50 the loggers get only
+        # the epoch values; max_steps ending the fit writes nothing more; a should_stop set in on_train_batch_end
+        # writes that step's values (Lightning logs every step once should_stop is set).
+        ({"max_epochs": 2}, [(6, ["ep", "epoch"]), (13, ["ep", "epoch"])]),
+        (
+            {"max_epochs": 2, "log_every_n_steps": 5},
+            [(4, ["epoch", "loss"]), (6, ["ep", "epoch"]), (9, ["epoch", "loss"]), (13, ["ep", "epoch"])],
+        ),
+        ({"max_epochs": 2, "max_steps": 3}, [(2, ["ep", "epoch"])]),
+        ({"max_epochs": 2, "callbacks": [StopAtTwo()]}, [(1, ["epoch", "loss"]), (1, ["ep", "epoch"])]),
+    ],
+)
 def test_what_reaches_the_loggers_when_a_fit_ends_before_log_every_n_steps(kwargs, records):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fewer-batches warning, tested below
@@ -415,11 +447,14 @@ def test_fast_dev_run_fills_logged_metrics():
     assert float(trainer.logged_metrics["loss"]) == pytest.approx(float(losses[-1]))
 
 
-@pytest.mark.parametrize(("kwargs", "warns"), [
-    ({"logger": RecordingLogger}, True),
-    ({"logger": RecordingLogger, "log_every_n_steps": 7}, False),
-    ({"logger": False}, False),  # Lightning 2.6.6: only with a logger
-])
+@pytest.mark.parametrize(
+    ("kwargs", "warns"),
+    [
+        ({"logger": RecordingLogger}, True),
+        ({"logger": RecordingLogger, "log_every_n_steps": 7}, False),
+        ({"logger": False}, False),  # Lightning 2.6.6: only with a logger
+    ],
+)
 def test_fewer_batches_than_log_every_n_steps_warns(kwargs, warns):
     """Lightning 2.6.6: "The number of training batches (7) is smaller than the logging interval
     Trainer(log_every_n_steps=50). Set a lower value for log_every_n_steps if you want to see logs for the
@@ -431,7 +466,9 @@ def test_fewer_batches_than_log_every_n_steps_warns(kwargs, warns):
         warnings.simplefilter("always")
         trainer.fit(LogsStepAndEpoch(), regression_loader(n=56))
     messages = [str(w.message) for w in record if "logging interval" in str(w.message)]
-    expected = ["The number of training batches (7) is smaller than the logging interval "
-                "Trainer(log_every_n_steps=50). Set a lower value for log_every_n_steps if you want to see logs for "
-                "the training epoch."]
+    expected = [
+        "The number of training batches (7) is smaller than the logging interval "
+        "Trainer(log_every_n_steps=50). Set a lower value for log_every_n_steps if you want to see logs for "
+        "the training epoch."
+    ]
     assert messages == (expected if warns else [])

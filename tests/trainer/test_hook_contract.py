@@ -4,6 +4,7 @@ The expected sequences below were checked against PyTorch Lightning 2.6.6, recor
 module (tests/helpers/hook_recorder.py) and callback in the same scenarios. Where ember's sequence
 still differs from Lightning's, a comment at the expectation says how.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,8 +31,13 @@ def transfer() -> list[str]:
 
 
 def start(stage: str) -> list[str]:
-    return ["M.configure_callbacks", "M.prepare_data", f"C.setup(stage='{stage}')", f"M.setup(stage='{stage}')",
-            "M.configure_model"]
+    return [
+        "M.configure_callbacks",
+        "M.prepare_data",
+        f"C.setup(stage='{stage}')",
+        f"M.setup(stage='{stage}')",
+        "M.configure_model",
+    ]
 
 
 def end(stage: str) -> list[str]:
@@ -47,8 +53,9 @@ def eval_block(hook: str, batches: int, model_train: bool = True) -> list[str]:
     return out + ([f"M.on_{hook}_model_train"] if model_train else [])
 
 
-def train_batch(epoch: int, i: int, *, zero_grad: bool = True, step: bool = True,
-                epoch_sched: bool = False) -> list[str]:
+def train_batch(
+    epoch: int, i: int, *, zero_grad: bool = True, step: bool = True, epoch_sched: bool = False
+) -> list[str]:
     out = transfer() + both("on_train_batch_start", f"({i})")
     out += ([f"M.optimizer_step({epoch},{i})"] if step else []) + [f"M.training_step({i})"]
     if zero_grad:
@@ -81,11 +88,19 @@ def record(scenario: Any, **kwargs: Any) -> list[str]:
 def test_fit_sequence():
     calls = record(lambda c: trainer(c).fit(RecordingHookModule(c)))
     expected = (
-        start("fit") + ["M.configure_optimizers"] + both("on_fit_start")
+        start("fit")
+        + ["M.configure_optimizers"]
+        + both("on_fit_start")
         # As Lightning: val_dataloader is requested inside the sanity check, train_dataloader after it.
-        + ["C.on_sanity_check_start", "M.val_dataloader"] + eval_block("validation", 1)
+        + ["C.on_sanity_check_start", "M.val_dataloader"]
+        + eval_block("validation", 1)
         + ["C.on_sanity_check_end", "M.train_dataloader"]
-        + both("on_train_start") + epoch(0) + epoch(1) + both("on_train_end") + both("on_fit_end") + end("fit")
+        + both("on_train_start")
+        + epoch(0)
+        + epoch(1)
+        + both("on_train_end")
+        + both("on_fit_end")
+        + end("fit")
     )
     assert calls == expected
 
@@ -103,8 +118,9 @@ def test_test_sequence():
 def test_predict_sequence():
     calls = record(lambda c: trainer(c).predict(RecordingHookModule(c)))
     # Lightning has no on_predict_model_train: predict restores the training flags itself.
-    assert calls == start("predict") + ["M.predict_dataloader"] + eval_block("predict", 2, model_train=False) \
-        + end("predict")
+    assert calls == start("predict") + ["M.predict_dataloader"] + eval_block("predict", 2, model_train=False) + end(
+        "predict"
+    )
 
 
 def test_validate_without_batches_runs_no_loop_hook():
@@ -113,30 +129,66 @@ def test_validate_without_batches_runs_no_loop_hook():
 
 
 def test_accumulation_sequence():
-    calls = record(lambda c: trainer(c, max_epochs=1, limit_train_batches=3, accumulate_grad_batches=2,
-                                     num_sanity_val_steps=0, limit_val_batches=0).fit(RecordingHookModule(c)))
+    calls = record(
+        lambda c: trainer(
+            c,
+            max_epochs=1,
+            limit_train_batches=3,
+            accumulate_grad_batches=2,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+        ).fit(RecordingHookModule(c))
+    )
     expected = (
-        start("fit") + ["M.configure_optimizers"] + both("on_fit_start") + ["M.train_dataloader"]
-        + both("on_train_start") + both("on_train_epoch_start")
-        + train_batch(0, 0, step=False)                          # opens the window: zero_grad, no step
-        + train_batch(0, 1, zero_grad=False)                     # closes it: optimizer_step, no zero_grad
-        + train_batch(0, 2, epoch_sched=True)                    # a short last window: both
-        + both("on_train_epoch_end") + both("on_train_end") + both("on_fit_end") + end("fit")
+        start("fit")
+        + ["M.configure_optimizers"]
+        + both("on_fit_start")
+        + ["M.train_dataloader"]
+        + both("on_train_start")
+        + both("on_train_epoch_start")
+        + train_batch(0, 0, step=False)  # opens the window: zero_grad, no step
+        + train_batch(0, 1, zero_grad=False)  # closes it: optimizer_step, no zero_grad
+        + train_batch(0, 2, epoch_sched=True)  # a short last window: both
+        + both("on_train_epoch_end")
+        + both("on_train_end")
+        + both("on_fit_end")
+        + end("fit")
     )
     assert calls == expected
 
 
 def test_manual_optimization_sequence():
-    calls = record(lambda c: trainer(c, max_epochs=1, num_sanity_val_steps=0, limit_val_batches=0)
-                   .fit(RecordingHookModule(c, manual=True)))
-    batch = lambda i: (transfer() + both("on_train_batch_start", f"({i})") + [f"M.training_step({i})"]  # noqa: E731
-                       + both("on_before_backward") + ["M.backward"] + both("on_after_backward")
-                       + both("on_before_optimizer_step") * 2  # once per opt.step() (the module steps twice)
-                       + both("on_train_batch_end", f"({i})"))
+    calls = record(
+        lambda c: trainer(c, max_epochs=1, num_sanity_val_steps=0, limit_val_batches=0).fit(
+            RecordingHookModule(c, manual=True)
+        )
+    )
+
+    def batch(i: int) -> list[str]:
+        return (
+            transfer()
+            + both("on_train_batch_start", f"({i})")
+            + [f"M.training_step({i})"]
+            + both("on_before_backward")
+            + ["M.backward"]
+            + both("on_after_backward")
+            + both("on_before_optimizer_step") * 2  # once per opt.step() (the module steps twice)
+            + both("on_train_batch_end", f"({i})")
+        )
+
     expected = (
-        start("fit") + ["M.configure_optimizers"] + both("on_fit_start") + ["M.train_dataloader"]
-        + both("on_train_start") + both("on_train_epoch_start") + batch(0) + batch(1)
-        + both("on_train_epoch_end") + both("on_train_end") + both("on_fit_end") + end("fit")
+        start("fit")
+        + ["M.configure_optimizers"]
+        + both("on_fit_start")
+        + ["M.train_dataloader"]
+        + both("on_train_start")
+        + both("on_train_epoch_start")
+        + batch(0)
+        + batch(1)
+        + both("on_train_epoch_end")
+        + both("on_train_end")
+        + both("on_fit_end")
+        + end("fit")
     )
     assert calls == expected
 
@@ -157,14 +209,20 @@ def test_mid_epoch_resume_sequence(tmp_path):
     expected = (
         # As Lightning: the weights and the callbacks' state before configure_optimizers; the optimizers
         # and progress after on_fit_start; the loaders after them.
-        start("fit") + ["M.on_load_checkpoint", "M.load_state_dict(strict=)", "C.on_load_checkpoint"]
-        + ["M.configure_optimizers"] + both("on_fit_start")
+        start("fit")
+        + ["M.on_load_checkpoint", "M.load_state_dict(strict=)", "C.on_load_checkpoint"]
+        + ["M.configure_optimizers"]
+        + both("on_fit_start")
         + ["M.train_dataloader", "M.val_dataloader"]
         + both("on_train_start")
         # no on_train_epoch_start: the epoch had started before the checkpoint
-        + train_batch(1, 1, epoch_sched=True) + ["M.on_validation_model_zero_grad"] + eval_block("validation", 2)
+        + train_batch(1, 1, epoch_sched=True)
+        + ["M.on_validation_model_zero_grad"]
+        + eval_block("validation", 2)
         + both("on_train_epoch_end")
-        + both("on_train_end") + both("on_fit_end") + end("fit")
+        + both("on_train_end")
+        + both("on_fit_end")
+        + end("fit")
     )
     assert calls == expected
 
@@ -195,10 +253,20 @@ def test_model_checkpoint_saves_after_on_train_epoch_end_with_the_scheduler_step
 
     ck = _CheckpointRecorder(calls, dirpath=str(tmp_path), save_last=False, monitor="val_loss")
     trainer(calls, max_epochs=1, num_sanity_val_steps=0, callbacks=[ck], enable_checkpointing=True).fit(Module(calls))
-    relevant = [c for c in calls if c.startswith("CK.") or c in ("M.on_train_epoch_end", "M.on_save_checkpoint",
-                                                                 "M.lr_scheduler_step", "M.on_validation_end")]
-    assert relevant == ["M.lr_scheduler_step", "CK.on_validation_end", "M.on_validation_end",
-                        "M.on_train_epoch_end", "CK.on_train_epoch_end", "M.on_save_checkpoint"]
+    relevant = [
+        c
+        for c in calls
+        if c.startswith("CK.")
+        or c in ("M.on_train_epoch_end", "M.on_save_checkpoint", "M.lr_scheduler_step", "M.on_validation_end")
+    ]
+    assert relevant == [
+        "M.lr_scheduler_step",
+        "CK.on_validation_end",
+        "M.on_validation_end",
+        "M.on_train_epoch_end",
+        "CK.on_train_epoch_end",
+        "M.on_save_checkpoint",
+    ]
     assert saved == [1]  # the epoch's scheduler step is in the checkpoint
 
 
@@ -406,8 +474,9 @@ def test_configure_gradient_clipping_override_clips():
     norms: list[float] = []
 
     class Clips(HookModule):
-        def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
-                                        gradient_clip_algorithm: Any = None) -> None:
+        def configure_gradient_clipping(
+            self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+        ) -> None:
             self.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
 
         def on_before_zero_grad(self, optimizer: Any) -> None:

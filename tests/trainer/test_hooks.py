@@ -1,4 +1,5 @@
 """Hook order: a recording callback and module, compared with the expected sequence (Lightning's order)."""
+
 from __future__ import annotations
 
 import functools
@@ -22,14 +23,25 @@ def both(*names: str) -> list[str]:
 
 def validation_block(steps: int = 1) -> list[str]:
     batch = both("on_validation_batch_start") + ["Module.validation_step"] + both("on_validation_batch_end")
-    return (both("on_validation_start", "on_validation_epoch_start") + batch * steps
-            + both("on_validation_epoch_end", "on_validation_end"))
+    return (
+        both("on_validation_start", "on_validation_epoch_start")
+        + batch * steps
+        + both("on_validation_epoch_end", "on_validation_end")
+    )
 
 
 def train_batch() -> list[str]:
-    return (both("on_train_batch_start") + ["Module.training_step"]
-            + both("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
-                   "on_train_batch_end"))
+    return (
+        both("on_train_batch_start")
+        + ["Module.training_step"]
+        + both(
+            "on_before_zero_grad",
+            "on_before_backward",
+            "on_after_backward",
+            "on_before_optimizer_step",
+            "on_train_batch_end",
+        )
+    )
 
 
 def _run(**trainer_kwargs):
@@ -40,15 +52,21 @@ def _run(**trainer_kwargs):
 
 
 def test_fit_hook_order_with_validation_and_sanity_check():
-    calls, module, trainer = _run(max_epochs=2, limit_train_batches=2, limit_val_batches=1,
-                                  num_sanity_val_steps=1)
+    calls, module, trainer = _run(max_epochs=2, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=1)
     trainer.fit(module, regression_loader(), regression_loader())
     epoch = both("on_train_epoch_start") + train_batch() * 2 + validation_block() + both("on_train_epoch_end")
     expected = (
-        ["Module.configure_callbacks", "Module.prepare_data", "Callback.setup:fit", "Module.setup:fit",
-         "Module.configure_optimizers"]
+        [
+            "Module.configure_callbacks",
+            "Module.prepare_data",
+            "Callback.setup:fit",
+            "Module.setup:fit",
+            "Module.configure_optimizers",
+        ]
         + both("on_fit_start")
-        + ["Callback.on_sanity_check_start"] + validation_block() + ["Callback.on_sanity_check_end"]
+        + ["Callback.on_sanity_check_start"]
+        + validation_block()
+        + ["Callback.on_sanity_check_end"]
         + both("on_train_start")
         + epoch * 2
         + both("on_train_end", "on_fit_end")
@@ -62,9 +80,12 @@ def test_fit_hook_order_without_validation_has_no_sanity_check():
     trainer.fit(module, regression_loader())
     assert "Callback.on_sanity_check_start" not in calls
     start = calls.index("Callback.on_train_start")
-    assert calls[start:] == (both("on_train_start", "on_train_epoch_start") + train_batch()
-                             + both("on_train_epoch_end", "on_train_end", "on_fit_end")
-                             + ["Callback.teardown:fit", "Module.teardown:fit"])
+    assert calls[start:] == (
+        both("on_train_start", "on_train_epoch_start")
+        + train_batch()
+        + both("on_train_epoch_end", "on_train_end", "on_fit_end")
+        + ["Callback.teardown:fit", "Module.teardown:fit"]
+    )
 
 
 def test_accumulation_zero_grad_first_and_optimizer_step_last_in_window():
@@ -75,10 +96,17 @@ def test_accumulation_zero_grad_first_and_optimizer_step_last_in_window():
     head = both("on_train_batch_start") + ["Module.training_step"]
     backward = both("on_before_backward", "on_after_backward")
     expected = (
-        head + both("on_before_zero_grad") + backward + both("on_train_batch_end")                 # opens window
-        + head + backward + both("on_before_optimizer_step", "on_train_batch_end")               # closes it
-        + head + both("on_before_zero_grad") + backward
-        + both("on_before_optimizer_step", "on_train_batch_end")                                   # short window
+        head
+        + both("on_before_zero_grad")
+        + backward
+        + both("on_train_batch_end")  # opens window
+        + head
+        + backward
+        + both("on_before_optimizer_step", "on_train_batch_end")  # closes it
+        + head
+        + both("on_before_zero_grad")
+        + backward
+        + both("on_before_optimizer_step", "on_train_batch_end")  # short window
     )
     assert calls[start:end] == expected
 
@@ -86,30 +114,37 @@ def test_accumulation_zero_grad_first_and_optimizer_step_last_in_window():
 def test_validate_hook_order():
     calls, module, trainer = _run(limit_val_batches=2)
     trainer.validate(module, regression_loader())
-    assert calls == (["Module.configure_callbacks", "Module.prepare_data", "Callback.setup:validate",
-                      "Module.setup:validate"] + validation_block(2)
-                     + ["Callback.teardown:validate", "Module.teardown:validate"])
+    assert calls == (
+        ["Module.configure_callbacks", "Module.prepare_data", "Callback.setup:validate", "Module.setup:validate"]
+        + validation_block(2)
+        + ["Callback.teardown:validate", "Module.teardown:validate"]
+    )
 
 
 def test_test_hook_order():
     calls, module, trainer = _run(limit_test_batches=2)
     trainer.test(module, regression_loader())
     batch = both("on_test_batch_start") + ["Module.test_step"] + both("on_test_batch_end")
-    assert calls == (["Module.configure_callbacks", "Module.prepare_data", "Callback.setup:test", "Module.setup:test"]
-                     + both("on_test_start", "on_test_epoch_start") + batch * 2
-                     + both("on_test_epoch_end", "on_test_end")
-                     + ["Callback.teardown:test", "Module.teardown:test"])
+    assert calls == (
+        ["Module.configure_callbacks", "Module.prepare_data", "Callback.setup:test", "Module.setup:test"]
+        + both("on_test_start", "on_test_epoch_start")
+        + batch * 2
+        + both("on_test_epoch_end", "on_test_end")
+        + ["Callback.teardown:test", "Module.teardown:test"]
+    )
 
 
 def test_predict_hook_order():
     calls, module, trainer = _run(limit_predict_batches=2)
     trainer.predict(module, regression_loader())
     batch = both("on_predict_batch_start") + ["Module.predict_step"] + both("on_predict_batch_end")
-    assert calls == (["Module.configure_callbacks", "Module.prepare_data", "Callback.setup:predict",
-                      "Module.setup:predict"]
-                     + both("on_predict_start", "on_predict_epoch_start") + batch * 2
-                     + both("on_predict_epoch_end", "on_predict_end")
-                     + ["Callback.teardown:predict", "Module.teardown:predict"])
+    assert calls == (
+        ["Module.configure_callbacks", "Module.prepare_data", "Callback.setup:predict", "Module.setup:predict"]
+        + both("on_predict_start", "on_predict_epoch_start")
+        + batch * 2
+        + both("on_predict_epoch_end", "on_predict_end")
+        + ["Callback.teardown:predict", "Module.teardown:predict"]
+    )
 
 
 def test_callbacks_run_in_the_order_given():
@@ -251,6 +286,7 @@ def test_defines_hook_looks_at_the_instance():
     @functools.wraps(ember.TrainModule.on_before_batch_transfer)
     def wrapper(batch, dataloader_idx):
         return batch
+
     module.on_before_batch_transfer = wrapper  # a wrapper of the default still has to be called
     assert defines_hook("on_before_batch_transfer", module, ember.TrainModule)
 
@@ -258,14 +294,25 @@ def test_defines_hook_looks_at_the_instance():
 @pytest.mark.parametrize("stage", ["fit", "validate", "test", "predict"])
 def test_every_stage_starts_with_module_zero_grad(stage):
     """As Lightning's ``_run_stage``: gradients left on the module (by a previous run, or by hand) are gone."""
-    calls, module, trainer = _run(limit_train_batches=1, limit_val_batches=1, limit_test_batches=1,
-                                  limit_predict_batches=1, num_sanity_val_steps=0)
+    calls, module, trainer = _run(
+        limit_train_batches=1,
+        limit_val_batches=1,
+        limit_test_batches=1,
+        limit_predict_batches=1,
+        num_sanity_val_steps=0,
+    )
     seen = []
-    module.zero_grad = lambda set_to_none=True: (calls.append("Module.zero_grad"),
-                                                 torch.nn.Module.zero_grad(module, set_to_none))
+    module.zero_grad = lambda set_to_none=True: (
+        calls.append("Module.zero_grad"),
+        torch.nn.Module.zero_grad(module, set_to_none),
+    )
     module.on_fit_start = lambda: calls.append("Module.on_fit_start")
-    first_hook = {"fit": "Module.on_train_start", "validate": "Module.on_validation_start",
-                  "test": "Module.on_test_start", "predict": "Module.on_predict_start"}[stage]
+    first_hook = {
+        "fit": "Module.on_train_start",
+        "validate": "Module.on_validation_start",
+        "test": "Module.on_test_start",
+        "predict": "Module.on_predict_start",
+    }[stage]
     module.layer.weight.grad = torch.ones_like(module.layer.weight)
     record = getattr(module, first_hook.split(".")[1])
     module.__dict__[first_hook.split(".")[1]] = lambda: (seen.append(module.layer.weight.grad), record())

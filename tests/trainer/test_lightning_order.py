@@ -11,6 +11,7 @@ callback and datamodule (recorded in the format of tests/helpers/hook_recorder.p
 4. an overridden ``optimizer_step`` with a closure optimizer (LBFGS), and an overridden ``backward``
    under ``strategy="ddp"``.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,10 @@ class RecordingData(ember.DataModule):
 
 # ------------------------------------------------------------------------------------ 1. loaders, sanity check
 # One fit: 1 epoch of 2 training batches, 1 validation batch; SGD with an epoch StepLR (HookModule's).
-CLIP = "M.configure_gradient_clipping(gradient_clip_val=,gradient_clip_algorithm=) " \
-       "M.clip_gradients(gradient_clip_val=,gradient_clip_algorithm=)"
+CLIP = (
+    "M.configure_gradient_clipping(gradient_clip_val=,gradient_clip_algorithm=) "
+    "M.clip_gradients(gradient_clip_val=,gradient_clip_algorithm=)"
+)
 VALIDATION = """
     M.on_validation_model_eval C.on_validation_start M.on_validation_start
     C.on_validation_epoch_start M.on_validation_epoch_start
@@ -104,16 +107,27 @@ END_DATA = "D.teardown(stage='fit') C.teardown(stage='fit') M.teardown(stage='fi
 # Lightning 2.6.6 with a sanity check: val_dataloader is requested inside it (after on_sanity_check_start),
 # train_dataloader after it (after on_sanity_check_end, before on_train_start).
 WITH_SANITY = {
-    "module": START + "C.on_sanity_check_start M.val_dataloader" + VALIDATION + "C.on_sanity_check_end"
-    + " M.train_dataloader" + TRAINING + END,
-    "datamodule": START_DATA + "C.on_sanity_check_start D.val_dataloader" + VALIDATION + "C.on_sanity_check_end"
-    + " D.train_dataloader" + TRAINING + END_DATA,
+    "module": START
+    + "C.on_sanity_check_start M.val_dataloader"
+    + VALIDATION
+    + "C.on_sanity_check_end"
+    + " M.train_dataloader"
+    + TRAINING
+    + END,
+    "datamodule": START_DATA
+    + "C.on_sanity_check_start D.val_dataloader"
+    + VALIDATION
+    + "C.on_sanity_check_end"
+    + " D.train_dataloader"
+    + TRAINING
+    + END_DATA,
 }
 # Lightning 2.6.6 without one: train_dataloader then val_dataloader, both after on_fit_start and before on_train_start.
 WITHOUT_SANITY = {
     "module": START + "M.train_dataloader M.val_dataloader" + TRAINING + END,
     "datamodule": START_DATA + "D.train_dataloader D.val_dataloader" + TRAINING + END_DATA,
 }
+
 
 def fit_recorded(source: str, sanity: int) -> list[str]:
     calls: list[str] = []
@@ -125,10 +139,13 @@ def fit_recorded(source: str, sanity: int) -> list[str]:
     return calls
 
 
-@pytest.mark.parametrize("source", [
-    "module",
-    "datamodule",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "module",
+        "datamodule",
+    ],
+)
 def test_loaders_are_requested_around_the_sanity_check(source):
     assert fit_recorded(source, sanity=2) == lines(WITH_SANITY[source])
 
@@ -141,8 +158,14 @@ def test_loaders_without_a_sanity_check(source):
 def test_only_the_loader_order_around_the_sanity_check():
     """Point 1 alone, without the rest of the sequence: where the two loader requests fall."""
     calls = fit_recorded("datamodule", sanity=2)
-    marks = ("C.on_fit_start", "C.on_sanity_check_start", "D.val_dataloader", "C.on_sanity_check_end",
-             "D.train_dataloader", "C.on_train_start")
+    marks = (
+        "C.on_fit_start",
+        "C.on_sanity_check_start",
+        "D.val_dataloader",
+        "C.on_sanity_check_end",
+        "D.train_dataloader",
+        "C.on_train_start",
+    )
     assert [c for c in calls if c in marks] == list(marks)
 
 
@@ -155,8 +178,11 @@ def probe(trainer: Any) -> str:
     opts = trainer.optimizers
     opt = "none" if not opts else ("loaded" if opts[0].state else "empty")
     saved, module = _PROBED["saved"], _PROBED["module"]
-    w = "?" if saved is None or module is None else \
-        ("ckpt" if torch.equal(module.layer.weight.detach(), saved) else "init")
+    w = (
+        "?"
+        if saved is None or module is None
+        else ("ckpt" if torch.equal(module.layer.weight.detach(), saved) else "init")
+    )
     return f"[opt={opt},step={trainer.global_step},epoch={trainer.current_epoch},w={w}]"
 
 
@@ -264,14 +290,15 @@ def resumed(tmp_path: Any, sanity: int = 0) -> tuple[list[str], list[str]]:
     _PROBED.update(saved=torch.load(path, weights_only=True)["state_dict"]["layer.weight"], module=module)
     try:
         torch.manual_seed(1)
-        again = trainer(calls, max_epochs=2, limit_val_batches=1, num_sanity_val_steps=sanity,
-                        callbacks=[StateCallback(calls)])
+        again = trainer(
+            calls, max_epochs=2, limit_val_batches=1, num_sanity_val_steps=sanity, callbacks=[StateCallback(calls)]
+        )
         again.fit(module, datamodule=StateData(calls), ckpt_path=path)
     finally:
         _PROBED.update(saved=None, module=None)
     assert again.global_step == 4
     fit_start = next(i for i, c in enumerate(calls) if c.startswith("M.on_fit_start"))
-    return calls[:fit_start + 1], calls[fit_start + 1:calls.index("C.on_train_epoch_start")]
+    return calls[: fit_start + 1], calls[fit_start + 1 : calls.index("C.on_train_epoch_start")]
 
 
 def test_resume_restores_the_datamodule_and_callbacks_before_configure_optimizers(tmp_path):
@@ -281,8 +308,11 @@ def test_resume_restores_the_datamodule_and_callbacks_before_configure_optimizer
 
 def test_resume_restores_the_optimizers_and_progress_before_the_loaders(tmp_path):
     _, rest = resumed(tmp_path)
-    assert [c for c in rest if c.startswith(("D.train_dataloader", "D.val_dataloader", "C.on_train_start",
-                                             "M.on_train_start"))] == lines(RESUME_LOADERS)
+    assert [
+        c
+        for c in rest
+        if c.startswith(("D.train_dataloader", "D.val_dataloader", "C.on_train_start", "M.on_train_start"))
+    ] == lines(RESUME_LOADERS)
 
 
 # Lightning 2.6.6, the same resume with num_sanity_val_steps=1: the sanity check runs on a resume too, after the
@@ -299,8 +329,13 @@ RESUME_SANITY = """
 
 def test_a_resume_runs_the_sanity_check_after_restoring_the_training_state(tmp_path):
     _, rest = resumed(tmp_path, sanity=1)
-    assert [c for c in rest if c.startswith(("C.on_sanity_check", "D.train_dataloader", "D.val_dataloader",
-                                             "C.on_train_start", "M.on_train_start"))] == lines(RESUME_SANITY)
+    assert [
+        c
+        for c in rest
+        if c.startswith(
+            ("C.on_sanity_check", "D.train_dataloader", "D.val_dataloader", "C.on_train_start", "M.on_train_start")
+        )
+    ] == lines(RESUME_SANITY)
 
 
 # ------------------------------------------------------------------------------------ 3. global_step, log steps
@@ -377,10 +412,19 @@ class StepLogger(Logger):
 def step_fit(accumulate: int, max_epochs: int = 1, n_val: int = 0) -> tuple[list[str], StepLogger, ember.Trainer]:
     seen: list[str] = []
     logger = StepLogger()
-    t = ember.Trainer(max_epochs=max_epochs, limit_train_batches=4, limit_val_batches=n_val, num_sanity_val_steps=0,
-                      accumulate_grad_batches=accumulate, log_every_n_steps=1, logger=logger,
-                      callbacks=[StepCallback(seen)], enable_progress_bar=False, enable_checkpointing=False,
-                      accelerator="cpu")
+    t = ember.Trainer(
+        max_epochs=max_epochs,
+        limit_train_batches=4,
+        limit_val_batches=n_val,
+        num_sanity_val_steps=0,
+        accumulate_grad_batches=accumulate,
+        log_every_n_steps=1,
+        logger=logger,
+        callbacks=[StepCallback(seen)],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+    )
     t.fit(StepModule(seen, n_val))
     return seen, logger, t
 
@@ -440,13 +484,30 @@ def test_global_step_before_the_optimizer_step_matches():
 # the batches that step write (with accumulation the accumulating batches' values are not written); validation and
 # epoch-end metrics are written at the epoch's last step index. Every record carries "epoch".
 LOGGED = {
-    1: [(0, {"b": 0.0, "epoch": 0.0}), (1, {"b": 1.0, "epoch": 0.0}), (2, {"b": 2.0, "epoch": 0.0}),
-        (3, {"b": 3.0, "epoch": 0.0}), (3, {"epoch": 0.0, "v": 0.5}), (3, {"e": 1.5, "epoch": 0.0}),
-        (4, {"b": 0.0, "epoch": 1.0}), (5, {"b": 1.0, "epoch": 1.0}), (6, {"b": 2.0, "epoch": 1.0}),
-        (7, {"b": 3.0, "epoch": 1.0}), (7, {"epoch": 1.0, "v": 0.5}), (7, {"e": 1.5, "epoch": 1.0})],
-    2: [(0, {"b": 1.0, "epoch": 0.0}), (1, {"b": 3.0, "epoch": 0.0}), (1, {"epoch": 0.0, "v": 0.5}),
-        (1, {"e": 1.5, "epoch": 0.0}), (2, {"b": 1.0, "epoch": 1.0}), (3, {"b": 3.0, "epoch": 1.0}),
-        (3, {"epoch": 1.0, "v": 0.5}), (3, {"e": 1.5, "epoch": 1.0})],
+    1: [
+        (0, {"b": 0.0, "epoch": 0.0}),
+        (1, {"b": 1.0, "epoch": 0.0}),
+        (2, {"b": 2.0, "epoch": 0.0}),
+        (3, {"b": 3.0, "epoch": 0.0}),
+        (3, {"epoch": 0.0, "v": 0.5}),
+        (3, {"e": 1.5, "epoch": 0.0}),
+        (4, {"b": 0.0, "epoch": 1.0}),
+        (5, {"b": 1.0, "epoch": 1.0}),
+        (6, {"b": 2.0, "epoch": 1.0}),
+        (7, {"b": 3.0, "epoch": 1.0}),
+        (7, {"epoch": 1.0, "v": 0.5}),
+        (7, {"e": 1.5, "epoch": 1.0}),
+    ],
+    2: [
+        (0, {"b": 1.0, "epoch": 0.0}),
+        (1, {"b": 3.0, "epoch": 0.0}),
+        (1, {"epoch": 0.0, "v": 0.5}),
+        (1, {"e": 1.5, "epoch": 0.0}),
+        (2, {"b": 1.0, "epoch": 1.0}),
+        (3, {"b": 3.0, "epoch": 1.0}),
+        (3, {"epoch": 1.0, "v": 0.5}),
+        (3, {"e": 1.5, "epoch": 1.0}),
+    ],
 }
 
 
@@ -498,8 +559,16 @@ def lbfgs_fit(cls: type[LBFGSModule]) -> tuple[list[str], LBFGSModule, ember.Tra
     seen: list[str] = []
     torch.manual_seed(0)
     module = cls(seen)
-    t = ember.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
-                      enable_progress_bar=False, enable_checkpointing=False, accelerator="cpu")
+    t = ember.Trainer(
+        max_epochs=1,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+    )
     t.fit(module)
     return seen, module, t
 
@@ -563,13 +632,28 @@ class BackwardModule(ember.TrainModule):
 
 
 def _backward_rank(rank: int, world: int) -> list[str]:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     torch.manual_seed(0)
     module = BackwardModule()
-    ember.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
-                  enable_progress_bar=False, enable_checkpointing=False, accelerator="cpu", strategy="ddp",
-                  devices=world).fit(module)
+    ember.Trainer(
+        max_epochs=1,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+        strategy="ddp",
+        devices=world,
+    ).fit(module)
     return module.seen
 
 
@@ -580,8 +664,16 @@ BACKWARD_DDP = ["backward(step=0,args=0,kwargs=[])", "backward(step=1,args=0,kwa
 
 def test_backward_override_without_ddp():
     module = BackwardModule()
-    ember.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
-                  enable_progress_bar=False, enable_checkpointing=False, accelerator="cpu").fit(module)
+    ember.Trainer(
+        max_epochs=1,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+    ).fit(module)
     assert module.seen == BACKWARD_DDP
 
 
@@ -613,7 +705,13 @@ def test_a_stop_requested_in_on_fit_start_skips_training():
         def on_sanity_check_start(self, trainer: Any, module: Any) -> None:
             calls.append("on_sanity_check_start")
 
-    t = ember.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                      callbacks=[Stops()], accelerator="cpu")
+    t = ember.Trainer(
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        callbacks=[Stops()],
+        accelerator="cpu",
+    )
     t.fit(RecordingHookModule([]))
     assert calls == ["on_fit_start", "on_sanity_check_start", "on_fit_end"] and t.global_step == 0

@@ -5,6 +5,7 @@ Every expected value here was checked against Lightning 2.6.6: the same module (
 the batch means are 2.5 and 6.5 and their epoch mean 4.5) run on Lightning, and its logger calls,
 ``callback_metrics`` and ``logged_metrics`` written down.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -74,17 +75,22 @@ def test_on_step_in_validation_step_writes_step_values_at_the_validation_batch_c
     # Lightning 2.6.6: validation step values carry no "epoch" and are written at the number of validation
     # batches run so far in this fit (0, 1, then 2, 3); epoch values at the epoch's last step index.
     assert logger.records == [
-        (0, {"t_step": 2.5, "epoch": 0}), (1, {"t_step": 6.5, "epoch": 0}),
-        (0, {"v_step": 2.5, "w": 2.5}), (1, {"v_step": 6.5, "w": 6.5}),
-        (1, {"v_epoch": 4.5, "epoch": 0}), (1, {"t_epoch": 4.5, "epoch": 0}),
-        (2, {"t_step": 2.5, "epoch": 1}), (3, {"t_step": 6.5, "epoch": 1}),
-        (2, {"v_step": 2.5, "w": 2.5}), (3, {"v_step": 6.5, "w": 6.5}),
-        (3, {"v_epoch": 4.5, "epoch": 1}), (3, {"t_epoch": 4.5, "epoch": 1}),
+        (0, {"t_step": 2.5, "epoch": 0}),
+        (1, {"t_step": 6.5, "epoch": 0}),
+        (0, {"v_step": 2.5, "w": 2.5}),
+        (1, {"v_step": 6.5, "w": 6.5}),
+        (1, {"v_epoch": 4.5, "epoch": 0}),
+        (1, {"t_epoch": 4.5, "epoch": 0}),
+        (2, {"t_step": 2.5, "epoch": 1}),
+        (3, {"t_step": 6.5, "epoch": 1}),
+        (2, {"v_step": 2.5, "w": 2.5}),
+        (3, {"v_step": 6.5, "w": 6.5}),
+        (3, {"v_epoch": 4.5, "epoch": 1}),
+        (3, {"t_epoch": 4.5, "epoch": 1}),
     ]
     # Evaluation step values reach the loggers and logged_metrics, never callback_metrics.
     assert floats(trainer.callback_metrics) == {"t": 4.5, "t_step": 6.5, "v": 4.5, "v_epoch": 4.5, "t_epoch": 4.5}
-    assert floats(trainer.logged_metrics) == {"t_step": 6.5, "v_step": 6.5, "w": 6.5, "v_epoch": 4.5,
-                                              "t_epoch": 4.5}
+    assert floats(trainer.logged_metrics) == {"t_step": 6.5, "v_step": 6.5, "w": 6.5, "v_epoch": 4.5, "t_epoch": 4.5}
 
 
 @pytest.mark.parametrize("entry", ["validate", "test"])
@@ -108,17 +114,25 @@ def test_several_validation_loaders_count_their_own_batches_and_the_sanity_check
     module = Logs(lambda m, at, b, i, dl: m.log("v", b[0].mean(), on_step=True) if at == "validation_step" else None)
     trainer.fit(module, value_loader(VALUES), [value_loader(values), value_loader(values)])
     val = [(s, m) for s, m in logger.records if any(k.startswith("v") for k in m)]
-    per_run = [[(first + j, {f"v_step/dataloader_idx_{dl}": mean}) for j, mean in enumerate([2.5, 6.5, 10.5])]
-               for first in (0, 3) for dl in (0, 1)]
-    epoch_end = [(step, {"v_epoch/dataloader_idx_0": 6.5, "v_epoch/dataloader_idx_1": 6.5, "epoch": epoch})
-                 for step, epoch in ((1, 0), (3, 1))]
+    per_run = [
+        [(first + j, {f"v_step/dataloader_idx_{dl}": mean}) for j, mean in enumerate([2.5, 6.5, 10.5])]
+        for first in (0, 3)
+        for dl in (0, 1)
+    ]
+    epoch_end = [
+        (step, {"v_epoch/dataloader_idx_0": 6.5, "v_epoch/dataloader_idx_1": 6.5, "epoch": epoch})
+        for step, epoch in ((1, 0), (3, 1))
+    ]
     assert val == per_run[0] + per_run[1] + [epoch_end[0]] + per_run[2] + per_run[3] + [epoch_end[1]]
 
 
 def test_prog_bar_step_values_in_validation_reach_the_progress_bar():
     trainer = trainer_with()
-    module = Logs(lambda m, at, b, i, dl: m.log("v", b[0].mean(), on_step=True, prog_bar=True)
-                  if at == "validation_step" else None)
+    module = Logs(
+        lambda m, at, b, i, dl: (
+            m.log("v", b[0].mean(), on_step=True, prog_bar=True) if at == "validation_step" else None
+        )
+    )
     trainer.fit(module, value_loader(VALUES), value_loader(VALUES))
     assert floats(trainer.progress_bar_metrics) == {"v_step": 6.5, "v_epoch": 4.5}  # as Lightning 2.6.6
 
@@ -133,15 +147,33 @@ def test_epoch_hooks_refuse_per_step_values(hook, options):
 
 
 # ---------------------------------------------------------------------- item 2: reduce_fx, add_dataloader_idx, logger
-@pytest.mark.parametrize("fx,expected", [
-    ("mean", 4.5), ("avg", 4.5), ("AVG", 4.5), ("Mean", 4.5), ("sum", 14.5), ("max", 7.5), ("MAX", 7.5), ("min", 2.0),
-    (torch.mean, 4.5), (torch.sum, 14.5), (builtins.sum, 14.5), (torch.max, 7.5), (builtins.max, 7.5),
-    (torch.min, 2.0), (builtins.min, 2.0),
-])
+@pytest.mark.parametrize(
+    "fx,expected",
+    [
+        ("mean", 4.5),
+        ("avg", 4.5),
+        ("AVG", 4.5),
+        ("Mean", 4.5),
+        ("sum", 14.5),
+        ("max", 7.5),
+        ("MAX", 7.5),
+        ("min", 2.0),
+        (torch.mean, 4.5),
+        (torch.sum, 14.5),
+        (builtins.sum, 14.5),
+        (torch.max, 7.5),
+        (builtins.max, 7.5),
+        (torch.min, 2.0),
+        (builtins.min, 2.0),
+    ],
+)
 def test_reduce_fx_names_and_functions(fx, expected):
     # Batches of 3: means 2, 5, 7.5 with sizes 3, 3, 2 (the mean is weighted by batch size). Lightning 2.6.6 values.
-    module = Logs(lambda m, at, b, i, dl: m.log("a", b[0].mean(), on_step=False, on_epoch=True, reduce_fx=fx)
-                  if at == "training_step" else None)
+    module = Logs(
+        lambda m, at, b, i, dl: (
+            m.log("a", b[0].mean(), on_step=False, on_epoch=True, reduce_fx=fx) if at == "training_step" else None
+        )
+    )
     trainer = trainer_with()
     trainer.fit(module, value_loader(VALUES, 3))
     assert trainer.callback_metrics["a"] == torch.tensor(expected)
@@ -150,8 +182,11 @@ def test_reduce_fx_names_and_functions(fx, expected):
 @pytest.mark.parametrize("fx", ["std", lambda x: x.max(), torch.std])
 def test_other_reductions_are_refused_with_what_is_accepted(fx):
     module = Logs(lambda m, at, b, i, dl: m.log("a", 1.0, reduce_fx=fx) if at == "training_step" else None)
-    with pytest.raises(ValueError, match=r"reduce_fx must be one of \('mean', 'sum', 'min', 'max'\) \(any case, or "
-                                         r"'avg' for 'mean'\) or one of torch.mean"):
+    with pytest.raises(
+        ValueError,
+        match=r"reduce_fx must be one of \('mean', 'sum', 'min', 'max'\) \(any case, or "
+        r"'avg' for 'mean'\) or one of torch.mean",
+    ):
         trainer_with().fit(module, value_loader(VALUES))
 
 
@@ -170,24 +205,47 @@ def test_add_dataloader_idx_false_keeps_the_name_and_logger_false_keeps_values_o
     trainer.fit(Logs(log), value_loader(VALUES), [value_loader(VALUES), value_loader(VALUES)])
     # Lightning 2.6.6's calls, callback_metrics and logged_metrics for this module.
     assert logger.records == [
-        (0, {"ma": 2.5, "epoch": 0}), (1, {"ma": 6.5, "epoch": 0}),
-        (0, {"v0_step": 2.5}), (1, {"v0_step": 6.5}), (0, {"v1_step": 2.5}), (1, {"v1_step": 6.5}),
+        (0, {"ma": 2.5, "epoch": 0}),
+        (1, {"ma": 6.5, "epoch": 0}),
+        (0, {"v0_step": 2.5}),
+        (1, {"v0_step": 6.5}),
+        (0, {"v1_step": 2.5}),
+        (1, {"v1_step": 6.5}),
         (1, {"v0_epoch": 4.5, "v1_epoch": 4.5, "epoch": 0}),
     ]
     assert floats(trainer.callback_metrics) == {
-        "nl": 4.5, "nl_step": 6.5, "nl_epoch": 4.5, "ma": 6.5, "v0": 4.5, "v0_epoch": 4.5, "v1": 4.5,
-        "v1_epoch": 4.5, "q/dataloader_idx_0": 4.5, "q_epoch/dataloader_idx_0": 4.5, "q/dataloader_idx_1": 4.5,
-        "q_epoch/dataloader_idx_1": 4.5}
-    assert floats(trainer.logged_metrics) == {"ma": 6.5, "v0_step": 6.5, "v0_epoch": 4.5, "v1_step": 6.5,
-                                              "v1_epoch": 4.5}
+        "nl": 4.5,
+        "nl_step": 6.5,
+        "nl_epoch": 4.5,
+        "ma": 6.5,
+        "v0": 4.5,
+        "v0_epoch": 4.5,
+        "v1": 4.5,
+        "v1_epoch": 4.5,
+        "q/dataloader_idx_0": 4.5,
+        "q_epoch/dataloader_idx_0": 4.5,
+        "q/dataloader_idx_1": 4.5,
+        "q_epoch/dataloader_idx_1": 4.5,
+    }
+    assert floats(trainer.logged_metrics) == {
+        "ma": 6.5,
+        "v0_step": 6.5,
+        "v0_epoch": 4.5,
+        "v1_step": 6.5,
+        "v1_epoch": 4.5,
+    }
 
 
 def test_add_dataloader_idx_false_with_one_name_from_two_loaders_is_refused():
     # Lightning 2.6.6 refuses it too ("You called self.log(v, ...) twice in validation_step with different arguments").
-    module = Logs(lambda m, at, b, i, dl: m.log("v", b[0].mean(), add_dataloader_idx=False)
-                  if at == "validation_step" else None)
-    with pytest.raises(ValueError, match=r"self.log\('v', add_dataloader_idx=False\) was called while evaluating two "
-                                         r"dataloaders \(dataloader_idx_0 and dataloader_idx_1\)"):
+    module = Logs(
+        lambda m, at, b, i, dl: m.log("v", b[0].mean(), add_dataloader_idx=False) if at == "validation_step" else None
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"self.log\('v', add_dataloader_idx=False\) was called while evaluating two "
+        r"dataloaders \(dataloader_idx_0 and dataloader_idx_1\)",
+    ):
         trainer_with().validate(module, [value_loader(VALUES), value_loader(VALUES)])
 
 
@@ -232,8 +290,9 @@ def test_callback_and_logged_metrics_hold_tensors_and_logged_metrics_no_epoch():
 
 def test_numpy_numbers_are_logged_like_python_numbers():
     np = pytest.importorskip("numpy")
-    module = Logs(lambda m, at, b, i, dl: m.log_dict({"i": np.int64(2), "f": np.float32(0.5)})
-                  if at == "training_step" else None)
+    module = Logs(
+        lambda m, at, b, i, dl: m.log_dict({"i": np.int64(2), "f": np.float32(0.5)}) if at == "training_step" else None
+    )
     trainer = trainer_with()
     trainer.fit(module, value_loader(VALUES))
     assert trainer.callback_metrics == {"i": torch.tensor(2.0), "f": torch.tensor(0.5)}
@@ -285,8 +344,15 @@ def test_epoch_values_are_visible_inside_the_epoch_end_hooks():
 # ---------------------------------------------------------------------- the same under ddp (2 gloo ranks)
 def two_ranks_log(rank: int, world: int) -> dict:
     import os
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
 
     def log(m, at, b, i, dl):
         if at == "training_step":
@@ -298,11 +364,23 @@ def two_ranks_log(rank: int, world: int) -> dict:
 
     logger = RecordingLogger()
     module = Logs(log)
-    trainer = ember.Trainer(strategy="ddp", devices=world, max_epochs=1, logger=logger, log_every_n_steps=1,
-                            enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0)
+    trainer = ember.Trainer(
+        strategy="ddp",
+        devices=world,
+        max_epochs=1,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, value_loader(VALUES, 2), value_loader(VALUES, 2))
-    return {"records": logger.records, "in hook": module.seen["in hook"], "after": floats(trainer.callback_metrics),
-            "logged": floats(trainer.logged_metrics)}
+    return {
+        "records": logger.records,
+        "in hook": module.seen["in hook"],
+        "after": floats(trainer.callback_metrics),
+        "logged": floats(trainer.logged_metrics),
+    }
 
 
 @pytest.mark.processes
@@ -315,7 +393,10 @@ def test_under_ddp_rank_zero_writes_its_step_values_and_epoch_values_are_reduced
     # across ranks (README), 4.5 here.
     assert ranks[1]["records"] == []
     assert [r for r in ranks[0]["records"] if "v_step" in r[1] or "v_epoch" in r[1]] == [
-        (0, {"v_step": 2.0}), (1, {"v_step": 6.0}), (1, {"v_epoch": 4.5, "epoch": 0})]
+        (0, {"v_step": 2.0}),
+        (1, {"v_step": 6.0}),
+        (1, {"v_epoch": 4.5, "epoch": 0}),
+    ]
     # Inside on_train_epoch_end the epoch value is this rank's own so far (as Lightning's without sync_dist),
     # no collective runs there; once the epoch has ended it is the same on every rank.
     assert [r["in hook"]["t_epoch"] for r in ranks] == [4.0, 5.0]
@@ -350,9 +431,16 @@ def test_logged_metrics_are_kept_with_or_without_loggers(tmp_path, logger):
     """Lightning 2.6.6, the same module, logger=False and True alike: after fit logged_metrics has
     ['ep', 'loss', 'vl']; after a validate, only ['vl'] (each entry point starts empty)."""
     loader = DataLoader(TensorDataset(torch.arange(8.0).unsqueeze(1)), batch_size=4)
-    trainer = ember.Trainer(max_epochs=2, logger=logger, enable_progress_bar=False, enable_checkpointing=False,
-                            num_sanity_val_steps=0, log_every_n_steps=1, default_root_dir=str(tmp_path),
-                            accelerator="cpu")
+    trainer = ember.Trainer(
+        max_epochs=2,
+        logger=logger,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        default_root_dir=str(tmp_path),
+        accelerator="cpu",
+    )
     module = _LossAndEpoch()
     trainer.fit(module, loader, loader)
     assert sorted(trainer.logged_metrics) == ["ep", "loss", "vl"]
@@ -363,6 +451,7 @@ def test_logged_metrics_are_kept_with_or_without_loggers(tmp_path, logger):
 def test_logged_and_progress_bar_metrics_show_epoch_values_inside_the_epoch_end_hooks():
     """Lightning 2.6.6 (this module, logger off): inside on_validation_epoch_end and on_train_epoch_end the
     epoch values are already in logged_metrics (tensors) and progress_bar_metrics (floats)."""
+
     def typed(metrics):
         return {k: (float(v), type(v).__name__) for k, v in metrics.items()}
 
@@ -380,15 +469,20 @@ def test_logged_and_progress_bar_metrics_show_epoch_values_inside_the_epoch_end_
     trainer.fit(module, value_loader(VALUES), value_loader(VALUES))
     steps = {"t_step": (6.5, "Tensor"), "q_step": (6.5, "Tensor"), "v": (4.5, "Tensor")}
     assert module.seen["on_validation_epoch_end"] == (steps, {"t_step": (6.5, "float"), "v": (4.5, "float")})
-    in_train_end = ({**steps, "t_epoch": (4.5, "Tensor"), "q_epoch": (4.5, "Tensor")},
-                    {"t_step": (6.5, "float"), "v": (4.5, "float"), "t_epoch": (4.5, "float")})
+    in_train_end = (
+        {**steps, "t_epoch": (4.5, "Tensor"), "q_epoch": (4.5, "Tensor")},
+        {"t_step": (6.5, "float"), "v": (4.5, "float"), "t_epoch": (4.5, "float")},
+    )
     assert module.seen["on_train_epoch_end"] == in_train_end
     assert (typed(trainer.logged_metrics), typed(trainer.progress_bar_metrics)) == in_train_end
 
 
 def test_progress_bar_metrics_keep_the_same_float_while_a_value_is_unchanged():
     trainer = trainer_with()
-    trainer.fit(Logs(lambda m, at, b, i, dl: m.log("v", b[0].mean(), prog_bar=True)
-                     if at == "validation_step" else None), value_loader(VALUES), value_loader(VALUES))
+    trainer.fit(
+        Logs(lambda m, at, b, i, dl: m.log("v", b[0].mean(), prog_bar=True) if at == "validation_step" else None),
+        value_loader(VALUES),
+        value_loader(VALUES),
+    )
     first, second = trainer.progress_bar_metrics, trainer.progress_bar_metrics
     assert first == {"v": 4.5} and type(first["v"]) is float and first["v"] is second["v"]

@@ -1,4 +1,5 @@
 """self.log semantics: defaults by hook, _step/_epoch keys, weighted epoch means, reduce_fx, the three metric dicts."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,6 +47,7 @@ def only(where: str, fn):
     def log_fn(module, at, batch, batch_idx):
         if at == where:
             fn(module, batch, batch_idx)
+
     return log_fn
 
 
@@ -87,9 +89,10 @@ def test_on_train_epoch_end_defaults_to_on_epoch():
 
 def test_on_step_and_on_epoch_give_step_and_epoch_keys():
     logger = RecordingLogger()
-    trainer = run(only("training_step", lambda m, b, i: m.log("a", batch_mean(b), on_step=True, on_epoch=True,
-                                                                 prog_bar=True)),
-                  logger=logger)
+    trainer = run(
+        only("training_step", lambda m, b, i: m.log("a", batch_mean(b), on_step=True, on_epoch=True, prog_bar=True)),
+        logger=logger,
+    )
     cm = trainer.callback_metrics
     assert cm["a_step"] == pytest.approx(6.5)
     assert cm["a_epoch"] == pytest.approx(4.5)
@@ -236,11 +239,14 @@ def test_several_loaders_results_hold_their_own_keys_and_those_logged_outside_an
 
 
 # ---------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("value,err,match", [
-    (torch.ones(3), ValueError, r"self.log\('bad', ...\) got a tensor of shape \(3,\); only scalars can be logged"),
-    ("high", TypeError, r"self.log\('bad', ...\) expects a number or a scalar tensor, got str"),
-    (True, TypeError, r"expects a number or a scalar tensor, got bool"),
-])
+@pytest.mark.parametrize(
+    "value,err,match",
+    [
+        (torch.ones(3), ValueError, r"self.log\('bad', ...\) got a tensor of shape \(3,\); only scalars can be logged"),
+        ("high", TypeError, r"self.log\('bad', ...\) expects a number or a scalar tensor, got str"),
+        (True, TypeError, r"expects a number or a scalar tensor, got bool"),
+    ],
+)
 def test_log_rejects_non_scalars(value, err, match):
     with pytest.raises(err, match=match):
         run(only("training_step", lambda m, b, i: m.log("bad", value)))
@@ -271,6 +277,7 @@ def test_log_rejects_empty_name():
 @given(values=st.lists(st.floats(-100, 100, width=32), min_size=1, max_size=13), batch_size=st.integers(1, 5))
 def test_epoch_reductions_property(values, batch_size):
     """For any data and batch size: the weighted mean is the per-sample mean; sum/min/max reduce batch values."""
+
     def log(m, b, i):
         x = b[0]
         m.log("mean", x.mean(), on_step=False, on_epoch=True)
@@ -304,13 +311,19 @@ def test_to_floats_converts_every_kind_of_value_exactly_and_keeps_the_order():
     from ember.utils import to_floats
 
     bf16 = torch.tensor(1.0078125, dtype=torch.bfloat16)  # exactly representable in bfloat16
-    metrics = {"z": 3, "f64": torch.tensor(0.1, dtype=torch.float64), "bf16": bf16, "i": torch.tensor(7),
-               "one": torch.tensor([2.5]), "flag": torch.tensor(True), "py": 0.25,
-               "grad": torch.tensor(4.0, requires_grad=True) * 1}
+    metrics = {
+        "z": 3,
+        "f64": torch.tensor(0.1, dtype=torch.float64),
+        "bf16": bf16,
+        "i": torch.tensor(7),
+        "one": torch.tensor([2.5]),
+        "flag": torch.tensor(True),
+        "py": 0.25,
+        "grad": torch.tensor(4.0, requires_grad=True) * 1,
+    }
     out = to_floats(metrics)
     assert list(out) == list(metrics)
-    assert out == {"z": 3.0, "f64": 0.1, "bf16": 1.0078125, "i": 7.0, "one": 2.5, "flag": 1.0, "py": 0.25,
-                   "grad": 4.0}
+    assert out == {"z": 3.0, "f64": 0.1, "bf16": 1.0078125, "i": 7.0, "one": 2.5, "flag": 1.0, "py": 0.25, "grad": 4.0}
     assert all(type(v) is float for v in out.values())
 
 
@@ -334,6 +347,7 @@ def test_values_logged_in_on_train_start_belong_to_the_first_epoch(sanity):
 
 def test_a_callback_logs_with_self_log_through_the_module():
     """As Lightning: a callback's self.log / self.log_dict log as the module's would, from that hook."""
+
     class Logs(Callback):
         def on_train_epoch_start(self, trainer, module):
             self.log("epoch_start", 2.0)
@@ -344,4 +358,6 @@ def test_a_callback_logs_with_self_log_through_the_module():
     trainer = fast_trainer(limit_train_batches=1, callbacks=[Logs()])
     trainer.fit(BoringModel(), regression_loader())
     assert {k: float(v) for k, v in trainer.callback_metrics.items() if k != "train_loss"} == {
-        "epoch_start": 2.0, "batch_end": 3.0}
+        "epoch_start": 2.0,
+        "batch_end": 3.0,
+    }

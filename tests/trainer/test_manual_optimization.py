@@ -1,4 +1,5 @@
 """Manual optimization: self.optimizers(), manual_backward, several optimizers, global_step once per batch."""
+
 from __future__ import annotations
 
 import pytest
@@ -125,8 +126,11 @@ def test_manual_backward_calls_the_backward_hooks():
 
 def test_manual_optimization_rejects_accumulation_and_clipping():
     for kwargs in ({"accumulate_grad_batches": 2}, {"gradient_clip_val": 1.0}):
-        with pytest.raises(ValueError, match=r"apply to automatic optimization only.*accumulate and clip in "
-                                             r"training_step yourself"):
+        with pytest.raises(
+            ValueError,
+            match=r"apply to automatic optimization only.*accumulate and clip in "
+            r"training_step yourself",
+        ):
             fast_trainer(**kwargs).fit(Manual(), regression_loader())
 
 
@@ -196,6 +200,7 @@ class ClosureAndKwargs(BoringModel):
             opt.zero_grad()
             self.manual_backward(loss)
             return loss
+
         opt.step(closure=closure, scale=3.0)
         if batch_idx == 3:
             sched.step(1.0)  # the user steps ReduceLROnPlateau with a metric of their choice
@@ -227,8 +232,11 @@ def test_plateau_keys_are_ignored_with_a_warning_in_manual_optimization():
             return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "x", "strict": True}}
 
     trainer = fast_trainer(max_epochs=1)
-    with pytest.warns(RuntimeWarning, match=r"contains the key\(s\) \['monitor', 'strict'\], but the keys will be "
-                                            r"ignored"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"contains the key\(s\) \['monitor', 'strict'\], but the keys will be "
+        r"ignored",
+    ):
         trainer.fit(Module(), regression_loader())
     assert trainer.lr_scheduler_configs[0].monitor is None
 

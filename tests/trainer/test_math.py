@@ -1,4 +1,5 @@
 """The numbers: ember's fit must equal a plain PyTorch loop (parity, accumulation, clipping) to 1e-6."""
+
 from __future__ import annotations
 
 import copy
@@ -20,8 +21,9 @@ class MLP(ember.TrainModule):
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Dropout(0.1),
-                                       torch.nn.Linear(16, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1)
+        )
         self.losses: list[float] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,8 +46,14 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, atol: float = 1e
         torch.testing.assert_close(sa[k], sb[k], atol=atol, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def plain_loop(module: MLP, loader: Any, epochs: int, accumulate: int = 1, n_batches: int | None = None,
-               clip: tuple[str, float] | None = None) -> list[float]:
+def plain_loop(
+    module: MLP,
+    loader: Any,
+    epochs: int,
+    accumulate: int = 1,
+    n_batches: int | None = None,
+    clip: tuple[str, float] | None = None,
+) -> list[float]:
     """The reference: the loop a user would write by hand, accumulation averaged per (possibly short) window.
 
     Reseeds first, like every ember run in these tests does, so dropout draws the same masks.
@@ -59,7 +67,7 @@ def plain_loop(module: MLP, loader: Any, epochs: int, accumulate: int = 1, n_bat
         total = len(batches) if n_batches is None else n_batches
         batches = batches[:total]
         for start in range(0, total, accumulate):
-            window = batches[start:start + accumulate]
+            window = batches[start : start + accumulate]
             opt.zero_grad()
             for x, y in window:
                 loss = F.mse_loss(module(x), y)
@@ -215,8 +223,13 @@ def test_gradient_clip_val_zero_or_none_does_not_clip():
 
 
 @settings(max_examples=40, deadline=None)
-@given(n_batches=st.integers(1, 7), k=st.integers(1, 4), limit=st.one_of(st.none(), st.integers(1, 9)),
-       sized=st.booleans(), epochs=st.integers(1, 2))
+@given(
+    n_batches=st.integers(1, 7),
+    k=st.integers(1, 4),
+    limit=st.one_of(st.none(), st.integers(1, 9)),
+    sized=st.booleans(),
+    epochs=st.integers(1, 2),
+)
 def test_accumulation_property(n_batches, k, limit, sized, epochs):
     """Any loader length, window size and int limit, with or without a length: the hand-written loop's weights."""
     torch.manual_seed(0)
@@ -264,11 +277,13 @@ def test_lbfgs_gets_a_closure_and_equals_a_hand_written_loop():
     opt = reference.configure_optimizers()
     for _ in range(2):
         for x, y in loader:
+
             def closure(x=x, y=y):
                 opt.zero_grad()
                 loss = F.mse_loss(reference.layer(x), y)
                 loss.backward()
                 return loss
+
             opt.step(closure)
 
     trainer = fast_trainer(max_epochs=2, num_sanity_val_steps=0)
@@ -290,16 +305,24 @@ def test_lbfgs_runs_the_step_hooks_inside_each_closure_call():
 
     module = LBFGSLinear()
     fast_trainer(max_epochs=1, limit_train_batches=1, callbacks=[Hooks()], gradient_clip_val=0.5).fit(
-        module, regression_loader())
+        module, regression_loader()
+    )
     assert calls == ["backward", "step"] * module.calls
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(accumulate_grad_batches=2),
-     r"LBFGS.step needs a closure .* gradient accumulation \(accumulate_grad_batches=2\)"),
-    (dict(precision="16-mixed"),
-     r"LBFGS.step needs a closure, which a gradient scaler \(precision='16-mixed'\) cannot"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (
+            dict(accumulate_grad_batches=2),
+            r"LBFGS.step needs a closure .* gradient accumulation \(accumulate_grad_batches=2\)",
+        ),
+        (
+            dict(precision="16-mixed"),
+            r"LBFGS.step needs a closure, which a gradient scaler \(precision='16-mixed'\) cannot",
+        ),
+    ],
+)
 def test_lbfgs_with_what_cannot_drive_a_closure_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fast_trainer(**kwargs).fit(LBFGSLinear(), regression_loader())
@@ -310,6 +333,9 @@ def test_lbfgs_cannot_skip_a_batch():
         def training_step(self, batch, batch_idx):
             return None
 
-    with pytest.raises(ValueError, match=r"training_step returned None for batch 0, but LBFGS needs the loss from "
-                                         r"every closure call"):
+    with pytest.raises(
+        ValueError,
+        match=r"training_step returned None for batch 0, but LBFGS needs the loss from "
+        r"every closure call",
+    ):
         fast_trainer().fit(Skips(), regression_loader())

@@ -1,4 +1,5 @@
 """configure_optimizers: every return form, scheduler intervals and frequencies, ReduceLROnPlateau."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -73,20 +74,23 @@ def test_dict_without_scheduler():
     assert trainer.lr_scheduler_configs == [] and trainer.global_step == 4
 
 
-@pytest.mark.parametrize("interval,frequency,epochs,expected_steps", [
-    ("step", 1, 1, 4),   # 4 optimizer steps
-    ("step", 2, 1, 2),
-    ("step", 3, 2, 2),   # 8 steps -> stepped after steps 3 and 6
-    ("epoch", 1, 3, 3),
-    ("epoch", 2, 3, 1),  # after epoch 2 only
-    ("epoch", 2, 4, 2),
-])
+@pytest.mark.parametrize(
+    "interval,frequency,epochs,expected_steps",
+    [
+        ("step", 1, 1, 4),  # 4 optimizer steps
+        ("step", 2, 1, 2),
+        ("step", 3, 2, 2),  # 8 steps -> stepped after steps 3 and 6
+        ("epoch", 1, 3, 3),
+        ("epoch", 2, 3, 1),  # after epoch 2 only
+        ("epoch", 2, 4, 2),
+    ],
+)
 def test_scheduler_config_interval_and_frequency(interval, frequency, epochs, expected_steps):
     calls = []
 
     def make(m):
         opt = torch.optim.SGD(m.parameters(), lr=1.0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 ** i)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5**i)
         original = sched.step
 
         def step(*a, **k):
@@ -99,7 +103,7 @@ def test_scheduler_config_interval_and_frequency(interval, frequency, epochs, ex
     trainer = fast_trainer(max_epochs=epochs)
     trainer.fit(module_returning(make), regression_loader())
     assert len(calls) == expected_steps
-    assert lr_of(trainer) == pytest.approx(0.5 ** expected_steps)
+    assert lr_of(trainer) == pytest.approx(0.5**expected_steps)
 
 
 def test_step_interval_scheduler_steps_after_the_optimizer_step():
@@ -151,6 +155,7 @@ def test_monitored_metric_missing_is_an_error_unless_not_strict():
             opt = torch.optim.SGD(m.parameters(), lr=1.0)
             sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "nope", "strict": strict}}
+
         return inner
 
     with pytest.raises(KeyError, match=r"monitors 'nope', which was not logged.*train_loss.*self.log\('nope'"):
@@ -186,18 +191,22 @@ def test_parse_forms():
     assert parse_optimizers([o1, o2]) == ([o1, o2], [])
     opts, scheds = parse_optimizers(([o1], [s1]))
     assert opts == [o1] and scheds[0].scheduler is s1 and scheds[0].interval == "epoch"
-    opts, scheds = parse_optimizers(({"optimizer": o1, "lr_scheduler": {"scheduler": s1, "interval": "step"}},
-                                     {"optimizer": o2}))
+    opts, scheds = parse_optimizers(
+        ({"optimizer": o1, "lr_scheduler": {"scheduler": s1, "interval": "step"}}, {"optimizer": o2})
+    )
     assert opts == [o1, o2] and len(scheds) == 1 and scheds[0].interval == "step"
     cfg = SchedulerConfig(scheduler=s1, frequency=3)
     assert parse_optimizers(([o1], [cfg]))[1] == [cfg]
 
 
-@pytest.mark.parametrize("bad,err,match", [
-    ("adam", TypeError, r"configure_optimizers returned str; it may return an optimizer"),
-    ([torch.nn.Linear(1, 1)], TypeError, r"returned a Linear where an optimizer was expected"),
-    ({"lr_scheduler": None}, ValueError, r"dict without 'optimizer'"),
-])
+@pytest.mark.parametrize(
+    "bad,err,match",
+    [
+        ("adam", TypeError, r"configure_optimizers returned str; it may return an optimizer"),
+        ([torch.nn.Linear(1, 1)], TypeError, r"returned a Linear where an optimizer was expected"),
+        ({"lr_scheduler": None}, ValueError, r"dict without 'optimizer'"),
+    ],
+)
 def test_parse_bad_forms(bad, err, match):
     with pytest.raises(err, match=match):
         parse_optimizers(bad)
@@ -260,6 +269,7 @@ def custom_config(**extra):
         opt = torch.optim.SGD(m.parameters(), lr=1.0)
         m.sched = CustomPlateau(opt)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": m.sched, **extra}}
+
     return make
 
 
@@ -276,15 +286,21 @@ class SteppingItself(BoringModel):
 def test_a_scheduler_outside_torchs_api_needs_lr_scheduler_step():
     # Lightning 2.6.6: "The provided lr scheduler `CustomPlateau` doesn't follow PyTorch's LRScheduler API.
     # You should override the `LightningModule.lr_scheduler_step` hook ..."
-    with pytest.raises(TypeError, match=r"CustomPlateau is not a torch.optim.lr_scheduler scheduler.*Override "
-                                        r"M.lr_scheduler_step\(self, scheduler, metric\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"CustomPlateau is not a torch.optim.lr_scheduler scheduler.*Override "
+        r"M.lr_scheduler_step\(self, scheduler, metric\)",
+    ):
         fast_trainer(max_epochs=2).fit(module_returning(custom_config()), regression_loader())
 
 
-@pytest.mark.parametrize(("extra", "gets_metric"), [
-    ({"reduce_on_plateau": True, "monitor": "train_loss"}, True),  # Lightning: the metric, once per epoch
-    ({"monitor": "train_loss"}, False),                            # Lightning: monitor ignored, metric None
-])
+@pytest.mark.parametrize(
+    ("extra", "gets_metric"),
+    [
+        ({"reduce_on_plateau": True, "monitor": "train_loss"}, True),  # Lightning: the metric, once per epoch
+        ({"monitor": "train_loss"}, False),  # Lightning: monitor ignored, metric None
+    ],
+)
 def test_reduce_on_plateau_key_decides_whether_the_monitor_is_read(extra, gets_metric):
     module = module_returning(custom_config(**extra), base=SteppingItself)
     trainer = fast_trainer(max_epochs=2)
@@ -301,8 +317,15 @@ def test_a_torch_scheduler_with_a_monitor_is_stepped_without_the_metric():
     # Lightning 2.6.6: StepLR with 'monitor': 'nope' (never logged) steps per epoch: lr 1.0 -> 0.25 after 2 epochs.
     def make(m):
         opt = torch.optim.SGD(m.parameters(), lr=1.0)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
-                                                   "monitor": "nope", "name": "steplr"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+                "monitor": "nope",
+                "name": "steplr",
+            },
+        }
+
     trainer = fast_trainer(max_epochs=2)
     trainer.fit(module_returning(make), regression_loader())
     assert lr_of(trainer) == 0.25 and trainer.lr_scheduler_configs[0].name == "steplr"
@@ -314,10 +337,14 @@ def test_a_scheduler_without_state_dict_is_an_error():
         def step(self):
             pass
 
-    with pytest.raises(TypeError, match=r"NoState is not an LR scheduler: it needs step\(\), state_dict\(\) and "
-                                        r"load_state_dict\(\)"):
-        fast_trainer().fit(module_returning(lambda m: ([torch.optim.SGD(m.parameters(), lr=1.0)], [NoState()])),
-                           regression_loader())
+    with pytest.raises(
+        TypeError,
+        match=r"NoState is not an LR scheduler: it needs step\(\), state_dict\(\) and "
+        r"load_state_dict\(\)",
+    ):
+        fast_trainer().fit(
+            module_returning(lambda m: ([torch.optim.SGD(m.parameters(), lr=1.0)], [NoState()])), regression_loader()
+        )
 
 
 def test_a_non_strict_missing_monitor_warns_and_skips():
@@ -325,11 +352,21 @@ def test_a_non_strict_missing_monitor_warns_and_skips():
     # strict is set to `False`. Skipping learning rate update."; lr stays 1.0.
     def make(m):
         opt = torch.optim.SGD(m.parameters(), lr=1.0)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
-                                                   "monitor": "missing", "strict": False}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                "monitor": "missing",
+                "strict": False,
+            },
+        }
+
     trainer = fast_trainer()
-    with pytest.warns(RuntimeWarning, match=r"monitors 'missing', which is not available, and strict is False: "
-                                            r"skipping this learning rate update"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"monitors 'missing', which is not available, and strict is False: "
+        r"skipping this learning rate update",
+    ):
         trainer.fit(module_returning(make), regression_loader())
     assert lr_of(trainer) == 1.0
 
@@ -339,20 +376,25 @@ def test_one_cycle_with_an_epoch_interval_warns():
     def make(m):
         opt = torch.optim.SGD(m.parameters(), lr=1.0)
         return [opt], [torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=10)]
+
     with pytest.warns(RuntimeWarning, match=r"OneCycleLR scheduler is using 'interval': 'epoch'"):
         fast_trainer().fit(module_returning(make), regression_loader())
 
 
 # ---------------------------------------------------------------------- stopping mid-epoch
-@pytest.mark.parametrize(("kwargs", "lr"), [
-    ({"max_steps": 6, "max_epochs": 5}, 0.5),  # Lightning 2.6.6: stepped after epoch 0 only
-    ({"max_steps": 4, "max_epochs": 5}, 0.5),  # the stop falls on the epoch's last batch: it steps
-    ({"max_steps": 2, "max_epochs": 5}, 1.0),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "lr"),
+    [
+        ({"max_steps": 6, "max_epochs": 5}, 0.5),  # Lightning 2.6.6: stepped after epoch 0 only
+        ({"max_steps": 4, "max_epochs": 5}, 0.5),  # the stop falls on the epoch's last batch: it steps
+        ({"max_steps": 2, "max_epochs": 5}, 1.0),
+    ],
+)
 def test_epoch_schedulers_do_not_step_when_max_steps_ends_an_epoch_early(kwargs, lr):
     def make(m):
         opt = torch.optim.SGD(m.parameters(), lr=1.0)
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)]
+
     trainer = fast_trainer(**kwargs)
     trainer.fit(module_returning(make, base=TrainOnlyModel), regression_loader())
     assert lr_of(trainer) == lr
@@ -362,8 +404,11 @@ def test_a_strict_plateau_monitor_is_not_read_when_max_steps_ends_mid_epoch():
     # Lightning 2.6.6: max_steps=2 -> no error, lr 1.0; with max_steps=4 (the epoch's end) it raises.
     def make(m):
         opt = torch.optim.SGD(m.parameters(), lr=1.0)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
-                                                   "monitor": "missing"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt), "monitor": "missing"},
+        }
+
     trainer = fast_trainer(max_steps=2, max_epochs=5)
     trainer.fit(module_returning(make, base=TrainOnlyModel), regression_loader())
     assert lr_of(trainer) == 1.0
@@ -380,6 +425,7 @@ def test_epoch_schedulers_do_not_step_when_should_stop_ends_an_epoch_early():
     def make(m):
         opt = torch.optim.SGD(m.parameters(), lr=1.0)
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)]
+
     trainer = fast_trainer(max_epochs=3, callbacks=[StopAt2()])
     trainer.fit(module_returning(make, base=TrainOnlyModel), regression_loader())
     assert lr_of(trainer) == 1.0 and trainer.global_step == 2

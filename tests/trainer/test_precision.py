@@ -1,4 +1,5 @@
 """Precision on CPU: 32-true, 64-true, bf16-mixed (autocast) and 16-mixed (autocast + GradScaler)."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,9 @@ def _cpu_fp16_autocast_works() -> bool:
         return False
 
 
-needs_cpu_fp16 = pytest.mark.skipif(not _cpu_fp16_autocast_works(),
-                                    reason="this torch build has no float16 autocast / GradScaler on CPU")
+needs_cpu_fp16 = pytest.mark.skipif(
+    not _cpu_fp16_autocast_works(), reason="this torch build has no float16 autocast / GradScaler on CPU"
+)
 
 
 class Spy(BoringModel):
@@ -34,8 +36,9 @@ class Spy(BoringModel):
     def training_step(self, batch, batch_idx):
         x, y = batch
         out = self(x)
-        self.seen.update(x=x.dtype, out=out.dtype, param=self.layer.weight.dtype,
-                         autocast=torch.is_autocast_enabled("cpu"))
+        self.seen.update(
+            x=x.dtype, out=out.dtype, param=self.layer.weight.dtype, autocast=torch.is_autocast_enabled("cpu")
+        )
         if out.dtype != torch.float64:
             out = out.float()
         return self.loss_factor * torch.nn.functional.mse_loss(out, y.to(out.dtype))
@@ -75,7 +78,8 @@ def test_64_true_leaves_integer_inputs_alone():
             return self(x).sum()
 
     loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.randn(8, 4), torch.arange(8)), batch_size=4)
+        torch.utils.data.TensorDataset(torch.randn(8, 4), torch.arange(8)), batch_size=4
+    )
     fast_trainer(precision="64-true").fit(Ints(), loader)
     assert seen == [torch.int64, torch.int64]
 
@@ -146,10 +150,19 @@ def test_16_mixed_skips_steps_whose_gradients_overflow():
     assert trainer._precision.scaler.get_scale() < 65536.0
 
 
-@pytest.mark.parametrize("alias,name", [
-    (32, "32-true"), ("32", "32-true"), (64, "64-true"), ("64", "64-true"), ("bf16", "bf16-mixed"),
-    (16, "16-mixed"), ("16", "16-mixed"), ("16-mixed", "16-mixed"),
-])
+@pytest.mark.parametrize(
+    "alias,name",
+    [
+        (32, "32-true"),
+        ("32", "32-true"),
+        (64, "64-true"),
+        ("64", "64-true"),
+        ("bf16", "bf16-mixed"),
+        (16, "16-mixed"),
+        ("16", "16-mixed"),
+        ("16-mixed", "16-mixed"),
+    ],
+)
 def test_precision_aliases(alias, name):
     assert normalize_precision(alias) == name
     assert fast_trainer(precision=alias).precision == name

@@ -1,4 +1,5 @@
 """Preemption: how often ranks agree on stopping, and that a signal on any rank stops them all."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,12 @@ class _TwoRanks:
 
 
 def _handler(strategy: _TwoRanks) -> tuple[PreemptionHandler, list[int]]:
-    trainer = SimpleNamespace(accumulate_grad_batches=1, num_training_batches=1000, strategy=strategy,
-                              progress=SimpleNamespace(batch_in_epoch=0))
+    trainer = SimpleNamespace(
+        accumulate_grad_batches=1,
+        num_training_batches=1000,
+        strategy=strategy,
+        progress=SimpleNamespace(batch_in_epoch=0),
+    )
     handler = PreemptionHandler(trainer, (signal.SIGTERM,))
     stops: list[int] = []
     handler.stop = lambda: stops.append(trainer.progress.batch_in_epoch)  # saving is tested elsewhere

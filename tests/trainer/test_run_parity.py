@@ -1,6 +1,7 @@
 """What a Lightning 2.6 user sees of a run: zero_grad calls, what the loggers get from validate / test, the
 results table, callbacks (their order, deep copies), ``strict_loading``, a misspelt optimizer key, the
 messages a program without logging configuration prints, and the epoch values the progress bar shows."""
+
 from __future__ import annotations
 
 import copy
@@ -37,6 +38,7 @@ def test_zero_grad_is_called_once_per_optimizer_step():
             def zero_grad(*args, **kwargs):
                 self.calls += 1
                 return original(*args, **kwargs)
+
             opt.zero_grad = zero_grad
             return opt
 
@@ -80,15 +82,29 @@ def test_validate_and_test_print_lightnings_results_table(capsys, monkeypatch):
     trainer.test(M(), [regression_loader(8), regression_loader(8)])
     rule = "─" * 80
     # As Lightning 2.6.6 prints it without `rich` (checked against it with COLUMNS=80).
-    assert capsys.readouterr().out == "\n".join([
-        rule, "       Test metric             DataLoader 0             DataLoader 1", rule,
-        "        test_loss                   0.5                      1.5", rule, ""])
+    assert capsys.readouterr().out == "\n".join(
+        [
+            rule,
+            "       Test metric             DataLoader 0             DataLoader 1",
+            rule,
+            "        test_loss                   0.5                      1.5",
+            rule,
+            "",
+        ]
+    )
     trainer.validate(M(), regression_loader(8))
-    assert capsys.readouterr().out == "\n".join([
-        rule, "            Validate metric                           DataLoader 0", rule,
-        "a_very_long_metric_name_that_goes_on_and                  1.0",
-        "      _on_and_on_forever_and_ever",
-        "                val_acc                                   0.25", rule, ""])
+    assert capsys.readouterr().out == "\n".join(
+        [
+            rule,
+            "            Validate metric                           DataLoader 0",
+            rule,
+            "a_very_long_metric_name_that_goes_on_and                  1.0",
+            "      _on_and_on_forever_and_ever",
+            "                val_acc                                   0.25",
+            rule,
+            "",
+        ]
+    )
     trainer.test(M(), regression_loader(8), verbose=False)
     assert capsys.readouterr().out == ""
 
@@ -104,8 +120,7 @@ def test_checkpoint_callbacks_run_after_the_others(tmp_path):
     ckpt, mine = ember.callbacks.ModelCheckpoint(dirpath=tmp_path), Mine()
     stop = ember.callbacks.EarlyStopping("train_loss")
     trainer = ember.Trainer(callbacks=[ckpt, mine, stop], default_root_dir=tmp_path, logger=False)
-    assert [type(c).__name__ for c in trainer.callbacks] == ["Mine", "EarlyStopping", "ProgressBar",
-                                                             "ModelCheckpoint"]
+    assert [type(c).__name__ for c in trainer.callbacks] == ["Mine", "EarlyStopping", "ProgressBar", "ModelCheckpoint"]
 
     class M(TrainOnlyModel):
         def configure_callbacks(self):
@@ -116,8 +131,12 @@ def test_checkpoint_callbacks_run_after_the_others(tmp_path):
 
 
 def test_callbacks_can_be_deep_copied_before_and_after_a_fit(tmp_path):
-    trainer = ember.Trainer(max_epochs=1, default_root_dir=tmp_path, accelerator="cpu",
-                            callbacks=[ember.callbacks.ProgressBar(mode="bar", stream=sys.stderr)])
+    trainer = ember.Trainer(
+        max_epochs=1,
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        callbacks=[ember.callbacks.ProgressBar(mode="bar", stream=sys.stderr)],
+    )
     copies = copy.deepcopy(trainer.callbacks)
     assert [type(c) for c in copies] == [type(c) for c in trainer.callbacks]
     trainer.fit(BoringModel(), regression_loader(), regression_loader())
@@ -159,8 +178,11 @@ def test_load_from_checkpoint_follows_strict_loading(tmp_path):
     trainer = fast_trainer()
     trainer.fit(Partial(), regression_loader())
     trainer.save_checkpoint(path)
-    with pytest.warns(UserWarning, match=r"keys of Partial not in the checkpoint \(left as built\): "
-                                         r"\['backbone.weight', 'backbone.bias'\]"):
+    with pytest.warns(
+        UserWarning,
+        match=r"keys of Partial not in the checkpoint \(left as built\): "
+        r"\['backbone.weight', 'backbone.bias'\]",
+    ):
         Partial.load_from_checkpoint(path)
     with pytest.raises(ValueError, match=r"strict=True\) conflicts with Partial.strict_loading=False"):
         Partial.load_from_checkpoint(path, strict=True)
@@ -197,8 +219,14 @@ def test_info_messages_reach_stderr_when_the_program_configures_no_logging(tmp_p
     path = str(tmp_path / "a.ckpt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("RANK", None)
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, path], capture_output=True, text=True, env=env, timeout=60,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, path],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stderr.splitlines()
     assert any(line.startswith("EarlyStopping: 'val_loss' improved to ") for line in lines), out.stderr
@@ -255,12 +283,25 @@ def test_a_callbacks_epoch_end_reads_this_epochs_progress_bar_value():
 
 
 def _ddp_epoch_lines(rank: int, world: int) -> tuple[list[str], float]:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # join run_ranks' process group
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )  # join run_ranks' process group
     stream = io.StringIO()
     bar = ember.callbacks.ProgressBar(mode="lines", stream=stream)
-    trainer = ember.Trainer(max_epochs=2, accelerator="cpu", strategy="ddp", devices=world, logger=False,
-                            enable_checkpointing=False, callbacks=[bar])
+    trainer = ember.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        strategy="ddp",
+        devices=world,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[bar],
+    )
     trainer.fit(EpochMean(), regression_loader())
     return _epoch_lines(stream), float(trainer.callback_metrics["m"])
 

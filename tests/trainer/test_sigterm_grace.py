@@ -1,6 +1,7 @@
 """A stop signal always ends the run (ember/trainer/preemption.py): a run that reaches no step boundary
 within the grace period after SIGTERM prints its stack and exits 143, on one process and under ddp
 (where the stuck rank prints its stack too); boundaries keep restarting the grace period."""
+
 from __future__ import annotations
 
 import os
@@ -97,8 +98,14 @@ def test_a_forked_child_does_not_inherit_the_wakeup_descriptor():
 # ------------------------------------------------------------------------------ real runs
 def start(out: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, SCRIPT, "--out", str(out), "--grace", str(GRACE), *args],
-                            cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, "--out", str(out), "--grace", str(GRACE), *args],
+        cwd=out,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def hang_then_sigterm(out: Path, proc: subprocess.Popen, rank: int, wait: float = GRACE + 30) -> tuple[int, str, float]:
@@ -149,8 +156,9 @@ def test_a_watchdog_verdict_within_the_grace_period_wins_and_readme_says_so(tmp_
     # SIGTERM arrives while rank 1 hangs; the watchdog's deadline (at least 3 s, 20 x the slowest step:
     # longer on a loaded machine) comes before the grace period (150 s) runs out: the hang is reported
     # as a hang, and the status is the watchdog's 1, not 143.
-    code, log, took = hang_then_sigterm(tmp_path, start(tmp_path, "--hang-rank", "1", "--grace", "150",
-                                                        "--watchdog", "3"), 1, wait=170)
+    code, log, took = hang_then_sigterm(
+        tmp_path, start(tmp_path, "--hang-rank", "1", "--grace", "150", "--watchdog", "3"), 1, wait=170
+    )
     assert code == 1, log
     assert took < 150, f"{took:.1f} s\n{log}"
     assert "rank 1 is stuck in training_step at step 3 (epoch 0, batch 3)" in log, log

@@ -1,4 +1,5 @@
 """Batch-end outputs, logging from epoch hooks, fresh metrics per entry point, validation on an early stop."""
+
 from __future__ import annotations
 
 import torch
@@ -63,7 +64,8 @@ def test_early_stop_mid_epoch_validates_once():
                 trainer.should_stop = True
 
     fast_trainer(max_epochs=3, num_sanity_val_steps=0, callbacks=[Count()]).fit(
-        BoringModel(), regression_loader(), regression_loader(n=16))
+        BoringModel(), regression_loader(), regression_loader(n=16)
+    )
     assert calls == [2]
 
 

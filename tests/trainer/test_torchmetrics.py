@@ -5,6 +5,7 @@ the Metric's last forward returned (none after ``update`` alone); the epoch valu
 at the epoch's end; every logged Metric is ``reset()`` after it; the Metric synchronises itself across
 processes, so the trainer does not reduce its value again.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -86,8 +87,14 @@ def test_a_metric_logs_its_batch_value_per_step_and_one_compute_per_epoch_then_r
     logger = RecordingLogger()
     module = WithMetrics()
     # The default configuration otherwise: checkpointing on.
-    trainer = ember.Trainer(max_epochs=2, accelerator="cpu", default_root_dir=tmp_path, logger=logger,
-                            log_every_n_steps=1, enable_progress_bar=False)
+    trainer = ember.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+    )
     trainer.fit(module, loader())
     steps = [m["total_step"] for _, m in logger.records if "total_step" in m]
     assert steps == [10.0, 26.0, 10.0, 26.0]  # each batch's own sum, not the running total
@@ -98,8 +105,13 @@ def test_a_metric_logs_its_batch_value_per_step_and_one_compute_per_epoch_then_r
     # One compute and one reset per epoch, from the trainer (forward's own internal calls aside).
     assert module.total.calls == ["compute", "reset"] * 2
     assert module.in_epoch_end["total_epoch"] == 36.0  # visible in the epoch-end hook, as Lightning
-    assert floats(trainer.callback_metrics) == {"total": 36.0, "total_step": 26.0, "total_epoch": 36.0,
-                                                "mean": 4.5, "mean_epoch": 4.5}
+    assert floats(trainer.callback_metrics) == {
+        "total": 36.0,
+        "total_step": 26.0,
+        "total_epoch": 36.0,
+        "mean": 4.5,
+        "mean_epoch": 4.5,
+    }
     assert module.total.update_count == 0  # reset after the epoch
 
 
@@ -108,8 +120,9 @@ def test_log_dict_logs_a_metric_collection_under_its_prefixed_names():
         def __init__(self) -> None:
             super().__init__()
             self.layer = torch.nn.Linear(1, 1)
-            self.metrics = torchmetrics.MetricCollection({"sum": torchmetrics.SumMetric(),
-                                                          "max": torchmetrics.MaxMetric()}, prefix="val_")
+            self.metrics = torchmetrics.MetricCollection(
+                {"sum": torchmetrics.SumMetric(), "max": torchmetrics.MaxMetric()}, prefix="val_"
+            )
 
         def training_step(self, batch, batch_idx):
             return self.layer(batch[0]).pow(2).mean()
@@ -151,11 +164,25 @@ def test_under_dp_replica_updates_reach_the_metric_once_and_steps_show_the_whole
 
 def _two_ranks(rank: int, world: int) -> dict:
     import os
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     module = WithMetrics(reduce_fx="sum")
-    trainer = ember.Trainer(strategy="ddp", devices=world, max_epochs=1, accelerator="cpu", logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False)
+    trainer = ember.Trainer(
+        strategy="ddp",
+        devices=world,
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     trainer.fit(module, loader(batch_size=2))
     return {"metrics": floats(trainer.callback_metrics), "calls": module.total.calls}
 

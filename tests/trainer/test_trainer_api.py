@@ -1,6 +1,7 @@
 """The Trainer's API as Lightning's: predict(return_predictions=), trainer.model, assignable loggers, the
 checkpoint / early-stopping callback properties, configure_optimizers returning None, float limits,
 and unknown keywords. Each expectation was checked against Lightning 2.6.6 first (values noted)."""
+
 from __future__ import annotations
 
 import warnings
@@ -116,8 +117,11 @@ def test_configure_optimizers_returning_none_trains_without_an_optimizer():
     module = NoOpt()
     before = module.layer.weight.detach().clone()
     trainer = fast_trainer(max_epochs=2, limit_train_batches=2)
-    with pytest.warns(UserWarning, match=r"NoOpt.configure_optimizers returned None, this fit will run with no "
-                                         r"optimizer"):
+    with pytest.warns(
+        UserWarning,
+        match=r"NoOpt.configure_optimizers returned None, this fit will run with no "
+        r"optimizer",
+    ):
         trainer.fit(module, regression_loader())
     assert grads == [(1, True), (2, True), (3, True), (4, True)]
     assert trainer.global_step == 4
@@ -127,6 +131,7 @@ def test_configure_optimizers_returning_none_trains_without_an_optimizer():
 
 def test_configure_optimizers_returning_none_in_manual_optimization():
     """Lightning 2.6.6: self.optimizers() is the stand-in; opt.step() counts: global_step 1 after 1 batch."""
+
     class Manual(TrainOnlyModel):
         def __init__(self):
             super().__init__()
@@ -158,16 +163,22 @@ def test_whole_float_limits_above_one_count_batches(value, expected, steps):
 
 def test_a_fractional_float_limit_above_one_is_an_error():
     """Lightning 2.6.6 raises for 1.5: "it has to be in [0.0, 1.0] or an int"."""
-    with pytest.raises(ValueError, match=r"limit_val_batches=1.5 is neither a fraction in \[0, 1\] nor a whole "
-                                         r"number of batches"):
+    with pytest.raises(
+        ValueError,
+        match=r"limit_val_batches=1.5 is neither a fraction in \[0, 1\] nor a whole "
+        r"number of batches",
+    ):
         fast_trainer(limit_val_batches=1.5)
 
 
 # ---------------------------------------------------------------------- unknown keywords
 def test_an_unknown_keyword_suggests_the_argument_meant():
     # Lightning 2.6.6 raises Python's TypeError "got an unexpected keyword argument 'max_epoch'"; ember adds the hint.
-    with pytest.raises(TypeError, match=r"Trainer\(\) got an unexpected keyword argument 'max_epoch'. Did you mean "
-                                        r"'max_epochs'\?"):
+    with pytest.raises(
+        TypeError,
+        match=r"Trainer\(\) got an unexpected keyword argument 'max_epoch'. Did you mean "
+        r"'max_epochs'\?",
+    ):
         ember.Trainer(max_epoch=3)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'zzz'. See help\(ember.Trainer\)"):
         ember.Trainer(zzz=1)
@@ -179,8 +190,11 @@ def test_a_lightning_argument_ember_does_not_take_says_why():
 
 
 def test_a_removed_lightning_1_argument_names_its_replacement():
-    with pytest.raises(TypeError, match=r"'resume_from_checkpoint', a Lightning 1.x argument removed in Lightning "
-                                        r"2.0: pass ckpt_path= to trainer.fit"):
+    with pytest.raises(
+        TypeError,
+        match=r"'resume_from_checkpoint', a Lightning 1.x argument removed in Lightning "
+        r"2.0: pass ckpt_path= to trainer.fit",
+    ):
         ember.Trainer(resume_from_checkpoint="last.ckpt")
 
 
@@ -197,9 +211,17 @@ def test_none_means_the_default_where_lightnings_signature_says_so(tmp_path):
     precision=None as "32-true"; ember's tests/trainer/test_precision.py still expects an error there.)"""
     from ember.callbacks import ProgressBar
 
-    trainer = ember.Trainer(num_sanity_val_steps=None, log_every_n_steps=None, enable_checkpointing=None,
-                            enable_progress_bar=None, val_check_interval=None, gradient_clip_algorithm=None,
-                            logger=False, accelerator="cpu", default_root_dir=tmp_path)
+    trainer = ember.Trainer(
+        num_sanity_val_steps=None,
+        log_every_n_steps=None,
+        enable_checkpointing=None,
+        enable_progress_bar=None,
+        val_check_interval=None,
+        gradient_clip_algorithm=None,
+        logger=False,
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+    )
     assert (trainer.num_sanity_val_steps, trainer.log_every_n_steps, trainer.val_check_interval) == (2, 50, 1.0)
     assert trainer.gradient_clip_algorithm == "norm"
     assert isinstance(trainer.checkpoint_callback, ModelCheckpoint)

@@ -1,6 +1,7 @@
 """``Tuner(trainer).lr_find(model)``: the sweep, the suggestion, the attribute update, and that the
 module and the Trainer are as they were afterwards (in the default configuration: logger and
 checkpointing on)."""
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,15 @@ def test_lightnings_defaults_sweep_100_steps_from_1e_8_to_1_evenly_in_log_space(
 
 def test_each_step_trains_at_the_swept_rate(tmp_path):
     module = Net()
-    finder = Tuner(trainer(tmp_path)).lr_find(module, regression_loader(n=32, batch_size=8), num_training=20,
-                                              min_lr=1e-4, max_lr=1e-1, mode="linear", early_stop_threshold=None)
+    finder = Tuner(trainer(tmp_path)).lr_find(
+        module,
+        regression_loader(n=32, batch_size=8),
+        num_training=20,
+        min_lr=1e-4,
+        max_lr=1e-1,
+        mode="linear",
+        early_stop_threshold=None,
+    )
     assert module.lrs_seen == pytest.approx(finder.results["lr"])
     assert finder.results["lr"] == pytest.approx([1e-4 + (1e-1 - 1e-4) * i / 19 for i in range(20)])
 
@@ -108,7 +116,8 @@ def test_a_diverging_loss_stops_the_sweep_early(tmp_path):
 def test_accumulation_records_one_point_per_optimizer_step(tmp_path):
     module = Net()
     finder = Tuner(trainer(tmp_path, logger=False, accumulate_grad_batches=2)).lr_find(
-        module, regression_loader(n=32, batch_size=8), num_training=10, early_stop_threshold=None)
+        module, regression_loader(n=32, batch_size=8), num_training=10, early_stop_threshold=None
+    )
     assert len(finder.results["lr"]) == 10
     assert module.lrs_seen[::2] == module.lrs_seen[1::2] == finder.results["lr"]  # one rate per window
 
@@ -130,8 +139,9 @@ def test_plot_returns_a_figure_with_the_suggestion_marked(tmp_path):
     import matplotlib
 
     matplotlib.use("Agg")
-    finder = Tuner(trainer(tmp_path, logger=False)).lr_find(Net(), regression_loader(), num_training=30,
-                                                             update_attr=False)
+    finder = Tuner(trainer(tmp_path, logger=False)).lr_find(
+        Net(), regression_loader(), num_training=30, update_attr=False
+    )
     fig = finder.plot(suggest=True)
     ax = fig.axes[0]
     assert ax.get_xscale() == "log"

@@ -1,6 +1,7 @@
 """``Tuner(trainer).scale_batch_size(model)``: the power and binsearch searches, out-of-memory errors
 (raised the way CUDA raises them, from a memory cap the test sets), the max_val and dataset bounds,
 and that the module and the Trainer are as they were afterwards."""
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,9 @@ class Capped(ember.TrainModule):
 
 
 def trainer(tmp_path, **kwargs) -> ember.Trainer:
-    return ember.Trainer(accelerator="cpu", default_root_dir=tmp_path, enable_progress_bar=False, max_epochs=3,
-                         **kwargs)
+    return ember.Trainer(
+        accelerator="cpu", default_root_dir=tmp_path, enable_progress_bar=False, max_epochs=3, **kwargs
+    )
 
 
 def test_power_doubles_until_out_of_memory_and_keeps_the_last_size_that_fit(tmp_path):

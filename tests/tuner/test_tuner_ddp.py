@@ -1,6 +1,7 @@
 """The tuner under ddp, on 2 real gloo ranks: every rank sweeps together (the loss each step records
 is the mean over the ranks), so all get the same curve and suggestion; weights are given back on
 each rank; the batch-size search runs alike on both and stops at max_val."""
+
 from __future__ import annotations
 
 import os
@@ -41,22 +42,42 @@ class Net(ember.TrainModule):
 
 
 def tune(rank: int, world: int) -> dict:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     ember.seed_everything(rank)  # different shuffles per rank: the ranks' own losses differ
     module = Net()
     before = [t.clone() for t in module.state_dict().values()]
-    trainer = ember.Trainer(strategy=DDPStrategy(), accelerator="cpu", devices=world, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, max_epochs=10)
+    trainer = ember.Trainer(
+        strategy=DDPStrategy(),
+        accelerator="cpu",
+        devices=world,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        max_epochs=10,
+    )
     finder = Tuner(trainer).lr_find(module, num_training=40, min_lr=1e-4, max_lr=10.0)
     restored = all(torch.equal(a, b) for a, b in zip(before, module.state_dict().values()))
     size = Tuner(trainer).scale_batch_size(module, max_val=16, steps_per_trial=2)
     restored_after_sizes = all(torch.equal(a, b) for a, b in zip(before, module.state_dict().values()))
     module.sizes.clear()
     trainer.fit(module)  # then the real fit, at the values found
-    return {"results": finder.results, "lr": module.lr, "suggestion": finder.suggestion(), "restored": restored,
-            "size": size, "restored_after_sizes": restored_after_sizes, "fit_sizes": sorted(set(module.sizes)),
-            "steps": trainer.global_step}
+    return {
+        "results": finder.results,
+        "lr": module.lr,
+        "suggestion": finder.suggestion(),
+        "restored": restored,
+        "size": size,
+        "restored_after_sizes": restored_after_sizes,
+        "fit_sizes": sorted(set(module.sizes)),
+        "steps": trainer.global_step,
+    }
 
 
 @pytest.mark.processes

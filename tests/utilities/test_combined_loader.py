@@ -1,5 +1,6 @@
 """CombinedLoader: Lightning's four modes (checked against Lightning 2.6.6), what the steps receive in fit
 and evaluation, ddp sharding of each inner loader, and an exact mid-epoch resume."""
+
 from __future__ import annotations
 
 import os
@@ -19,13 +20,22 @@ from tests.helpers.dist import run_ranks
 A, B = list(range(5)), list(range(10, 13))
 
 
-@pytest.mark.parametrize("mode, length, batches", [
-    ("max_size_cycle", 5, [{"a": 0, "b": 10}, {"a": 1, "b": 11}, {"a": 2, "b": 12}, {"a": 3, "b": 10},
-                           {"a": 4, "b": 11}]),
-    ("min_size", 3, [{"a": 0, "b": 10}, {"a": 1, "b": 11}, {"a": 2, "b": 12}]),
-    ("max_size", 5, [{"a": 0, "b": 10}, {"a": 1, "b": 11}, {"a": 2, "b": 12}, {"a": 3, "b": None},
-                     {"a": 4, "b": None}]),
-])
+@pytest.mark.parametrize(
+    "mode, length, batches",
+    [
+        (
+            "max_size_cycle",
+            5,
+            [{"a": 0, "b": 10}, {"a": 1, "b": 11}, {"a": 2, "b": 12}, {"a": 3, "b": 10}, {"a": 4, "b": 11}],
+        ),
+        ("min_size", 3, [{"a": 0, "b": 10}, {"a": 1, "b": 11}, {"a": 2, "b": 12}]),
+        (
+            "max_size",
+            5,
+            [{"a": 0, "b": 10}, {"a": 1, "b": 11}, {"a": 2, "b": 12}, {"a": 3, "b": None}, {"a": 4, "b": None}],
+        ),
+    ],
+)
 def test_combining_modes_match_lightning(mode, length, batches):
     combined = CombinedLoader({"a": A, "b": B}, mode)
     assert len(combined) == length
@@ -84,11 +94,19 @@ def test_fit_with_a_dict_of_loaders_cycles_the_shorter_and_validates_sequentiall
     (no dataloader_idx); a sequential CombinedLoader of validation loaders gives each its dataloader_idx."""
     module = Two()
     t = trainer()
-    t.fit(module, {"a": DataLoader(data(6, 0), batch_size=2), "b": DataLoader(data(4, 100), batch_size=2)},
-          CombinedLoader([DataLoader(data(2, 0), batch_size=2), DataLoader(data(1, 50))], "sequential"))
+    t.fit(
+        module,
+        {"a": DataLoader(data(6, 0), batch_size=2), "b": DataLoader(data(4, 100), batch_size=2)},
+        CombinedLoader([DataLoader(data(2, 0), batch_size=2), DataLoader(data(1, 50))], "sequential"),
+    )
     assert t.num_training_batches == 3 and t.num_val_batches == [1, 1]
-    assert module.seen == [("train", 0, [0, 1], [100, 101]), ("train", 1, [2, 3], [102, 103]),
-                           ("train", 2, [4, 5], [100, 101]), ("val", 0, 0, [0, 1]), ("val", 0, 1, [50])]
+    assert module.seen == [
+        ("train", 0, [0, 1], [100, 101]),
+        ("train", 1, [2, 3], [102, 103]),
+        ("train", 2, [4, 5], [100, 101]),
+        ("val", 0, 0, [0, 1]),
+        ("val", 0, 1, [50]),
+    ]
 
 
 def test_sequential_training_is_refused_and_max_size_evaluation_gives_combined_batches():
@@ -108,10 +126,17 @@ def test_sequential_training_is_refused_and_max_size_evaluation_gives_combined_b
 def _fit(root: str, ckpt_path: str | None = None, **kwargs: Any) -> tuple[Two, ember.Trainer]:
     ember.seed_everything(0)
     module = Two()
-    loaders = {"a": DataLoader(data(10, 0), batch_size=2, shuffle=True),
-               "b": DataLoader(data(6, 100), batch_size=2, shuffle=True)}
-    t = ember.Trainer(max_epochs=2, enable_progress_bar=False, default_root_dir=root,  # logger on
-                      callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "c"), every_n_train_steps=1)], **kwargs)
+    loaders = {
+        "a": DataLoader(data(10, 0), batch_size=2, shuffle=True),
+        "b": DataLoader(data(6, 100), batch_size=2, shuffle=True),
+    }
+    t = ember.Trainer(
+        max_epochs=2,
+        enable_progress_bar=False,
+        default_root_dir=root,  # logger on
+        callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "c"), every_n_train_steps=1)],
+        **kwargs,
+    )
     t.fit(module, CombinedLoader(loaders, "max_size_cycle"), ckpt_path=ckpt_path)
     return module, t
 
@@ -131,13 +156,22 @@ def test_mid_epoch_resume_continues_every_inner_loader_exactly(tmp_path, stop):
 
 
 def _ddp(rank: int, world: int) -> list[tuple]:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     warnings.simplefilter("ignore")
     module = Two()
     t = trainer(strategy="ddp", devices=world, accelerator="cpu")
-    t.fit(module, {"a": DataLoader(data(8, 0), batch_size=2), "b": DataLoader(data(4, 100), batch_size=2)},
-          CombinedLoader([DataLoader(data(4, 0), batch_size=2), DataLoader(data(2, 50))], "sequential"))
+    t.fit(
+        module,
+        {"a": DataLoader(data(8, 0), batch_size=2), "b": DataLoader(data(4, 100), batch_size=2)},
+        CombinedLoader([DataLoader(data(4, 0), batch_size=2), DataLoader(data(2, 50))], "sequential"),
+    )
     return module.seen
 
 
@@ -147,10 +181,18 @@ def test_under_ddp_each_inner_loader_is_sharded():
     """2 ranks: each inner train loader is split between the ranks (rank r takes samples r, r+2, ...), so
     together they see each epoch's samples once; validation loaders too."""
     seen = run_ranks(_ddp, 2, timeout=80)
-    assert seen[0] == [("train", 0, [0, 2], [100, 102]), ("train", 1, [4, 6], [100, 102]),
-                       ("val", 0, 0, [0, 2]), ("val", 0, 1, [50])]
-    assert seen[1] == [("train", 0, [1, 3], [101, 103]), ("train", 1, [5, 7], [101, 103]),
-                       ("val", 0, 0, [1, 3]), ("val", 0, 1, [51])]
+    assert seen[0] == [
+        ("train", 0, [0, 2], [100, 102]),
+        ("train", 1, [4, 6], [100, 102]),
+        ("val", 0, 0, [0, 2]),
+        ("val", 0, 1, [50]),
+    ]
+    assert seen[1] == [
+        ("train", 0, [1, 3], [101, 103]),
+        ("train", 1, [5, 7], [101, 103]),
+        ("val", 0, 0, [1, 3]),
+        ("val", 0, 1, [51]),
+    ]
 
 
 def test_dp_trains_on_combined_batches_as_one_device_does():
@@ -159,8 +201,9 @@ def test_dp_trains_on_combined_batches_as_one_device_does():
     for kwargs in (dict(), dict(strategy="dp", devices=2, accelerator="cpu")):
         torch.manual_seed(0)
         module = Two()
-        trainer(**kwargs).fit(module, {"a": DataLoader(data(8, 0), batch_size=4),
-                                       "b": DataLoader(data(4, 100), batch_size=4)})
+        trainer(**kwargs).fit(
+            module, {"a": DataLoader(data(8, 0), batch_size=4), "b": DataLoader(data(4, 100), batch_size=4)}
+        )
         results.append([p.detach().clone() for p in module.parameters()])
     for single, dp in zip(*results):
         torch.testing.assert_close(dp, single)

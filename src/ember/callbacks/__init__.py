@@ -1,4 +1,5 @@
 """Callbacks: progress, logging, checkpointing. One callback per file; imported on first use."""
+
 from __future__ import annotations
 
 import importlib

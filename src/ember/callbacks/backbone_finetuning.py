@@ -1,5 +1,6 @@
 """BackboneFinetuning: train the head first, then the module's ``backbone`` too, with its own
 learning rate that grows towards the head's, as Lightning's."""
+
 from __future__ import annotations
 
 import logging
@@ -43,13 +44,24 @@ class BackboneFinetuning(BaseFinetuning):
         rounding: digits of the logged rates.
     """
 
-    def __init__(self, unfreeze_backbone_at_epoch: int = 10, lambda_func: Callable[[int], float] = multiplicative,
-                 backbone_initial_ratio_lr: float = 10e-2, backbone_initial_lr: float | None = None,
-                 should_align: bool = True, initial_denom_lr: float = 10.0, train_bn: bool = True,
-                 verbose: bool = False, rounding: int = 12) -> None:
+    def __init__(
+        self,
+        unfreeze_backbone_at_epoch: int = 10,
+        lambda_func: Callable[[int], float] = multiplicative,
+        backbone_initial_ratio_lr: float = 10e-2,
+        backbone_initial_lr: float | None = None,
+        should_align: bool = True,
+        initial_denom_lr: float = 10.0,
+        train_bn: bool = True,
+        verbose: bool = False,
+        rounding: int = 12,
+    ) -> None:
         super().__init__()
-        if isinstance(unfreeze_backbone_at_epoch, bool) or not isinstance(unfreeze_backbone_at_epoch, int) \
-                or unfreeze_backbone_at_epoch < 0:
+        if (
+            isinstance(unfreeze_backbone_at_epoch, bool)
+            or not isinstance(unfreeze_backbone_at_epoch, int)
+            or unfreeze_backbone_at_epoch < 0
+        ):
             raise ValueError(f"unfreeze_backbone_at_epoch must be an int >= 0, got {unfreeze_backbone_at_epoch!r}.")
         if not callable(lambda_func):
             raise TypeError(f"lambda_func must be a function of the epoch, got {type(lambda_func).__name__}.")
@@ -73,9 +85,11 @@ class BackboneFinetuning(BaseFinetuning):
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: Any) -> None:
         if not isinstance(getattr(module, "backbone", None), Module):
-            raise ValueError(f"BackboneFinetuning needs the module to have a torch.nn.Module attribute `backbone`; "
-                             f"{type(module).__name__} has none. Name the part to finetune `self.backbone`, or "
-                             "subclass BaseFinetuning to choose it.")
+            raise ValueError(
+                f"BackboneFinetuning needs the module to have a torch.nn.Module attribute `backbone`; "
+                f"{type(module).__name__} has none. Name the part to finetune `self.backbone`, or "
+                "subclass BaseFinetuning to choose it."
+            )
         super().setup(trainer, module, stage)
 
     def freeze_before_training(self, pl_module: TrainModule) -> None:
@@ -84,10 +98,18 @@ class BackboneFinetuning(BaseFinetuning):
     def finetune_function(self, pl_module: TrainModule, epoch: int, optimizer: Optimizer) -> None:
         current_lr = optimizer.param_groups[0]["lr"]
         if epoch == self.unfreeze_backbone_at_epoch:
-            backbone_lr = (self.backbone_initial_lr if self.backbone_initial_lr is not None
-                           else current_lr * self.backbone_initial_ratio_lr)
-            self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, backbone_lr, train_bn=self.train_bn,
-                                              initial_denom_lr=self.initial_denom_lr)
+            backbone_lr = (
+                self.backbone_initial_lr
+                if self.backbone_initial_lr is not None
+                else current_lr * self.backbone_initial_ratio_lr
+            )
+            self.unfreeze_and_add_param_group(
+                pl_module.backbone,
+                optimizer,
+                backbone_lr,
+                train_bn=self.train_bn,
+                initial_denom_lr=self.initial_denom_lr,
+            )
         elif epoch > self.unfreeze_backbone_at_epoch and self.previous_backbone_lr is not None:
             backbone_lr = self.lambda_func(epoch + 1) * self.previous_backbone_lr
             if self.should_align and backbone_lr > current_lr:
@@ -97,5 +119,6 @@ class BackboneFinetuning(BaseFinetuning):
             return
         self.previous_backbone_lr = backbone_lr
         if self.verbose:
-            log.info("Current lr: %s, Backbone lr: %s", round(current_lr, self.rounding),
-                     round(backbone_lr, self.rounding))
+            log.info(
+                "Current lr: %s, Backbone lr: %s", round(current_lr, self.rounding), round(backbone_lr, self.rounding)
+            )

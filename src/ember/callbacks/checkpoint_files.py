@@ -3,6 +3,7 @@
 files that left the top k (``CheckpointFiles``), all of it on a background thread with
 ``async_save``; and the checkpoints written when fit raises (``save_on_exception``,
 ``OnExceptionCheckpoint``)."""
+
 from __future__ import annotations
 
 import os
@@ -61,19 +62,23 @@ def check_template(what: str, template: str, field: re.Pattern[str]) -> None:
     among another run's files."""
     name = field.sub("x", template)
     if os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == os.pardir:
-        raise ValueError(f"ModelCheckpoint({what}={template!r}) names a file outside the checkpoint directory. "
-                         "Checkpoints are rotated (save_top_k) and found again (ckpt_path='last' / 'auto') only "
-                         "inside that directory. Choose the directory with dirpath= and keep the name relative to "
-                         "it, without '..' (folders inside it, such as 'sub/{epoch}', are fine).")
+        raise ValueError(
+            f"ModelCheckpoint({what}={template!r}) names a file outside the checkpoint directory. "
+            "Checkpoints are rotated (save_top_k) and found again (ckpt_path='last' / 'auto') only "
+            "inside that directory. Choose the directory with dirpath= and keep the name relative to "
+            "it, without '..' (folders inside it, such as 'sub/{epoch}', are fine)."
+        )
 
 
 def check_inside(path: str, dirpath: str | None, template: str) -> str:
     """``path`` (normalised) when it is inside ``dirpath``; else an error naming the logged values' fault."""
     path = os.path.normpath(path)
     if dirpath and not inside(path, dirpath):
-        raise ValueError(f"ModelCheckpoint(filename={template!r}) with this save's values names {path}, outside the "
-                         f"checkpoint directory {dirpath}: a logged value in the name contains '..' or a path "
-                         "separator. Leave that value out of the file name, or log a number instead.")
+        raise ValueError(
+            f"ModelCheckpoint(filename={template!r}) with this save's values names {path}, outside the "
+            f"checkpoint directory {dirpath}: a logged value in the name contains '..' or a path "
+            "separator. Leave that value out of the file name, or log a number instead."
+        )
     return path
 
 
@@ -93,8 +98,16 @@ def remove_checkpoint(path: str, dirpath: str | None, protected: set[str]) -> No
 
 # What names ModelCheckpoint's files: with async_save, the values after a save are published once its
 # files exist (until then, those of the previous save point).
-_LISTING = ("best_k_models", "kth_best_model_path", "kth_value", "best_model_path", "best_model_score",
-            "current_score", "last_model_path", "_last_checkpoint_saved")
+_LISTING = (
+    "best_k_models",
+    "kth_best_model_path",
+    "kth_value",
+    "best_model_path",
+    "best_model_score",
+    "current_score",
+    "last_model_path",
+    "_last_checkpoint_saved",
+)
 
 
 class CheckpointFiles:
@@ -213,8 +226,11 @@ def save_on_exception(trainer: Trainer, dirpath: str, name: str, exception: Base
         return  # preemption already saved at a step boundary
     if trainer.world_size > 1:
         # Saving gathers state from every rank; a rank that raised alone would leave the others waiting.
-        warnings.warn("Exception checkpoints are only written in single-process runs; use preemption (SIGTERM) "
-                      "for multi-process runs.", UserWarning)
+        warnings.warn(
+            "Exception checkpoints are only written in single-process runs; use preemption (SIGTERM) "
+            "for multi-process runs.",
+            UserWarning,
+        )
         return
     trainer.save_checkpoint(os.path.join(dirpath, name + FILE_EXTENSION))
 

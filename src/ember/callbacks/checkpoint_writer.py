@@ -47,6 +47,7 @@ one storage stay views of one storage; containers are copied with their attribut
 save's holds. The copies are CPU tensors: a checkpoint of CUDA tensors written this way loads on the
 CPU unless a ``map_location`` says otherwise (ember's own loading always maps to the CPU first).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,9 +67,16 @@ After = Callable[[Callable[[str], None]], None]
 
 
 class _Job:
-    def __init__(self, obj: Any, path: str, events: list[Any], sources: list[torch.UntypedStorage],
-                 before_rename: Callable[[str], None] | None, after: After | None,
-                 on_done: Callable[[], None] | None) -> None:
+    def __init__(
+        self,
+        obj: Any,
+        path: str,
+        events: list[Any],
+        sources: list[torch.UntypedStorage],
+        before_rename: Callable[[str], None] | None,
+        after: After | None,
+        on_done: Callable[[], None] | None,
+    ) -> None:
         self.obj: Any = obj
         self.path = path
         self.events = events
@@ -104,8 +112,7 @@ class BackgroundWriter:
 
     # ------------------------------------------------------------------ routing a save here
     @contextlib.contextmanager
-    def claim(self, path: str, after: After | None = None,
-              on_done: Callable[[], None] | None = None) -> Iterator[None]:
+    def claim(self, path: str, after: After | None = None, on_done: Callable[[], None] | None = None) -> Iterator[None]:
         """Within this block, the save of ``path`` (``trainer.save_checkpoint``) is written by this writer,
         with ``after`` and ``on_done`` as for :meth:`submit`. Raises if the block saved without asking
         ``trainer.checkpoint.save`` (every rank asks, rank zero submits)."""
@@ -116,7 +123,8 @@ class BackgroundWriter:
                 raise RuntimeError(
                     f"ModelCheckpoint(async_save=True): the save of {path} did not go through ember's "
                     "Trainer.save_checkpoint (is it overridden?), so it was written synchronously and last.ckpt "
-                    "and top-k rotation were not updated. Keep Trainer.save_checkpoint, or use async_save=False.")
+                    "and top-k rotation were not updated. Keep Trainer.save_checkpoint, or use async_save=False."
+                )
         finally:
             self._claim = None
 
@@ -129,6 +137,7 @@ class BackgroundWriter:
 
         def submit(obj: Any, target: str, before_rename: Callable[[str], None] | None = None) -> None:
             self.submit(obj, target, before_rename=before_rename, after=after, on_done=on_done)
+
         return submit
 
     # ------------------------------------------------------------------ writing
@@ -137,8 +146,14 @@ class BackgroundWriter:
         """Whether a write was submitted whose outcome the training thread has not collected yet."""
         return self._job is not None
 
-    def submit(self, obj: Any, path: str, before_rename: Callable[[str], None] | None = None,
-               after: After | None = None, on_done: Callable[[], None] | None = None) -> None:
+    def submit(
+        self,
+        obj: Any,
+        path: str,
+        before_rename: Callable[[str], None] | None = None,
+        after: After | None = None,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
         """Copy ``obj`` off the live state, then write it to ``path`` on a background thread.
 
         Returns once every byte of ``obj`` is copied (CUDA tensors: once the copies are enqueued on the
@@ -174,8 +189,10 @@ class BackgroundWriter:
             if not raise_errors:
                 return job.error
             if hasattr(job.error, "add_note"):
-                job.error.add_note(f"(raised by the background write of the checkpoint {job.path}; the previous "
-                                   "file under that name, if any, is intact)")
+                job.error.add_note(
+                    f"(raised by the background write of the checkpoint {job.path}; the previous "
+                    "file under that name, if any, is intact)"
+                )
             raise job.error
         if job.on_done is not None:
             job.on_done()
@@ -209,8 +226,11 @@ class BackgroundWriter:
             if found is not None:
                 return found  # another view of a storage copied already: stays a view of the same copy
             i, n, pin = next(slot), src.nbytes(), device.type == "cuda"
-            if i < len(self._buffers) and self._buffers[i].nbytes() == n and (
-                    not pin or self._pin_failed or self._buffers[i].is_pinned()):
+            if (
+                i < len(self._buffers)
+                and self._buffers[i].nbytes() == n
+                and (not pin or self._pin_failed or self._buffers[i].is_pinned())
+            ):
                 buf = self._buffers[i]
             else:
                 buf = _allocate(n, pin)
@@ -262,12 +282,17 @@ def _allocate(nbytes: int, pin: bool) -> torch.UntypedStorage:
     return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
 
 
-def _copy_tensor(t: torch.Tensor, storage_copy: Callable[[torch.UntypedStorage, torch.device],
-                                                         torch.UntypedStorage]) -> torch.Tensor:
+def _copy_tensor(
+    t: torch.Tensor, storage_copy: Callable[[torch.UntypedStorage, torch.device], torch.UntypedStorage]
+) -> torch.Tensor:
     if t.device.type == "meta":
         return t  # no data to change under the writer
-    if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_quantized
-            or t.device.type not in ("cpu", "cuda")):
+    if (
+        type(t) not in (torch.Tensor, torch.nn.Parameter)
+        or t.layout != torch.strided
+        or t.is_quantized
+        or t.device.type not in ("cpu", "cuda")
+    ):
         return t.detach().to("cpu", copy=True)  # no plain storage to copy: a copy of the values
     buf = storage_copy(t.untyped_storage(), t.device)
     out = torch.empty(0, dtype=t.dtype).set_(buf, t.storage_offset(), t.size(), t.stride())

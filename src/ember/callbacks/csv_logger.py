@@ -1,4 +1,5 @@
 """CSVLogger: ``metrics.csv`` and ``hparams.yaml`` under ``<save_dir>/<name>/version_N/``."""
+
 from __future__ import annotations
 
 import csv
@@ -26,8 +27,14 @@ class CSVLogger(FileLogger):
 
     METRICS_FILE = "metrics.csv"
 
-    def __init__(self, save_dir: str | os.PathLike[str] | None = None, name: str = "ember_logs",
-                 version: int | str | None = None, prefix: str = "", flush_logs_every_n_steps: int = 100) -> None:
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str] | None = None,
+        name: str = "ember_logs",
+        version: int | str | None = None,
+        prefix: str = "",
+        flush_logs_every_n_steps: int = 100,
+    ) -> None:
         super().__init__(save_dir, name, version, prefix)
         if not isinstance(flush_logs_every_n_steps, int) or flush_logs_every_n_steps < 1:
             raise ValueError(f"flush_logs_every_n_steps must be a positive int, got {flush_logs_every_n_steps!r}.")

@@ -6,6 +6,7 @@ On the CPU these are ``psutil``'s memory, CPU and swap percentages (``cpu_vm_per
 optimizer steps in training and in batches in evaluation) under
 ``DeviceStatsMonitor.<hook>/<stat>``, at the step the loggers get for that batch.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -25,8 +26,11 @@ def cpu_stats() -> dict[str, float]:
     """``psutil``'s memory, CPU and swap use, in percent."""
     import psutil
 
-    return {"cpu_vm_percent": psutil.virtual_memory().percent, "cpu_percent": psutil.cpu_percent(),
-            "cpu_swap_percent": psutil.swap_memory().percent}
+    return {
+        "cpu_vm_percent": psutil.virtual_memory().percent,
+        "cpu_percent": psutil.cpu_percent(),
+        "cpu_swap_percent": psutil.swap_memory().percent,
+    }
 
 
 class DeviceStatsMonitor(Callback):
@@ -50,15 +54,19 @@ class DeviceStatsMonitor(Callback):
         if stage != "fit":
             return
         if not trainer.loggers:
-            raise ValueError("DeviceStatsMonitor writes to the loggers, but Trainer(logger=False) has none. Give the "
-                             "Trainer a logger, or remove the callback.")
+            raise ValueError(
+                "DeviceStatsMonitor writes to the loggers, but Trainer(logger=False) has none. Give the "
+                "Trainer a logger, or remove the callback."
+            )
         wants_cpu = self._cpu_stats or (self._cpu_stats is None and trainer.strategy.root_device.type == "cpu")
         if wants_cpu:
             try:
                 import psutil  # noqa: F401
             except ModuleNotFoundError as err:
-                raise ModuleNotFoundError("DeviceStatsMonitor needs psutil for CPU statistics: pip install psutil "
-                                          "(or pass cpu_stats=False on a GPU).") from err
+                raise ModuleNotFoundError(
+                    "DeviceStatsMonitor needs psutil for CPU statistics: pip install psutil "
+                    "(or pass cpu_stats=False on a GPU)."
+                ) from err
 
     def _stats(self, trainer: Trainer) -> dict[str, float]:
         device = trainer.strategy.root_device
@@ -91,22 +99,27 @@ class DeviceStatsMonitor(Callback):
     def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
         self._log(trainer, "on_train_batch_start", self._train_count(trainer))
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._log(trainer, "on_train_batch_end", self._train_count(trainer))
 
-    def on_validation_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int,
-                                  dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._log(trainer, "on_validation_batch_start", batch_idx + 1)
 
-    def on_validation_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._log(trainer, "on_validation_batch_end", batch_idx + 1)
 
-    def on_test_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int,
-                            dataloader_idx: int = 0) -> None:
+    def on_test_batch_start(
+        self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._log(trainer, "on_test_batch_start", batch_idx + 1)
 
-    def on_test_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int,
-                          dataloader_idx: int = 0) -> None:
+    def on_test_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._log(trainer, "on_test_batch_end", batch_idx + 1)

@@ -1,4 +1,5 @@
 """EarlyStopping: stop fitting when a monitored metric stops improving, crosses a threshold or is not finite."""
+
 from __future__ import annotations
 
 import logging
@@ -43,10 +44,19 @@ class EarlyStopping(Callback):
 
     monitors_metrics = True
 
-    def __init__(self, monitor: str, min_delta: float = 0.0, patience: int = 3, verbose: bool = False,
-                 mode: str = "min", strict: bool = True, check_finite: bool = True,
-                 stopping_threshold: float | None = None, divergence_threshold: float | None = None,
-                 check_on_train_epoch_end: bool | None = None) -> None:
+    def __init__(
+        self,
+        monitor: str,
+        min_delta: float = 0.0,
+        patience: int = 3,
+        verbose: bool = False,
+        mode: str = "min",
+        strict: bool = True,
+        check_finite: bool = True,
+        stopping_threshold: float | None = None,
+        divergence_threshold: float | None = None,
+        check_on_train_epoch_end: bool | None = None,
+    ) -> None:
         if not isinstance(monitor, str) or not monitor:
             raise ValueError(f"EarlyStopping needs the name of a logged metric to monitor, got {monitor!r}.")
         if mode not in ("min", "max"):
@@ -54,8 +64,10 @@ class EarlyStopping(Callback):
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
             raise ValueError(f"EarlyStopping(patience={patience!r}): patience must be a non-negative int.")
         if min_delta < 0:
-            raise ValueError(f"EarlyStopping(min_delta={min_delta!r}): min_delta must be >= 0 (it is applied in "
-                             "the direction of `mode`).")
+            raise ValueError(
+                f"EarlyStopping(min_delta={min_delta!r}): min_delta must be >= 0 (it is applied in "
+                "the direction of `mode`)."
+            )
         self.monitor = monitor
         self.min_delta = float(min_delta)
         self.patience = patience
@@ -115,9 +127,11 @@ class EarlyStopping(Callback):
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             available = ", ".join(sorted(metrics)) or "none"
-            message = (f"EarlyStopping could not find the monitored metric {self.monitor!r} "
-                       f"(metrics logged so far: {available}). Log it with self.log({self.monitor!r}, value) "
-                       "in validation_step (or training_step), or fix the `monitor` name")
+            message = (
+                f"EarlyStopping could not find the monitored metric {self.monitor!r} "
+                f"(metrics logged so far: {available}). Log it with self.log({self.monitor!r}, value) "
+                "in validation_step (or training_step), or fix the `monitor` name"
+            )
             if self.strict:
                 raise RuntimeError(message + "; pass strict=False to skip checks while it is missing.")
             if not self._warned_missing:
@@ -132,8 +146,10 @@ class EarlyStopping(Callback):
             self.stopped_epoch = trainer.current_epoch
             self.stopped_step = trainer.global_step
             if not stop_here:
-                reason = (f"EarlyStopping: another process asked to stop at epoch {trainer.current_epoch}, "
-                          f"global step {trainer.global_step} ({self.monitor!r} = {current:.6g} here).")
+                reason = (
+                    f"EarlyStopping: another process asked to stop at epoch {trainer.current_epoch}, "
+                    f"global step {trainer.global_step} ({self.monitor!r} = {current:.6g} here)."
+                )
             self.stopping_reason = reason
         if reason and trainer.is_global_zero:
             log.log(logging.WARNING if alarming else (logging.INFO if self.verbose else logging.DEBUG), reason)
@@ -143,14 +159,32 @@ class EarlyStopping(Callback):
         where = f"at epoch {trainer.current_epoch}, global step {trainer.global_step}"
         name = repr(self.monitor)
         if self.check_finite and not math.isfinite(current):
-            return True, (f"EarlyStopping: monitored metric {name} = {current} is not finite {where}; stopping. "
-                          f"Best value so far: {self._best:.6g}."), True
+            return (
+                True,
+                (
+                    f"EarlyStopping: monitored metric {name} = {current} is not finite {where}; stopping. "
+                    f"Best value so far: {self._best:.6g}."
+                ),
+                True,
+            )
         if self.stopping_threshold is not None and self._better(current, self.stopping_threshold):
-            return True, (f"EarlyStopping: {name} = {current:.6g} reached the stopping threshold "
-                          f"{self.stopping_threshold} {where}; stopping."), False
+            return (
+                True,
+                (
+                    f"EarlyStopping: {name} = {current:.6g} reached the stopping threshold "
+                    f"{self.stopping_threshold} {where}; stopping."
+                ),
+                False,
+            )
         if self.divergence_threshold is not None and self._better(self.divergence_threshold, current):
-            return True, (f"EarlyStopping: {name} = {current:.6g} crossed the divergence threshold "
-                          f"{self.divergence_threshold} {where}; stopping."), True
+            return (
+                True,
+                (
+                    f"EarlyStopping: {name} = {current:.6g} crossed the divergence threshold "
+                    f"{self.divergence_threshold} {where}; stopping."
+                ),
+                True,
+            )
         target = self._best - self.min_delta if self.mode == "min" else self._best + self.min_delta
         if self._better(current, target):
             old, self._best, self.wait_count = self._best, current, 0
@@ -158,14 +192,24 @@ class EarlyStopping(Callback):
             return False, f"EarlyStopping: {name} improved{change} to {current:.6g} {where}.", False
         self.wait_count += 1
         if self.wait_count >= self.patience:
-            return True, (f"EarlyStopping: {name} did not improve on {self._best:.6g} for {self.wait_count} "
-                          f"checks (patience {self.patience}) {where}; stopping."), False
+            return (
+                True,
+                (
+                    f"EarlyStopping: {name} did not improve on {self._best:.6g} for {self.wait_count} "
+                    f"checks (patience {self.patience}) {where}; stopping."
+                ),
+                False,
+            )
         return False, None, False
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return {"wait_count": self.wait_count, "stopped_epoch": self.stopped_epoch, "best_score": self._best,
-                "patience": self.patience}
+        return {
+            "wait_count": self.wait_count,
+            "stopped_epoch": self.stopped_epoch,
+            "best_score": self._best,
+            "patience": self.patience,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wait_count = state_dict["wait_count"]

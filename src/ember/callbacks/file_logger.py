@@ -3,6 +3,7 @@
 The ``<save_dir>/<name>/version_N/`` directory scheme, agreed across processes, and
 ``hparams.yaml`` (written with ``ember/yaml.py``, because PyYAML is not a dependency).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,13 @@ class FileLogger(Logger):
         prefix: put in front of every metric name.
     """
 
-    def __init__(self, save_dir: str | os.PathLike[str] | None = None, name: str = "ember_logs",
-                 version: int | str | None = None, prefix: str = "") -> None:
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str] | None = None,
+        name: str = "ember_logs",
+        version: int | str | None = None,
+        prefix: str = "",
+    ) -> None:
         if version is not None and (isinstance(version, bool) or not isinstance(version, (int, str))):
             raise TypeError(f"version must be an int, a str or None, got {type(version).__name__}.")
         self._save_dir = os.fspath(save_dir) if save_dir is not None else None
@@ -77,8 +83,11 @@ class FileLogger(Logger):
             names = os.listdir(root)
         except FileNotFoundError:
             return 0
-        found = [int(n[8:]) for n in names
-                 if n.startswith("version_") and n[8:].isdigit() and os.path.isdir(os.path.join(root, n))]
+        found = [
+            int(n[8:])
+            for n in names
+            if n.startswith("version_") and n[8:].isdigit() and os.path.isdir(os.path.join(root, n))
+        ]
         return max(found) + 1 if found else 0
 
     def run_dirs(self, default_root_dir: str) -> list[str]:
@@ -124,8 +133,12 @@ class FileLogger(Logger):
             mine = self.version if self._rank == 0 else None
             self._version = trainer.strategy.broadcast(mine) if trainer.world_size > 1 else mine
 
-    def log_hyperparams(self, params: dict[str, Any] | Namespace | None = None,
-                        metrics: dict[str, float] | None = None, step: int | None = None) -> None:
+    def log_hyperparams(
+        self,
+        params: dict[str, Any] | Namespace | None = None,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+    ) -> None:
         """Remember ``params`` (a dict, a Namespace or None) and write them to ``hparams.yaml`` (``metrics``
         are logged as usual, at ``step``, default 0)."""
         if not self._writes:

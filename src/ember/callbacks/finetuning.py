@@ -14,6 +14,7 @@ the optimizer" by identity (Lightning compares values with ``torch.equal``, so a
 can be taken for another one and silently left out), and the frozen/trainable flags are restored
 on resume (Lightning restores the groups but leaves a module unfrozen in an earlier epoch frozen).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -64,8 +65,9 @@ class BaseFinetuning(Callback):
         state: dict[str, Any] = {"internal_optimizer_metadata": self._internal_optimizer_metadata}
         if self._module is not None:
             state["frozen_parameters"] = [n for n, p in self._module.named_parameters() if not p.requires_grad]
-            state["untracked_batchnorms"] = [n for n, m in self._module.named_modules()
-                                             if isinstance(m, _BatchNorm) and not m.track_running_stats]
+            state["untracked_batchnorms"] = [
+                n for n, m in self._module.named_modules() if isinstance(m, _BatchNorm) and not m.track_running_stats
+            ]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -89,9 +91,11 @@ class BaseFinetuning(Callback):
             if groups:
                 missing = sorted({n for g in groups for n in g["params"]} - set(named))
                 if missing:
-                    raise ValueError(f"{type(self).__name__} cannot restore optimizer {opt_idx}'s parameter groups "
-                                     f"from the checkpoint: the module has no parameters named {missing[:5]}. Resume "
-                                     "with the module that wrote the checkpoint.")
+                    raise ValueError(
+                        f"{type(self).__name__} cannot restore optimizer {opt_idx}'s parameter groups "
+                        f"from the checkpoint: the module has no parameters named {missing[:5]}. Resume "
+                        "with the module that wrote the checkpoint."
+                    )
                 optimizer.param_groups = self._apply_mapping_to_param_groups(groups, named)
         flags, self._restored_flags = self._restored_flags, None
         if flags is not None:
@@ -133,8 +137,9 @@ class BaseFinetuning(Callback):
         return [m for m in candidates if not list(m.children()) or m._parameters]
 
     @staticmethod
-    def filter_params(modules: Modules, train_bn: bool = True,
-                      requires_grad: bool = True) -> Generator[torch.nn.Parameter, None, None]:
+    def filter_params(
+        modules: Modules, train_bn: bool = True, requires_grad: bool = True
+    ) -> Generator[torch.nn.Parameter, None, None]:
         """The parameters of ``modules`` whose ``requires_grad`` equals ``requires_grad`` (BatchNorm's
         left out when ``train_bn`` is False)."""
         for mod in BaseFinetuning.flatten_modules(modules):
@@ -179,16 +184,23 @@ class BaseFinetuning(Callback):
         for param in params:
             (removed if id(param) in present else out).append(param)
         if removed:
-            warnings.warn(f"{len(removed)} of the parameters to add are already in a parameter group of "
-                          f"{type(optimizer).__name__}; they keep that group's settings. To give them the new "
-                          "group's, build the optimizer in configure_optimizers from the trainable parameters only: "
-                          f"{type(optimizer).__name__}(filter(lambda p: p.requires_grad, self.parameters()), ...).",
-                          UserWarning)
+            warnings.warn(
+                f"{len(removed)} of the parameters to add are already in a parameter group of "
+                f"{type(optimizer).__name__}; they keep that group's settings. To give them the new "
+                "group's, build the optimizer in configure_optimizers from the trainable parameters only: "
+                f"{type(optimizer).__name__}(filter(lambda p: p.requires_grad, self.parameters()), ...).",
+                UserWarning,
+            )
         return out
 
     @staticmethod
-    def unfreeze_and_add_param_group(modules: Modules, optimizer: Optimizer, lr: float | None = None,
-                                     initial_denom_lr: float = 10.0, train_bn: bool = True) -> None:
+    def unfreeze_and_add_param_group(
+        modules: Modules,
+        optimizer: Optimizer,
+        lr: float | None = None,
+        initial_denom_lr: float = 10.0,
+        train_bn: bool = True,
+    ) -> None:
         """Unfreeze ``modules`` and add their parameters to ``optimizer`` as a new group.
 
         Args:
@@ -200,7 +212,8 @@ class BaseFinetuning(Callback):
         params_lr = optimizer.param_groups[0]["lr"] if lr is None else float(lr)
         denom_lr = initial_denom_lr if lr is None else 1.0
         params = BaseFinetuning.filter_on_optimizer(
-            optimizer, BaseFinetuning.filter_params(modules, train_bn=train_bn, requires_grad=True))
+            optimizer, BaseFinetuning.filter_params(modules, train_bn=train_bn, requires_grad=True)
+        )
         if params:
             optimizer.add_param_group({"params": params, "lr": params_lr / denom_lr})
 
@@ -214,12 +227,15 @@ class BaseFinetuning(Callback):
             out.append(settings)
         return out
 
-    def _store(self, module: Module, opt_idx: int, num_param_groups: int,
-               current_param_groups: list[dict[str, Any]]) -> None:
+    def _store(
+        self, module: Module, opt_idx: int, num_param_groups: int, current_param_groups: list[dict[str, Any]]
+    ) -> None:
         mapping = {p: n for n, p in module.named_parameters()}
         if opt_idx not in self._internal_optimizer_metadata:
             self._internal_optimizer_metadata[opt_idx] = self._apply_mapping_to_param_groups(
-                current_param_groups, mapping)
+                current_param_groups, mapping
+            )
         elif num_param_groups != len(current_param_groups):  # groups added at this epoch
             self._internal_optimizer_metadata[opt_idx].extend(
-                self._apply_mapping_to_param_groups(current_param_groups[num_param_groups:], mapping))
+                self._apply_mapping_to_param_groups(current_param_groups[num_param_groups:], mapping)
+            )

@@ -9,6 +9,7 @@ It names the log directory (``trainer.log_dir``) when the trainer has a logger, 
 ``last.ckpt`` when it differs. Paths under the working directory are shown relative to it. Without a
 logger and without a saved checkpoint nothing is printed; a fit that fails never gets here.
 """
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ it once per epoch, before the epoch's first batch. It also sets it when training
 fit resumed in the middle of an epoch does not run ``on_train_epoch_start`` for that epoch: the
 resumed windows then have the size the interrupted run used.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -38,8 +39,9 @@ class GradientAccumulationScheduler(Callback):
         if any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in scheduling):
             raise ValueError(f"scheduling's keys are epochs: ints >= 0. Got {list(scheduling)}.")
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in scheduling.values()):
-            raise ValueError("scheduling's values are accumulation factors: ints >= 1. "
-                             f"Got {list(scheduling.values())}.")
+            raise ValueError(
+                f"scheduling's values are accumulation factors: ints >= 1. Got {list(scheduling.values())}."
+            )
         self.scheduling = dict(scheduling)
         if min(self.scheduling) != 0:  # as Lightning: epochs before the first key accumulate one batch
             self.scheduling[0] = 1
@@ -56,12 +58,16 @@ class GradientAccumulationScheduler(Callback):
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         if not module.automatic_optimization:
-            raise RuntimeError("GradientAccumulationScheduler changes automatic optimization's accumulation; with "
-                               "automatic_optimization=False, accumulate in training_step yourself, or remove the "
-                               "callback.")
+            raise RuntimeError(
+                "GradientAccumulationScheduler changes automatic optimization's accumulation; with "
+                "automatic_optimization=False, accumulate in training_step yourself, or remove the "
+                "callback."
+            )
         if trainer.accumulate_grad_batches not in (1, self._set):
-            raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and a "
-                             "GradientAccumulationScheduler both set the accumulation: remove one of them.")
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and a "
+                "GradientAccumulationScheduler both set the accumulation: remove one of them."
+            )
         self._apply(trainer)
 
     def on_train_epoch_start(self, trainer: Trainer, *_: Any) -> None:

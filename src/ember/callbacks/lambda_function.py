@@ -5,6 +5,7 @@ one-line hook. Each function is kept on the instance; the hook dispatch (``callb
 counts an instance's own hook as an override, so only the hooks given here run, and the others
 still cost nothing per step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -28,8 +29,9 @@ class LambdaCallback(Callback):
     def __init__(self, **hooks: Callable[..., Any] | None) -> None:
         unknown = sorted(set(hooks) - set(HOOKS))
         if unknown:
-            raise TypeError(f"LambdaCallback got {unknown}, which are not callback hooks. The hooks are: "
-                            f"{', '.join(HOOKS)}.")
+            raise TypeError(
+                f"LambdaCallback got {unknown}, which are not callback hooks. The hooks are: {', '.join(HOOKS)}."
+            )
         for name, fn in hooks.items():
             if fn is None:  # as Lightning: None means no function at that hook
                 continue

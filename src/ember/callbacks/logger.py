@@ -6,6 +6,7 @@ The Trainer converts collected tensors to floats once per logging event and call
 ``DummyLogger`` is what ``fast_dev_run`` puts in place of the user's loggers (as Lightning): nothing is
 written, yet a module that calls ``self.logger.experiment.add_image(...)`` runs unchanged.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,12 @@ class Logger(Callback):
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Record ``metrics`` at ``step`` (the Trainer always gives one; a direct call may leave it out)."""
 
-    def log_hyperparams(self, params: dict[str, Any] | Namespace | None = None,
-                        metrics: dict[str, float] | None = None, step: int | None = None) -> None:
+    def log_hyperparams(
+        self,
+        params: dict[str, Any] | Namespace | None = None,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+    ) -> None:
         """Record the run's hyper-parameters (a dict or an ``argparse.Namespace``; none at all is allowed) and,
         optionally, final metrics beside them (at ``step``)."""
 

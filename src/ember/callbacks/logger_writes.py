@@ -1,5 +1,6 @@
 """When a callback's own metrics reach the loggers, and how (shared by LearningRateMonitor and
 ThroughputMonitor, which log outside ``self.log``)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -1,5 +1,6 @@
 """LearningRateMonitor: log every optimizer's learning rate (per param group) to the loggers, and put
 it in ``trainer.callback_metrics`` so EarlyStopping and ModelCheckpoint can monitor it."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -37,8 +38,9 @@ class LearningRateMonitor(Callback):
 
     uses_step_outputs = False  # the loop need not build {"loss": ...} for this callback
 
-    def __init__(self, logging_interval: str | None = None, log_momentum: bool = False,
-                 log_weight_decay: bool = False) -> None:
+    def __init__(
+        self, logging_interval: str | None = None, log_momentum: bool = False, log_weight_decay: bool = False
+    ) -> None:
         if logging_interval not in (None, "step", "epoch"):
             raise ValueError(f"logging_interval must be None, 'step' or 'epoch', got {logging_interval!r}.")
         self.logging_interval = logging_interval
@@ -55,15 +57,16 @@ class LearningRateMonitor(Callback):
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         if not trainer.loggers:
-            raise ValueError("LearningRateMonitor writes to the Trainer's loggers, but it has none (logger=False). "
-                             "Pass logger=True or a logger, or remove the LearningRateMonitor.")
+            raise ValueError(
+                "LearningRateMonitor writes to the Trainer's loggers, but it has none (logger=False). "
+                "Pass logger=True or a logger, or remove the LearningRateMonitor."
+            )
         schedulers = trainer.lr_scheduler_configs
         if self.logging_interval is not None:
             self._interval = self.logging_interval
         else:
             self._interval = "step" if any(c.interval == "step" for c in schedulers) else "epoch"
-        named = {id(c.scheduler.optimizer): c.name for c in schedulers
-                 if c.name and hasattr(c.scheduler, "optimizer")}
+        named = {id(c.scheduler.optimizer): c.name for c in schedulers if c.name and hasattr(c.scheduler, "optimizer")}
         seen: dict[str, int] = {}
         self._names = []
         for opt in trainer.optimizers:
@@ -113,8 +116,9 @@ class LearningRateMonitor(Callback):
         if self._interval == "step":
             self._rates_of_this_step = self._stats()
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._interval == "step" and logs_after_this_batch(trainer):
             self._log(trainer, logger_step(trainer), getattr(self, "_rates_of_this_step", None))
 

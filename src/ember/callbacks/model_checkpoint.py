@@ -24,6 +24,7 @@ Differences from Lightning, on purpose:
   it. Temporary files left there by a writer that died are removed; those of a live writer never
   are.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -103,37 +104,60 @@ class ModelCheckpoint(CheckpointFiles, Callback):
     FILE_EXTENSION = ".ckpt"
     STARTING_VERSION = 1
 
-    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
-                 monitor: str | None = None, verbose: bool = False, save_last: bool | str | None = True,
-                 save_top_k: int = 1,
-                 save_weights_only: bool = False,
-                 mode: str = "min", auto_insert_metric_name: bool = True, every_n_train_steps: int | None = None,
-                 train_time_interval: datetime.timedelta | float | None = None, every_n_epochs: int | None = None,
-                 save_on_train_epoch_end: bool | None = None, save_on_exception: bool = False,
-                 enable_version_counter: bool = True, async_save: bool = False) -> None:
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        verbose: bool = False,
+        save_last: bool | str | None = True,
+        save_top_k: int = 1,
+        save_weights_only: bool = False,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
+        every_n_train_steps: int | None = None,
+        train_time_interval: datetime.timedelta | float | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        save_on_exception: bool = False,
+        enable_version_counter: bool = True,
+        async_save: bool = False,
+    ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint mode must be 'min' or 'max', got {mode!r}.")
         if not isinstance(save_top_k, int) or isinstance(save_top_k, bool) or save_top_k < -1:
             raise ValueError(f"ModelCheckpoint save_top_k must be an int >= -1 (-1 keeps all), got {save_top_k!r}.")
         if monitor is None and save_top_k not in (-1, 0, 1):
-            raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None): keeping the best {save_top_k} "
-                             "needs a metric to rank them by. Set monitor='...' or use save_top_k=1 (latest) / -1 "
-                             "(all).")
+            raise ValueError(
+                f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None): keeping the best {save_top_k} "
+                "needs a metric to rank them by. Set monitor='...' or use save_top_k=1 (latest) / -1 "
+                "(all)."
+            )
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"ModelCheckpoint {name} must be a non-negative int or None, got {value!r}.")
         if isinstance(train_time_interval, (int, float)) and not isinstance(train_time_interval, bool):
             train_time_interval = datetime.timedelta(seconds=train_time_interval)
-        if train_time_interval is not None and (not isinstance(train_time_interval, datetime.timedelta)
-                                                or train_time_interval.total_seconds() <= 0):
-            raise ValueError(f"ModelCheckpoint train_time_interval must be a positive timedelta or number of seconds, "
-                             f"got {train_time_interval!r}.")
+        if train_time_interval is not None and (
+            not isinstance(train_time_interval, datetime.timedelta) or train_time_interval.total_seconds() <= 0
+        ):
+            raise ValueError(
+                f"ModelCheckpoint train_time_interval must be a positive timedelta or number of seconds, "
+                f"got {train_time_interval!r}."
+            )
         if not isinstance(async_save, bool):
             raise ValueError(f"ModelCheckpoint async_save must be True or False, got {async_save!r}.")
         if save_last not in (True, False, None, "link"):
             raise ValueError(f"ModelCheckpoint save_last must be True, False or 'link', got {save_last!r}.")
-        given = [n for n, v in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs),
-                                ("train_time_interval", train_time_interval)) if v]
+        given = [
+            n
+            for n, v in (
+                ("every_n_train_steps", every_n_train_steps),
+                ("every_n_epochs", every_n_epochs),
+                ("train_time_interval", train_time_interval),
+            )
+            if v
+        ]
         if len(given) > 1:
             raise ValueError(f"ModelCheckpoint: {', '.join(given)} are mutually exclusive; choose one cadence.")
         self.dirpath: str | None = os.path.abspath(os.fspath(dirpath)) if dirpath is not None else None
@@ -176,13 +200,18 @@ class ModelCheckpoint(CheckpointFiles, Callback):
 
     # ------------------------------------------------------------------ identity and state
     def _state_key_args(self) -> dict[str, Any]:
-        return {"monitor": self.monitor, "mode": self.mode, "every_n_train_steps": self.every_n_train_steps,
-                "every_n_epochs": self.every_n_epochs,
-                "train_time_interval": self.train_time_interval.total_seconds() if self.train_time_interval else None}
+        return {
+            "monitor": self.monitor,
+            "mode": self.mode,
+            "every_n_train_steps": self.every_n_train_steps,
+            "every_n_epochs": self.every_n_epochs,
+            "train_time_interval": self.train_time_interval.total_seconds() if self.train_time_interval else None,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "monitor": self.monitor, "dirpath": self.dirpath,
+            "monitor": self.monitor,
+            "dirpath": self.dirpath,
             "best_k_models": {k: float(v) for k, v in self.best_k_models.items()},
             "kth_best_model_path": self.kth_best_model_path,
             "kth_value": None if self.kth_value is None else float(self.kth_value),
@@ -190,7 +219,8 @@ class ModelCheckpoint(CheckpointFiles, Callback):
             "best_model_score": None if self.best_model_score is None else float(self.best_model_score),
             # As Lightning: the logged value itself (a float32 tensor compares equal to the number logged).
             "current_score": None if self.current_score is None else self.current_score.detach().to("cpu").clone(),
-            "last_model_path": self.last_model_path, "last_global_step_saved": self._last_global_step_saved,
+            "last_model_path": self.last_model_path,
+            "last_global_step_saved": self._last_global_step_saved,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -198,9 +228,12 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         if state.get("dirpath") != self.dirpath:
             # Another directory's files are that run's: listing them here would let top-k rotation
             # delete them. Only where the best model was is kept, as information (as Lightning does).
-            warnings.warn("ModelCheckpoint: the checkpoint's callback state is for directory "
-                          f"{state.get('dirpath')!r}, this one writes to {self.dirpath!r}; its top-k list is not "
-                          "carried over (and none of that directory's files will be deleted).", UserWarning)
+            warnings.warn(
+                "ModelCheckpoint: the checkpoint's callback state is for directory "
+                f"{state.get('dirpath')!r}, this one writes to {self.dirpath!r}; its top-k list is not "
+                "carried over (and none of that directory's files will be deleted).",
+                UserWarning,
+            )
             self.best_model_path = state.get("best_model_path", "")
             return
         score = state.get("best_model_score")
@@ -248,16 +281,19 @@ class ModelCheckpoint(CheckpointFiles, Callback):
                     self._lock = None
         holder, problem = trainer.strategy.broadcast((holder, problem))
         if problem is not None:
-            message = (f"Checkpoints cannot be written into {self.dirpath} ({problem[1]}). Found before training "
-                       "started, so nothing is lost: make that directory writable, or write checkpoints elsewhere "
-                       "(ModelCheckpoint(dirpath=...), Trainer(default_root_dir=...)).")
+            message = (
+                f"Checkpoints cannot be written into {self.dirpath} ({problem[1]}). Found before training "
+                "started, so nothing is lost: make that directory writable, or write checkpoints elsewhere "
+                "(ModelCheckpoint(dirpath=...), Trainer(default_root_dir=...))."
+            )
             raise OSError(problem[0], message) if problem[0] is not None else OSError(message)
         if holder is not None:
             raise RuntimeError(
                 f"Another run ({holder}) is writing checkpoints into {self.dirpath}. Two runs writing into one "
                 "directory would overwrite and delete each other's files, so this one stops before writing anything. "
                 "Wait for that run to end, or give this one its own directory: another default_root_dir, "
-                "ModelCheckpoint(dirpath=...), or a logger version of its own.")
+                "ModelCheckpoint(dirpath=...), or a logger version of its own."
+            )
 
     def teardown(self, trainer: Trainer, module: TrainModule, stage: Stage) -> None:
         try:
@@ -321,8 +357,11 @@ class ModelCheckpoint(CheckpointFiles, Callback):
 
     def _warn_failed(self, error: BaseException | None) -> None:
         if error is not None:
-            warnings.warn(f"ModelCheckpoint: a checkpoint written in the background failed ({type(error).__name__}: "
-                          f"{error}); the previous files under its names are intact.", RuntimeWarning)
+            warnings.warn(
+                f"ModelCheckpoint: a checkpoint written in the background failed ({type(error).__name__}: "
+                f"{error}); the previous files under its names are intact.",
+                RuntimeWarning,
+            )
 
     # ------------------------------------------------------------------ when
     def _epoch_due(self, trainer: Trainer) -> bool:
@@ -385,8 +424,7 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         with ``-v1``... beside an earlier run's file of that name (for a checkpoint written outside the
         callback, such as on preemption). Every process must call it (rank zero's answer is broadcast)."""
         self._finish_write()  # a last.ckpt still being written is this run's own, not an earlier run's
-        return self._versioned(trainer, self._candidates(trainer), self.CHECKPOINT_NAME_LAST,
-                               keep=self.last_model_path)
+        return self._versioned(trainer, self._candidates(trainer), self.CHECKPOINT_NAME_LAST, keep=self.last_model_path)
 
     def _next_last(self, trainer: Trainer, metrics: dict[str, Any]) -> str:
         """Name this save's ``last`` (before any file is written, as every checkpoint holds
@@ -403,9 +441,11 @@ class ModelCheckpoint(CheckpointFiles, Callback):
                 value = math.inf if self.mode == "min" else -math.inf
             return value
         logged = sorted(k for k in metrics if k not in ("epoch", "step"))
-        message = (f"ModelCheckpoint(monitor={self.monitor!r}) could not find {self.monitor!r} in the logged metrics. "
-                   f"Logged keys: {logged}. Log it with self.log({self.monitor!r}, value) in your module, or "
-                   "change monitor to one of the logged keys.")
+        message = (
+            f"ModelCheckpoint(monitor={self.monitor!r}) could not find {self.monitor!r} in the logged metrics. "
+            f"Logged keys: {logged}. Log it with self.log({self.monitor!r}, value) in your module, or "
+            "change monitor to one of the logged keys."
+        )
         if self._validation_ran or at_epoch_end:
             raise ValueError(message)
         if not self._warned_missing:  # saving before the first validation: the key may not exist yet
@@ -462,8 +502,9 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         return pick(self.best_k_models, key=lambda k: float(self.best_k_models[k]))
 
     # ------------------------------------------------------------------ names
-    def format_checkpoint_name(self, metrics: dict[str, Any], filename: str | None = None,
-                               ver: int | None = None) -> str:
+    def format_checkpoint_name(
+        self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None
+    ) -> str:
         """The file path for ``metrics`` under this callback's template (and version ``ver``)."""
         template = filename or self.filename or "{epoch}" + self.CHECKPOINT_JOIN_CHAR + "{step}"
 
@@ -471,8 +512,10 @@ class ModelCheckpoint(CheckpointFiles, Callback):
             name, spec = match.group(1).strip(), (match.group(2) or "")[1:]
             if name not in metrics:
                 logged = sorted(k for k in metrics if k not in ("epoch", "step"))
-                raise ValueError(f"ModelCheckpoint(filename={template!r}) uses {{{name}}}, which was not logged. "
-                                 f"Available: epoch, step and the logged keys {logged}.")
+                raise ValueError(
+                    f"ModelCheckpoint(filename={template!r}) uses {{{name}}}, which was not logged. "
+                    f"Available: epoch, step and the logged keys {logged}."
+                )
             value = metrics[name]
             if isinstance(value, torch.Tensor):
                 value = value.item()

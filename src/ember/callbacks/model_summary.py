@@ -1,4 +1,5 @@
 """ModelSummary: a table of the module's layers and parameter counts, printed at fit start."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -44,20 +45,30 @@ def summary_data(module: torch.nn.Module, max_depth: int = 1) -> list[tuple[str,
         if not name or depth > depth_limit:
             continue
         trainable, frozen = _count(list(sub.parameters()))
-        rows.append((name, type(sub).__name__, _human(trainable + frozen), _human(trainable), _human(frozen),
-                     "train" if sub.training else "eval"))
+        rows.append(
+            (
+                name,
+                type(sub).__name__,
+                _human(trainable + frozen),
+                _human(trainable),
+                _human(frozen),
+                "train" if sub.training else "eval",
+            )
+        )
     headers = ("Name", "Type", "Params", "Trainable", "Frozen", "Mode")
     return [(" ", [str(i) for i in range(len(rows))])] + [(h, [r[c] for r in rows]) for c, h in enumerate(headers)]
 
 
-def format_summary_table(summary_data: list[tuple[str, list[str]]], total_parameters: int,
-                         trainable_parameters: int, model_size: float) -> str:
+def format_summary_table(
+    summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int, model_size: float
+) -> str:
     """The printed table: the columns of :func:`summary_data`, then the totals (``model_size`` in MB)."""
     lines = []
     n_rows = len(summary_data[0][1]) if summary_data else 0
     if n_rows:
-        table = [tuple(h.strip() for h, _ in summary_data)] + [tuple(cells[i] for _, cells in summary_data)
-                                                                for i in range(n_rows)]
+        table = [tuple(h.strip() for h, _ in summary_data)] + [
+            tuple(cells[i] for _, cells in summary_data) for i in range(n_rows)
+        ]
         widths = [max(len(r[c]) for r in table) for c in range(len(summary_data))]
         fmt = lambda r: " | ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
         rule = "-" * len(fmt(["-" * w for w in widths]))
@@ -104,8 +115,9 @@ class ModelSummary(Callback):
 
     def __init__(self, max_depth: int = 1, **summarize_kwargs: Any) -> None:
         if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < -1:
-            raise ValueError(f"ModelSummary max_depth must be an int >= -1 (-1: every level, 0: off), "
-                             f"got {max_depth!r}.")
+            raise ValueError(
+                f"ModelSummary max_depth must be an int >= -1 (-1: every level, 0: off), got {max_depth!r}."
+            )
         self.max_depth = max_depth
         self._summarize_kwargs = summarize_kwargs
 
@@ -118,9 +130,15 @@ class ModelSummary(Callback):
             self.summarize(data, total, trainable, size, modes, total_flops=0, **self._summarize_kwargs)
 
     @staticmethod
-    def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
-                  model_size: float, total_training_modes: dict[str, int], total_flops: int = 0,
-                  **summarize_kwargs: Any) -> None:
+    def summarize(
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int = 0,
+        **summarize_kwargs: Any,
+    ) -> None:
         """Show the summary (default: print the table). Arguments as Lightning's: the table's columns as
         ``(header, cells)``, the parameter counts, the size in MB (ember counts buffers too), the number
         of sub-modules in train and eval mode, and FLOPs (ember does not count them: 0)."""

@@ -18,6 +18,7 @@ Lightning's rich bar; without an epoch limit, just "Epoch 3").
 Per-step cost is a counter and, at most every ``refresh_rate`` batches, a clock read. The
 metrics (which live on the device) are converted to numbers only when something is printed.
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,7 +45,7 @@ def _rate(rate: float) -> str:
 
 
 def _epoch_desc(trainer: Any) -> str:
-    """"Epoch 3/9": epoch 3 of 0..9 (0-based, as ``current_epoch``); "Epoch 3" without an epoch limit."""
+    """ "Epoch 3/9": epoch 3 of 0..9 (0-based, as ``current_epoch``); "Epoch 3" without an epoch limit."""
     last = f"/{trainer.max_epochs - 1}" if trainer.max_epochs is not None and trainer.max_epochs > 0 else ""
     return f"Epoch {trainer.current_epoch}{last}"
 
@@ -120,8 +121,14 @@ class ProgressBar(Callback):
     # (across processes too): it shows this epoch's ``*_epoch`` values, the ones callback_metrics holds.
     monitors_metrics = True
 
-    def __init__(self, refresh_rate: int = 1, leave: bool = True, mode: str = "auto", line_interval: float = 10.0,
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        refresh_rate: int = 1,
+        leave: bool = True,
+        mode: str = "auto",
+        line_interval: float = 10.0,
+        stream: TextIO | None = None,
+    ) -> None:
         if isinstance(refresh_rate, bool) or not isinstance(refresh_rate, int) or refresh_rate < 0:
             raise ValueError(f"refresh_rate must be a non-negative int (0 turns progress off), got {refresh_rate!r}.")
         if mode not in _MODES:
@@ -195,8 +202,16 @@ class ProgressBar(Callback):
             self._enabled = False
 
     def _bar(self, total: float, desc: str, leave: bool, position: int = 0) -> Any:
-        return _tqdm_class()(total=None if total == math.inf else int(total), desc=desc, leave=leave, position=position,
-                    dynamic_ncols=True, file=self._stream, mininterval=0.1, smoothing=0)
+        return _tqdm_class()(
+            total=None if total == math.inf else int(total),
+            desc=desc,
+            leave=leave,
+            position=position,
+            dynamic_ncols=True,
+            file=self._stream,
+            mininterval=0.1,
+            smoothing=0,
+        )
 
     # ------------------------------------------------------------------ training
     def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
@@ -204,8 +219,9 @@ class ProgressBar(Callback):
             return
         if self._lines:
             self._val_pending, self._validated = None, False
-            self._train = _Span(_epoch_desc(trainer), trainer.num_training_batches, trainer.progress.batch_in_epoch,
-                                self.line_interval)
+            self._train = _Span(
+                _epoch_desc(trainer), trainer.num_training_batches, trainer.progress.batch_in_epoch, self.line_interval
+            )
             return
         if self._train is not None:
             self._train.close()
@@ -309,8 +325,9 @@ class ProgressBar(Callback):
         else:
             self._eval_start(trainer, "Validation", sum(trainer.num_val_batches))
 
-    def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
-                                dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._eval_step(trainer, batch_idx)
 
     def on_validation_end(self, trainer: Any, module: Any) -> None:
@@ -319,8 +336,9 @@ class ProgressBar(Callback):
     def on_test_start(self, trainer: Any, module: Any) -> None:
         self._eval_start(trainer, "Testing", sum(trainer.num_test_batches))
 
-    def on_test_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
-                          dataloader_idx: int = 0) -> None:
+    def on_test_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._eval_step(trainer, batch_idx)
 
     def on_test_end(self, trainer: Any, module: Any) -> None:
@@ -329,8 +347,9 @@ class ProgressBar(Callback):
     def on_predict_start(self, trainer: Any, module: Any) -> None:
         self._eval_start(trainer, "Predicting", sum(trainer.num_predict_batches))
 
-    def on_predict_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
-                             dataloader_idx: int = 0) -> None:
+    def on_predict_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._eval_step(trainer, batch_idx)
 
     def on_predict_end(self, trainer: Any, module: Any) -> None:

@@ -4,6 +4,7 @@ The ``tensorboard`` package is imported when the first event is written, not whe
 imported: ``Trainer(logger=True)`` builds this logger for every run, and a run that never logs
 should not pay for the import.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -56,9 +57,17 @@ class TensorBoardLogger(FileLogger):
     ``flush_secs``) costs a fraction of that.
     """
 
-    def __init__(self, save_dir: str | os.PathLike[str] | None = None, name: str = "ember_logs",
-                 version: int | str | None = None, prefix: str = "", flush_secs: float = 30.0,
-                 max_queue: int = 10, sub_dir: str | os.PathLike[str] | None = None, **writer_kwargs: Any) -> None:
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str] | None = None,
+        name: str = "ember_logs",
+        version: int | str | None = None,
+        prefix: str = "",
+        flush_secs: float = 30.0,
+        max_queue: int = 10,
+        sub_dir: str | os.PathLike[str] | None = None,
+        **writer_kwargs: Any,
+    ) -> None:
         super().__init__(save_dir, name, version, prefix)
         self.sub_dir = os.fspath(sub_dir) if sub_dir is not None else None
         if flush_secs <= 0:
@@ -87,8 +96,9 @@ class TensorBoardLogger(FileLogger):
             from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(self.log_dir, exist_ok=True)
-            self._writer = SummaryWriter(log_dir=self.log_dir, flush_secs=self.flush_secs,
-                                         max_queue=self.max_queue, **self._writer_kwargs)
+            self._writer = SummaryWriter(
+                log_dir=self.log_dir, flush_secs=self.flush_secs, max_queue=self.max_queue, **self._writer_kwargs
+            )
         return self._writer
 
     def _event_file(self) -> _EventFile | None:
@@ -102,15 +112,21 @@ class TensorBoardLogger(FileLogger):
         if events is None:
             return
         # One event holding every value of this call (SummaryWriter.add_scalar builds one per value).
-        values = {self.prefix + key: (float(value) if isinstance(value, torch.Tensor) else value)
-                  for key, value in metrics.items()}
+        values = {
+            self.prefix + key: (float(value) if isinstance(value, torch.Tensor) else value)
+            for key, value in metrics.items()
+        }
         for key in metrics:
             if key != "epoch":
                 self._metric_tags[self.prefix + key] = None
         events.add_scalars(values, 0 if step is None else step)
 
-    def log_hyperparams(self, params: dict[str, Any] | Namespace | None = None,
-                        metrics: dict[str, float] | None = None, step: int | None = None) -> None:
+    def log_hyperparams(
+        self,
+        params: dict[str, Any] | Namespace | None = None,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+    ) -> None:
         """Write ``params`` (a dict, a Namespace or None) to ``hparams.yaml`` and to the HParams dashboard;
         log ``metrics`` at ``step`` (default 0)."""
         if not self._writes:
@@ -177,9 +193,11 @@ def _flatten(params: dict[str, Any], parent: str = "") -> dict[str, Any]:
     return out
 
 
-def _hparams_summary(session_start: dict[str, Any] | None = None,
-                     experiment: tuple[dict[str, Any], list[str]] | None = None,
-                     session_end: str | None = None) -> Any:
+def _hparams_summary(
+    session_start: dict[str, Any] | None = None,
+    experiment: tuple[dict[str, Any], list[str]] | None = None,
+    session_end: str | None = None,
+) -> Any:
     """One HParams-plugin summary: the session start (values), the experiment (names) or the end (status)."""
     from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
     from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
@@ -199,9 +217,10 @@ def _hparams_summary(session_start: dict[str, Any] | None = None,
         kinds = {bool: "DATA_TYPE_BOOL", str: "DATA_TYPE_STRING"}
         exp = api_pb2.Experiment(
             time_created_secs=time.time(),
-            hparam_infos=[api_pb2.HParamInfo(name=k,
-                                             type=api_pb2.DataType.Value(kinds.get(type(v), "DATA_TYPE_FLOAT64")))
-                          for k, v in params.items()],
+            hparam_infos=[
+                api_pb2.HParamInfo(name=k, type=api_pb2.DataType.Value(kinds.get(type(v), "DATA_TYPE_FLOAT64")))
+                for k, v in params.items()
+            ],
             metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=t)) for t in metric_tags],
         )
         data, tag = plugin_data_pb2.HParamsPluginData(experiment=exp), metadata.EXPERIMENT_TAG
@@ -210,8 +229,9 @@ def _hparams_summary(session_start: dict[str, Any] | None = None,
         end = plugin_data_pb2.SessionEndInfo(status=status, end_time_secs=time.time())
         data, tag = plugin_data_pb2.HParamsPluginData(session_end_info=end), metadata.SESSION_END_INFO_TAG
     data.version = metadata.PLUGIN_DATA_VERSION
-    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=metadata.PLUGIN_NAME,
-                                                                  content=data.SerializeToString()))
+    meta = SummaryMetadata(
+        plugin_data=SummaryMetadata.PluginData(plugin_name=metadata.PLUGIN_NAME, content=data.SerializeToString())
+    )
     return Summary(value=[Summary.Value(tag=tag, metadata=meta)])
 
 
@@ -239,8 +259,7 @@ class _EventFile:
         os.makedirs(log_dir, exist_ok=True)
         # The file name scheme TensorBoard's own writers use; the counter keeps two loggers of one
         # process (or a reopened one) in separate files.
-        name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
-                f"{next(self._count)}")
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(self._count)}"
         self._event, self._summary = Event, Summary
         self._records = RecordWriter(open(os.path.join(log_dir, name), "wb"))
         self._flush_secs = flush_secs

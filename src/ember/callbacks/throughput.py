@@ -1,4 +1,5 @@
 """ThroughputMonitor: samples/s, batches/s, and how much of the time went to waiting for data."""
+
 from __future__ import annotations
 
 import time
@@ -63,8 +64,9 @@ class ThroughputMonitor(Callback):
         self._batch_start = now
         self._samples += self.batch_size_fn(batch)
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         now = time.perf_counter()
         self._compute += now - self._batch_start
         self._batches += 1

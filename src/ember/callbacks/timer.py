@@ -1,4 +1,5 @@
 """Timer: track time per stage and stop fitting cleanly at a wall-clock budget."""
+
 from __future__ import annotations
 
 import logging
@@ -31,12 +32,14 @@ def parse_duration(duration: str | timedelta | dict[str, float] | float | int | 
     if isinstance(duration, str):
         match = re.fullmatch(r"(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})", duration.strip())
         if not match:
-            raise ValueError(f"Timer duration {duration!r} is not in the form 'DD:HH:MM:SS' (e.g. '00:12:00:00' "
-                             "for 12 hours).")
+            raise ValueError(
+                f"Timer duration {duration!r} is not in the form 'DD:HH:MM:SS' (e.g. '00:12:00:00' for 12 hours)."
+            )
         days, hours, minutes, seconds = map(int, match.groups())
         return timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
-    raise TypeError(f"duration must be a timedelta, seconds, a dict or a 'DD:HH:MM:SS' string, "
-                    f"got {type(duration).__name__}.")
+    raise TypeError(
+        f"duration must be a timedelta, seconds, a dict or a 'DD:HH:MM:SS' string, got {type(duration).__name__}."
+    )
 
 
 class Timer(Callback):
@@ -57,8 +60,12 @@ class Timer(Callback):
 
     uses_step_outputs = False  # the loop need not build {"loss": ...} for this callback
 
-    def __init__(self, duration: str | timedelta | dict[str, float] | float | None = None, interval: str = "step",
-                 verbose: bool = True) -> None:
+    def __init__(
+        self,
+        duration: str | timedelta | dict[str, float] | float | None = None,
+        interval: str = "step",
+        verbose: bool = True,
+    ) -> None:
         if interval not in ("step", "epoch"):
             raise ValueError(f"Timer interval must be 'step' or 'epoch', got {interval!r}.")
         self.duration = parse_duration(duration)
@@ -125,8 +132,9 @@ class Timer(Callback):
         self._finish("test")
 
     # ------------------------------------------------------------------ the budget
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.interval == "step" and self._budget is not None:
             self._check(trainer)
 
@@ -142,9 +150,13 @@ class Timer(Callback):
             self.stopped = True
             trainer.should_stop = True
             if self.verbose and trainer.is_global_zero:
-                log.info("Timer: the training budget of %s is used up (%s elapsed; epoch %d, global step %d); "
-                         "stopping.", self.duration, timedelta(seconds=int(self.time_elapsed("train"))),
-                         trainer.current_epoch, trainer.global_step)
+                log.info(
+                    "Timer: the training budget of %s is used up (%s elapsed; epoch %d, global step %d); stopping.",
+                    self.duration,
+                    timedelta(seconds=int(self.time_elapsed("train"))),
+                    trainer.current_epoch,
+                    trainer.global_step,
+                )
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 A Lightning script that builds ``TQDMProgressBar(refresh_rate=10)`` runs unchanged; the display is
 ember's ``ProgressBar`` (tqdm in a terminal, timed lines in a log file).
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -5,6 +5,7 @@ TensorBoard and CSV loggers live beside the other callbacks and are re-exported 
 optional services (MLflow) live in this package and import their client package
 only when a run starts, so ``import ember.loggers`` works without them installed.
 """
+
 from __future__ import annotations
 
 import importlib

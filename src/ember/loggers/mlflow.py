@@ -4,6 +4,7 @@ The ``mlflow`` package (``mlflow-skinny`` is enough) is imported when the logger
 ``import ember.loggers`` works without it. Only global rank zero talks to the tracking store: on the
 other ranks the run is never created and the writes are no-ops.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,19 +64,30 @@ class MLFlowLogger(Logger):
 
     LOGGER_JOIN_CHAR = "-"
 
-    def __init__(self, experiment_name: str = "lightning_logs", run_name: str | None = None,
-                 tracking_uri: str | None = None, tags: dict[str, Any] | None = None,
-                 save_dir: str | None = "./mlruns", log_model: bool | str = False, prefix: str = "",
-                 artifact_location: str | None = None, run_id: str | None = None,
-                 synchronous: bool | None = None) -> None:
+    def __init__(
+        self,
+        experiment_name: str = "lightning_logs",
+        run_name: str | None = None,
+        tracking_uri: str | None = None,
+        tags: dict[str, Any] | None = None,
+        save_dir: str | None = "./mlruns",
+        log_model: bool | str = False,
+        prefix: str = "",
+        artifact_location: str | None = None,
+        run_id: str | None = None,
+        synchronous: bool | None = None,
+    ) -> None:
         try:
             from mlflow.tracking import MlflowClient
         except ModuleNotFoundError as err:
-            raise ModuleNotFoundError("MLFlowLogger needs the mlflow package: pip install mlflow-skinny "
-                                      "(or pip install 'ember[loggers]').") from err
+            raise ModuleNotFoundError(
+                "MLFlowLogger needs the mlflow package: pip install mlflow-skinny (or pip install 'ember[loggers]')."
+            ) from err
         if log_model is not False:
-            raise NotImplementedError(f"MLFlowLogger(log_model={log_model!r}) is not supported by ember yet: "
-                                      "checkpoints stay in the ModelCheckpoint directory. Use log_model=False.")
+            raise NotImplementedError(
+                f"MLFlowLogger(log_model={log_model!r}) is not supported by ember yet: "
+                "checkpoints stay in the ModelCheckpoint directory. Use log_model=False."
+            )
         tracking_uri = tracking_uri or os.getenv("MLFLOW_TRACKING_URI") or f"{LOCAL_FILE_URI_PREFIX}{save_dir}"
         self._experiment_name = experiment_name
         self._experiment_id: str | None = None
@@ -110,8 +122,9 @@ class MLFlowLogger(Logger):
             if found is not None and found.lifecycle_stage != "deleted":
                 self._experiment_id = found.experiment_id
             else:
-                self._experiment_id = client.create_experiment(name=self._experiment_name,
-                                                               artifact_location=self._artifact_location)
+                self._experiment_id = client.create_experiment(
+                    name=self._experiment_name, artifact_location=self._artifact_location
+                )
         if self._run_name is not None:
             self.tags["mlflow.runName"] = self._run_name
         run = client.create_run(experiment_id=self._experiment_id, tags=self.tags)
@@ -143,11 +156,15 @@ class MLFlowLogger(Logger):
     def save_dir(self) -> str | None:
         """The local directory of a ``file:`` store, else None."""
         if self._tracking_uri.startswith(LOCAL_FILE_URI_PREFIX):
-            return self._tracking_uri[len(LOCAL_FILE_URI_PREFIX):]
+            return self._tracking_uri[len(LOCAL_FILE_URI_PREFIX) :]
         return None
 
-    def log_hyperparams(self, params: dict[str, Any] | Namespace | None = None,
-                        metrics: dict[str, float] | None = None, step: int | None = None) -> None:
+    def log_hyperparams(
+        self,
+        params: dict[str, Any] | Namespace | None = None,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+    ) -> None:
         """Log ``params`` (nested dicts flattened to ``a/b``; values as text, cut at 250 characters)."""
         client = self.experiment
         if client is None:
@@ -157,7 +174,7 @@ class MLFlowLogger(Logger):
         flat = _flatten(hparams_dict(params))
         items = [Param(key=k, value=str(v)[:250]) for k, v in flat.items()]
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-            client.log_batch(run_id=self._run_id, params=items[i:i + 100], **self._log_batch_kwargs)
+            client.log_batch(run_id=self._run_id, params=items[i : i + 100], **self._log_batch_kwargs)
         if metrics:
             self.log_metrics(metrics, step)
 
@@ -176,8 +193,11 @@ class MLFlowLogger(Logger):
             key = f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}" if self._prefix else k
             clean = re.sub("[^a-zA-Z0-9_/. -]+", "", key)
             if clean != key:
-                warnings.warn(f"MLflow allows only '_', '/', '.', ' ' and '-' besides letters and digits in metric "
-                              f"names: {key!r} is logged as {clean!r}.", RuntimeWarning)
+                warnings.warn(
+                    f"MLflow allows only '_', '/', '.', ' ' and '-' besides letters and digits in metric "
+                    f"names: {key!r} is logged as {clean!r}.",
+                    RuntimeWarning,
+                )
             items.append(Metric(key=clean, value=float(v), timestamp=now, step=step or 0))
         client.log_batch(run_id=self._run_id, metrics=items, **self._log_batch_kwargs)
 

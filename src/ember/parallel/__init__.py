@@ -4,6 +4,7 @@
 of the same names, built on ember's scatter / replicate / parallel_apply / gather primitives and
 on ember's bucketed gradient reducer.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,8 +15,10 @@ __all__ = ["DataParallel", "DistributedDataParallel"]
 def __getattr__(name: str) -> Any:
     if name == "DataParallel":
         from ember.parallel.data_parallel import DataParallel
+
         return DataParallel
     if name == "DistributedDataParallel":
         from ember.parallel.distributed import DistributedDataParallel
+
         return DistributedDataParallel
     raise AttributeError(f"module 'ember.parallel' has no attribute {name!r}")

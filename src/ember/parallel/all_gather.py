@@ -6,6 +6,7 @@ that reaches rank ``r``'s input is the sum, over all ranks, of their gradients f
 all-reduce (sum) of the whole gradient of the stacked result, after which rank ``r`` keeps slice
 ``r``. A reduce-scatter would move less data, but gloo has none, and this runs on both backends.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -6,6 +6,7 @@ bucket owns one flat buffer (:class:`FlatBucket`) whose views are the parameters
 buffers are slices of one allocation per dtype and device (``allocate_missing``).
 How a bucket is reduced across ranks is in ``comm_hooks.py``.
 """
+
 from __future__ import annotations
 
 import sys
@@ -15,8 +16,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FlatBucket", "compute_bucket_assignment", "allocate_missing",
-           "DEFAULT_FIRST_BUCKET_BYTES", "MiB", "LARGE_NUMEL"]
+__all__ = [
+    "FlatBucket",
+    "compute_bucket_assignment",
+    "allocate_missing",
+    "DEFAULT_FIRST_BUCKET_BYTES",
+    "MiB",
+    "LARGE_NUMEL",
+]
 
 MiB = 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
@@ -40,16 +47,14 @@ def dense(tensor: Tensor) -> bool:
     """Whether the tensor's elements fill ``numel`` consecutive slots in some dimension order
     (no gaps, no overlaps): strides sorted ascending are the running products of their sizes."""
     expected = 1
-    for size, stride in sorted((d for d in zip(tensor.shape, tensor.stride()) if d[0] != 1),
-                               key=lambda d: d[1]):
+    for size, stride in sorted((d for d in zip(tensor.shape, tensor.stride()) if d[0] != 1), key=lambda d: d[1]):
         if stride != expected:
             return False
         expected *= size
     return True
 
 
-def compute_bucket_assignment(params: Sequence[Tensor], order: Iterable[int],
-                              limits: Sequence[int]) -> list[list[int]]:
+def compute_bucket_assignment(params: Sequence[Tensor], order: Iterable[int], limits: Sequence[int]) -> list[list[int]]:
     """Groups parameter indices into buckets, walking them in ``order``.
 
     Each (dtype, device) fills its own buckets. A parameter is added before the size check, so a
@@ -93,8 +98,7 @@ class FlatBucket:
     in the buffer, so they are zeroed and divided as one contiguous prefix.
     """
 
-    __slots__ = ("indices", "params", "numel", "large", "small_numel", "buffer", "views",
-                 "pending", "work")
+    __slots__ = ("indices", "params", "numel", "large", "small_numel", "buffer", "views", "pending", "work")
 
     def __init__(self, indices: list[int], params: Sequence[Tensor]) -> None:
         self.indices = indices
@@ -115,15 +119,14 @@ class FlatBucket:
                 ``None`` for a fresh allocation of its own.
         """
         first = self.params[0]
-        self.buffer = buffer if buffer is not None else \
-            torch.empty(self.numel, dtype=first.dtype, device=first.device)
+        self.buffer = buffer if buffer is not None else torch.empty(self.numel, dtype=first.dtype, device=first.device)
         self.views = [first] * len(self.params)  # placeholders, all replaced below
         offset = 0
         for large in (0, 1):  # small slots first: a contiguous prefix
             for k, p in enumerate(self.params):
                 if self.large[k] != large:
                     continue
-                flat = self.buffer[offset:offset + p.numel()]
+                flat = self.buffer[offset : offset + p.numel()]
                 # Match the parameter's layout (e.g. channels_last) so gradients keep strides,
                 # but only a dense one: the strides of a parameter with gaps (a slice such as
                 # ``w[:, ::2]``) would reach past its slot into its neighbours' (PyTorch's
@@ -176,11 +179,17 @@ def allocate_missing(buckets: Sequence[FlatBucket], spare: Sequence[Tensor]) -> 
             groups.setdefault((first.dtype, first.device), []).append(b)
     for (dtype, device), group in groups.items():
         total = sum(b.numel for b in group)
-        arena = next((t for t in spare if t.dtype == dtype and t.device == device
-                      and t.numel() == total and _users(t) <= _SOLE_OWNER), None)
+        arena = next(
+            (
+                t
+                for t in spare
+                if t.dtype == dtype and t.device == device and t.numel() == total and _users(t) <= _SOLE_OWNER
+            ),
+            None,
+        )
         if arena is None:
             arena = torch.empty(total, dtype=dtype, device=device)
         offset = 0
         for b in group:
-            b.allocate(arena[offset:offset + b.numel])
+            b.allocate(arena[offset : offset + b.numel])
             offset += b.numel

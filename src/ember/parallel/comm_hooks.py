@@ -15,6 +15,7 @@ only 8 significant bits (relative error up to ~2**-8 per rounding, so expect ~0.
 ``fp16`` keeps 11 bits (~0.05%) but flushes magnitudes below ~6e-8 to zero and overflows above
 65504. Use them when communication dominates the step; keep fp32 when exact parity matters.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["GradBucket", "CommHook", "allreduce_hook", "compress_hook", "resolve_comm_hook"]
+
 
 class GradBucket:
     """One bucket as a communication hook sees it.
@@ -38,8 +40,9 @@ class GradBucket:
 
     __slots__ = ("_index", "_buffer", "_parameters", "_gradients", "_is_last", "prescaled")
 
-    def __init__(self, index: int, buffer: Tensor, parameters: Sequence[Tensor],
-                 gradients: Sequence[Tensor], is_last: bool) -> None:
+    def __init__(
+        self, index: int, buffer: Tensor, parameters: Sequence[Tensor], gradients: Sequence[Tensor], is_last: bool
+    ) -> None:
         self._index = index
         self._buffer = buffer
         self._parameters = parameters
@@ -125,8 +128,7 @@ def compress_hook(dtype: torch.dtype, process_group: dist.ProcessGroup | None = 
 _NAMED = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_comm_hook(spec: str | CommHook | None,
-                      process_group: dist.ProcessGroup | None) -> CommHook | None:
+def resolve_comm_hook(spec: str | CommHook | None, process_group: dist.ProcessGroup | None) -> CommHook | None:
     """Turns the ``comm_hook`` option into a hook.
 
     Args:

@@ -6,6 +6,7 @@ and concatenates their outputs on ``output_device`` (:func:`gather`). Unlike PyT
 runs on CPU "devices" (``device_ids=["cpu", "cpu"]``), with each replica's backward on its own
 thread so that CPU replicas scale (see :mod:`ember.parallel.parallel_apply`).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -41,7 +42,9 @@ def _check_balance(devices: list[torch.device]) -> None:
                 f"{devices[values.index(low)].index} which has less than 75% of the memory or "
                 f"cores of GPU {devices[values.index(high)].index}. You can do so by setting the "
                 "device_ids argument to DataParallel, or by setting the CUDA_VISIBLE_DEVICES "
-                "environment variable.", stacklevel=3)
+                "environment variable.",
+                stacklevel=3,
+            )
             return
 
 
@@ -118,8 +121,7 @@ def run_replicas(
         replicas = replicator.replicate(module, devs, mode).modules
         if on_replicas is not None:
             on_replicas(replicas)
-        return parallel_apply(replicas, inputs, kwargs, devs, method=method,
-                              threads_per_replica=threads_per_replica)
+        return parallel_apply(replicas, inputs, kwargs, devs, method=method, threads_per_replica=threads_per_replica)
     reps = replicator.replicate(module, devs, "leaf")
     if on_replicas is not None:
         on_replicas(reps.modules)
@@ -134,11 +136,12 @@ def run_replicas(
             sources.append(src)
             for r, row in enumerate(leaves):
                 row.append(leaf if r == i else None)
-    outputs = parallel_apply(reps.modules, new_inputs, new_kwargs, devs, method=method,
-                             threads_per_replica=threads_per_replica)
-    return attach_replica_graphs(outputs, sources, leaves, devs,
-                                 threads_per_replica=threads_per_replica,
-                                 check_leaves=check_leaves)
+    outputs = parallel_apply(
+        reps.modules, new_inputs, new_kwargs, devs, method=method, threads_per_replica=threads_per_replica
+    )
+    return attach_replica_graphs(
+        outputs, sources, leaves, devs, threads_per_replica=threads_per_replica, check_leaves=check_leaves
+    )
 
 
 class DataParallel(nn.Module):
@@ -179,17 +182,26 @@ class DataParallel(nn.Module):
         loss.backward()                        # both replicas' gradients land in model.module
     """
 
-    def __init__(self, module: nn.Module, device_ids: Sequence[DeviceLike] | None = None,
-                 output_device: DeviceLike | None = None, dim: int = 0, *,
-                 parallel_backward: bool | None = None,
-                 threads_per_replica: int | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[DeviceLike] | None = None,
+        output_device: DeviceLike | None = None,
+        dim: int = 0,
+        *,
+        parallel_backward: bool | None = None,
+        threads_per_replica: int | None = None,
+    ) -> None:
         super().__init__()
         devices = [as_device(d) for d in device_ids] if device_ids else _default_devices()
         if len({d.type for d in devices}) > 1:
-            raise ValueError(f"device_ids must all be of one type (all CUDA or all CPU), got "
-                             f"{[str(d) for d in devices]}")
-        devices = [torch.device("cuda", torch.cuda.current_device())
-                   if d.type == "cuda" and d.index is None else d for d in devices]
+            raise ValueError(
+                f"device_ids must all be of one type (all CUDA or all CPU), got {[str(d) for d in devices]}"
+            )
+        devices = [
+            torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
+            for d in devices
+        ]
         self.module = module
         self.devices = devices
         # PyTorch keeps CUDA device_ids as indices; CPU devices have none, so they stay devices.
@@ -199,8 +211,9 @@ class DataParallel(nn.Module):
         self.dim = dim
         if parallel_backward:
             check_parallel_backward_devices(devices)
-        self.parallel_backward = (all(d.type == "cpu" for d in devices)
-                                  if parallel_backward is None else parallel_backward)
+        self.parallel_backward = (
+            all(d.type == "cpu" for d in devices) if parallel_backward is None else parallel_backward
+        )
         self.threads_per_replica = threads_per_replica
         self._replicator = Replicator()
         self._leaves_checked = False
@@ -219,33 +232,45 @@ class DataParallel(nn.Module):
             if not args and not kw:
                 args, kw = [()], [{}]
             if self._classic_path():
-                replicas = self.replicate(self.module, self.devices[:len(args)])
+                replicas = self.replicate(self.module, self.devices[: len(args)])
                 outputs = self.parallel_apply(replicas, args, kw)
             else:
                 check = self.parallel_backward and not self._leaves_checked
                 outputs = run_replicas(
-                    self.module, self._replicator, args, kw, self.devices,
+                    self.module,
+                    self._replicator,
+                    args,
+                    kw,
+                    self.devices,
                     parallel_backward=self.parallel_backward,
                     threads_per_replica=self._threads_per_replica(len(args)),
-                    check_leaves=check)
+                    check_leaves=check,
+                )
                 if check and torch.is_grad_enabled():
                     self._leaves_checked = True
             return self.gather(outputs, self.output_device)
 
     # The four steps as overridable methods, with PyTorch's signatures: subclasses written for
     # torch.nn.DataParallel (a custom scatter for ragged inputs, say) keep working.
-    def scatter(self, inputs: tuple, kwargs: dict[str, Any] | None,
-                device_ids: Sequence[DeviceLike]) -> tuple[list[tuple], list[dict[str, Any]]]:
+    def scatter(
+        self, inputs: tuple, kwargs: dict[str, Any] | None, device_ids: Sequence[DeviceLike]
+    ) -> tuple[list[tuple], list[dict[str, Any]]]:
         return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
         mode = "graph" if torch.is_grad_enabled() else "detached"
         return self._replicator.replicate(module, device_ids, mode).modules
 
-    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any],
-                       kwargs: Sequence[dict[str, Any]] | None) -> list[Any]:
-        return parallel_apply(replicas, inputs, kwargs, self.devices[:len(replicas)],
-                              threads_per_replica=self._threads_per_replica(len(replicas)))
+    def parallel_apply(
+        self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Sequence[dict[str, Any]] | None
+    ) -> list[Any]:
+        return parallel_apply(
+            replicas,
+            inputs,
+            kwargs,
+            self.devices[: len(replicas)],
+            threads_per_replica=self._threads_per_replica(len(replicas)),
+        )
 
     def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
         return gather(outputs, output_device, dim=self.dim)
@@ -254,8 +279,7 @@ class DataParallel(nn.Module):
         # A subclass that replaces replicate or parallel_apply gets exactly those calls, in one
         # graph; otherwise run_replicas does both (with the parallel backward where enabled).
         cls = type(self)
-        return (cls.replicate is not DataParallel.replicate
-                or cls.parallel_apply is not DataParallel.parallel_apply)
+        return cls.replicate is not DataParallel.replicate or cls.parallel_apply is not DataParallel.parallel_apply
 
     def _threads_per_replica(self, n: int) -> int | None:
         if self.threads_per_replica is not None or self.devices[0].type != "cpu":
@@ -264,20 +288,25 @@ class DataParallel(nn.Module):
 
     def _check_single_device(self) -> None:
         device = self.src_device_obj
-        for kind, tensors in (("parameter", self.module.parameters()),
-                              ("buffer", self.module.buffers())):
+        for kind, tensors in (("parameter", self.module.parameters()), ("buffer", self.module.buffers())):
             for t in tensors:
                 if t.device != device:
                     raise DeviceMismatchError(
                         f"module must have its parameters and buffers on device {device} "
                         f"(device_ids[0]) but found a {kind} of shape {tuple(t.shape)} on "
                         f"device {t.device}. Move the module first, e.g. "
-                        f"module.to({str(device)!r}).")
+                        f"module.to({str(device)!r})."
+                    )
 
 
-def data_parallel(module: nn.Module, inputs: Any, device_ids: Sequence[DeviceLike] | None = None,
-                  output_device: DeviceLike | None = None, dim: int = 0,
-                  module_kwargs: dict[str, Any] | None = None) -> Any:
+def data_parallel(
+    module: nn.Module,
+    inputs: Any,
+    device_ids: Sequence[DeviceLike] | None = None,
+    output_device: DeviceLike | None = None,
+    dim: int = 0,
+    module_kwargs: dict[str, Any] | None = None,
+) -> Any:
     """Evaluate ``module(*inputs, **module_kwargs)`` in parallel over ``device_ids`` once.
 
     The functional form of :class:`DataParallel` (same signature as PyTorch's).

@@ -23,6 +23,7 @@ Differences from PyTorch worth knowing:
 - ``call(name, ...)`` / ``pre_forward`` / ``post_forward`` run any method of the module through
   the same synchronisation as ``forward`` (the Trainer calls ``training_step``).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -76,20 +77,28 @@ class DistributedDataParallel(nn.Module, Joinable):
         ValueError: If no parameter requires grad or the device arguments do not fit.
     """
 
-    def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
-                 output_device: int | torch.device | None = None, dim: int = 0,
-                 broadcast_buffers: bool = True,
-                 process_group: dist.ProcessGroup | None = None, bucket_cap_mb: float = 25,
-                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False,
-                 comm_hook: str | CommHook | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        comm_hook: str | CommHook | None = None,
+    ) -> None:
         super().__init__()
         Joinable.__init__(self)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "DistributedDataParallel needs an initialised process group, but "
                 "torch.distributed is not initialised. Call torch.distributed."
-                "init_process_group(backend, ...) in every process before wrapping the model.")
+                "init_process_group(backend, ...) in every process before wrapping the model."
+            )
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.broadcast_buffers = broadcast_buffers
@@ -98,7 +107,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not named:
             raise ValueError(
                 "DistributedDataParallel got a module with no parameter that requires grad; "
-                "there is nothing to synchronise. Wrap a module with trainable parameters.")
+                "there is nothing to synchronise. Wrap a module with trainable parameters."
+            )
         self._check_dense(module)
         self.device = self._check_devices(module, device_ids)
         self.device_ids = None if device_ids is None else [self.device]
@@ -108,11 +118,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         if broadcast_buffers:
             states += list(module.buffers())
         self._broadcast(states, src=0)
-        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self.process_group,
-                               bucket_cap_mb=bucket_cap_mb,
-                               find_unused_parameters=find_unused_parameters,
-                               gradient_as_bucket_view=gradient_as_bucket_view,
-                               static_graph=static_graph)
+        self.reducer = Reducer(
+            [p for _, p in named],
+            [n for n, _ in named],
+            self.process_group,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+        )
         self.reducer.comm_hook = resolve_comm_hook(comm_hook, self.process_group)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
@@ -123,13 +137,16 @@ class DistributedDataParallel(nn.Module, Joinable):
     @staticmethod
     def _check_dense(module: nn.Module) -> None:
         # Gradients accumulate into dense buckets, which would silently densify a sparse one.
-        sparse = [name or type(m).__name__ for name, m in module.named_modules()
-                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
-                  and m.weight.requires_grad]
+        sparse = [
+            name or type(m).__name__
+            for name, m in module.named_modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad
+        ]
         if sparse:
             raise ValueError(
                 f"DistributedDataParallel reduces dense gradient buckets only, but {sparse} "
-                "use sparse=True. Construct them with sparse=False (the default).")
+                "use sparse=True. Construct them with sparse=False (the default)."
+            )
 
     @staticmethod
     def _check_devices(module: nn.Module, device_ids: Sequence | None) -> torch.device:
@@ -137,7 +154,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if len({d.type for d in devices}) > 1:
             raise ValueError(
                 f"DistributedDataParallel expects parameters on one device type, found "
-                f"{sorted(str(d) for d in devices)}. Move the module with .to(device) first.")
+                f"{sorted(str(d) for d in devices)}. Move the module with .to(device) first."
+            )
         first = next(iter(devices))
         if device_ids is None:
             return first
@@ -145,20 +163,26 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise ValueError(
                 f"device_ids={list(device_ids)} is not supported: pass a single device the "
                 "module lives on (e.g. device_ids=[local_rank]) or None for CPU and "
-                "multi-device modules.")
-        wanted = torch.device(device_ids[0]) if not isinstance(device_ids[0], int) else \
-            torch.device(first.type, device_ids[0])
+                "multi-device modules."
+            )
+        wanted = (
+            torch.device(device_ids[0])
+            if not isinstance(device_ids[0], int)
+            else torch.device(first.type, device_ids[0])
+        )
         if first != wanted:
             raise ValueError(
                 f"device_ids={list(device_ids)} but the module's parameters are on {first}. "
-                f"Call module.to({str(wanted)!r}) before wrapping it.")
+                f"Call module.to({str(wanted)!r}) before wrapping it."
+            )
         return wanted
 
     def _verify_same_model(self, named: Sequence[tuple[str, Tensor]]) -> None:
         # One small all-gather instead of letting mismatched broadcasts hang or corrupt memory.
         shapes = ";".join(f"{tuple(p.shape)}{p.dtype}" for _, p in named).encode()
-        mine = torch.tensor([len(named), sum(p.numel() for _, p in named), zlib.crc32(shapes)],
-                            dtype=torch.int64, device=self.device)
+        mine = torch.tensor(
+            [len(named), sum(p.numel() for _, p in named), zlib.crc32(shapes)], dtype=torch.int64, device=self.device
+        )
         world = dist.get_world_size(self.process_group)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=self.process_group)
@@ -168,7 +192,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError(
                 "DistributedDataParallel expects the same model on every rank, but the trainable "
                 f"parameters differ ([count, elements] per rank: {got}; shapes or dtypes may "
-                "differ too). Build the identical model on every rank before wrapping it.")
+                "differ too). Build the identical model on every rank before wrapping it."
+            )
 
     # ------------------------------------------------------------------- forward path
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -212,8 +237,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         elif self.require_forward_param_sync and self.require_backward_grad_sync:
             self._sync_buffers(0)
         if self.device_ids is not None and self.device.type != "cpu":
-            inputs, kwargs = apply_to_collection((inputs, kwargs), Tensor, Tensor.to, self.device,
-                                                 non_blocking=True)
+            inputs, kwargs = apply_to_collection((inputs, kwargs), Tensor, Tensor.to, self.device, non_blocking=True)
         return inputs, kwargs
 
     def post_forward(self, outputs: Any) -> Any:
@@ -247,8 +271,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _unused_parameters(self, outputs: Any) -> list[int]:
         """Indices of reducer parameters the autograd graph of ``outputs`` does not reach."""
         stack: list = []
-        apply_to_collection(outputs, Tensor, lambda t: stack.append(t.grad_fn)
-                            if t.grad_fn is not None else None)
+        apply_to_collection(outputs, Tensor, lambda t: stack.append(t.grad_fn) if t.grad_fn is not None else None)
         seen, reached = set(stack), set()
         while stack:
             fn = stack.pop()
@@ -266,7 +289,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "find_unused_parameters=True, but every parameter received a gradient in this "
                 "iteration. The autograd-graph walk costs time every step; pass "
                 "find_unused_parameters=False if your model always uses all parameters.",
-                stacklevel=4)
+                stacklevel=4,
+            )
         return unused
 
     @contextmanager
@@ -284,8 +308,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = previous
 
-    def register_comm_hook(self, state: object,
-                           hook: Callable[[object, GradBucket], torch.futures.Future]) -> None:
+    def register_comm_hook(self, state: object, hook: Callable[[object, GradBucket], torch.futures.Future]) -> None:
         """Registers ``hook(state, bucket) -> Future[Tensor]`` to reduce each bucket.
 
         Same contract as PyTorch's: call once, before the first backward; the hook divides.
@@ -293,7 +316,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.reducer.comm_hook is not None or self.reducer.synced_iterations:
             raise RuntimeError(
                 "register_comm_hook must be called once, before the first backward pass; a hook "
-                "is already set or training has started. Register it right after wrapping.")
+                "is already set or training has started. Register it right after wrapping."
+            )
         self.reducer.comm_hook = lambda bucket: hook(state, bucket)
 
     # ------------------------------------------------------------------ collectives
@@ -324,8 +348,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         return int(rank.item())
 
     # ------------------------------------------------------------------------- join
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
         """Context manager for uneven inputs: ranks that run out shadow the others.
 
         Args:
@@ -334,8 +359,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             enable: Set False to make the context a no-op.
             throw_on_early_termination: Raise on every rank as soon as one runs out.
         """
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
+        return Join(
+            [self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size
+        )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook :class:`~torch.distributed.algorithms.join.Join` runs on joined ranks."""
@@ -380,11 +406,15 @@ class _JoinHook(JoinHook):
         ddp._divide_by_initial_world_size = True
 
 
-def _broadcast_coalesced(tensors: list[Tensor], src: int, group: dist.ProcessGroup | None,
-                         rank: int, bucket_bytes: int = _BROADCAST_BUCKET_BYTES) -> None:
+def _broadcast_coalesced(
+    tensors: list[Tensor],
+    src: int,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    bucket_bytes: int = _BROADCAST_BUCKET_BYTES,
+) -> None:
     """Broadcasts ``tensors`` (any dtypes) as flat byte buffers, one collective per bucket."""
-    global_src = src if group is None or group is dist.group.WORLD else \
-        dist.get_global_rank(group, src)
+    global_src = src if group is None or group is dist.group.WORLD else dist.get_global_rank(group, src)
     with torch.no_grad():
         by_device: dict[torch.device, list[Tensor]] = {}
         for t in tensors:
@@ -407,8 +437,9 @@ def _padded_bytes(t: Tensor) -> int:
     return (t.numel() * t.element_size() + 7) // 8 * 8
 
 
-def _broadcast_chunk(chunk: list[Tensor], size: int, device: torch.device, src: int,
-                     group: dist.ProcessGroup | None, is_src: bool) -> None:
+def _broadcast_chunk(
+    chunk: list[Tensor], size: int, device: torch.device, src: int, group: dist.ProcessGroup | None, is_src: bool
+) -> None:
     if len(chunk) == 1 and chunk[0].is_contiguous() and chunk[0].dtype != torch.bool:
         dist.broadcast(chunk[0], src=src, group=group)  # in place, no staging copy
         return
@@ -416,7 +447,7 @@ def _broadcast_chunk(chunk: list[Tensor], size: int, device: torch.device, src: 
     slices, offset = [], 0
     for t in chunk:
         n = t.numel() * t.element_size()
-        view = flat[offset:offset + n].view(t.dtype).view(t.shape)
+        view = flat[offset : offset + n].view(t.dtype).view(t.shape)
         if is_src:
             view.copy_(t)
         slices.append(view)

@@ -16,6 +16,7 @@ caller's graph through one autograd node. When the caller's backward reaches tha
 replica's backward runs on its own thread, and the leaves' gradients are summed into the
 gradients of the tensors they stand for (the original parameters, the input chunks).
 """
+
 from __future__ import annotations
 
 import threading
@@ -52,8 +53,7 @@ class _CallerState:
         stack.enter_context(torch.inference_mode(self.inference))
         stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
         for device_type, dtype in self.autocast.items():
-            stack.enter_context(torch.autocast(device_type, dtype=dtype,
-                                               cache_enabled=self.autocast_cache))
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
         if device is not None and device.type == "cuda":
             stack.enter_context(torch.cuda.device(device))
             stack.enter_context(torch.cuda.stream(self.streams[device]))
@@ -69,8 +69,10 @@ class _Failure:
     def reraise(self, others: list[int]) -> None:
         where = f"replica {self.index} on device {self.device}"
         also = f" (replicas {others} failed too)" if others else ""
-        msg = (f"Caught {type(self.exc).__name__} in {where}{also}.\n"
-               f"Original traceback (in the replica's thread):\n{self.text}")
+        msg = (
+            f"Caught {type(self.exc).__name__} in {where}{also}.\n"
+            f"Original traceback (in the replica's thread):\n{self.text}"
+        )
         try:
             err = type(self.exc)(_KeyErrorText(msg) if isinstance(self.exc, KeyError) else msg)
         except Exception:  # noqa: BLE001 - exception types whose constructor needs other args
@@ -125,8 +127,10 @@ def parallel_apply(
     kwargs_tup = list(kwargs_tup) if kwargs_tup is not None else [{} for _ in range(n)]
     devs = list(devices) if devices is not None else [None] * n
     if not (len(inputs) == len(kwargs_tup) == len(devs) == n):
-        raise ValueError(f"parallel_apply needs one entry per replica: got {n} modules, "
-                         f"{len(inputs)} inputs, {len(kwargs_tup)} kwargs and {len(devs)} devices")
+        raise ValueError(
+            f"parallel_apply needs one entry per replica: got {n} modules, "
+            f"{len(inputs)} inputs, {len(kwargs_tup)} kwargs and {len(devs)} devices"
+        )
     calls = []
     for i in range(n):
         args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
@@ -153,8 +157,10 @@ def parallel_apply(
         work(0, pin_threads=False)
     else:
         caller_threads = torch.get_num_threads()
-        threads = [threading.Thread(target=work, args=(i, threads_per_replica is not None),
-                                    name=f"ember-replica-{i}") for i in range(n)]
+        threads = [
+            threading.Thread(target=work, args=(i, threads_per_replica is not None), name=f"ember-replica-{i}")
+            for i in range(n)
+        ]
         try:
             for t in threads:
                 t.start()
@@ -178,9 +184,14 @@ def parallel_apply(
 class _ReplicaGraphs:
     """Everything the joint backward node needs: replica outputs, their leaves and devices."""
 
-    def __init__(self, sources: list[Tensor], leaves: list[list[Tensor | None]],
-                 outputs: list[list[Tensor]], devices: list[torch.device | None],
-                 threads_per_replica: int | None) -> None:
+    def __init__(
+        self,
+        sources: list[Tensor],
+        leaves: list[list[Tensor | None]],
+        outputs: list[list[Tensor]],
+        devices: list[torch.device | None],
+        threads_per_replica: int | None,
+    ) -> None:
         self.sources, self.leaves, self.outputs = sources, leaves, outputs
         self.devices, self.threads_per_replica = devices, threads_per_replica
         self.released = False
@@ -213,24 +224,25 @@ class _JoinReplicaGraphs(torch.autograd.Function):
             raise RuntimeError(
                 "Trying to backward through the data-parallel replicas a second time: their "
                 "graphs were freed by the first backward. Pass retain_graph=True to the first "
-                "backward if you need to backward twice.")
+                "backward if you need to backward twice."
+            )
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "create_graph=True (higher-order gradients) is not supported through replicas "
                 "whose backward runs in parallel threads. Build DataParallel(..., "
-                "parallel_backward=False) to use one autograd graph across the replicas.")
+                "parallel_backward=False) to use one autograd graph across the replicas."
+            )
         keep = _keep_graph()
         n_sources = len(graphs.sources)  # the last input is the anchor, which needs nothing
-        wanted = [j for j, need in enumerate(ctx.needs_input_grad[1:1 + n_sources]) if need]
+        wanted = [j for j, need in enumerate(ctx.needs_input_grad[1 : 1 + n_sources]) if need]
         jobs, pos = [], 0
         for i, outs in enumerate(graphs.outputs):
-            pairs = [(o, g) for o, g in zip(outs, grads[pos:pos + len(outs)]) if g is not None]
+            pairs = [(o, g) for o, g in zip(outs, grads[pos : pos + len(outs)]) if g is not None]
             pos += len(outs)
             targets = [t for t in (graphs.leaves[i][j] for j in wanted) if t is not None]
             # One job per replica, even an empty one, so an error names the right replica.
             jobs.append(_replica_backward(pairs, targets, keep))
-        parallel_apply(jobs, [()] * len(jobs), devices=graphs.devices,
-                       threads_per_replica=graphs.threads_per_replica)
+        parallel_apply(jobs, [()] * len(jobs), devices=graphs.devices, threads_per_replica=graphs.threads_per_replica)
         # Leaves shared by replicas on one device already hold those replicas' sum.
         summed: list[Tensor | None] = [None] * n_sources
         for j in wanted:
@@ -259,15 +271,14 @@ def _sum(grads: list[Tensor]) -> Tensor | None:
     return total
 
 
-def _replica_backward(pairs: list[tuple[Tensor, Tensor]], targets: list[Tensor],
-                      keep: bool) -> Callable[[], None]:
+def _replica_backward(pairs: list[tuple[Tensor, Tensor]], targets: list[Tensor], keep: bool) -> Callable[[], None]:
     def run() -> None:
         if not pairs or not targets:
             return
         # inputs= limits accumulation to this replica's leaves: tensors outside the replicas
         # are left alone, and only gradients somebody asked for are computed.
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs],
-                                retain_graph=keep, inputs=targets)
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph=keep, inputs=targets)
+
     return run
 
 
@@ -284,7 +295,8 @@ def check_parallel_backward_devices(devices: Sequence[torch.device]) -> None:
             f"parallel_backward=True runs the replicas' backward passes in threads, which is for "
             f"CPU replicas only; on {', '.join(on_gpu)} it would deadlock (each GPU's backward "
             "already runs on its own autograd thread). Leave parallel_backward unset (it is on for "
-            "CPU devices and off otherwise) or set it to False.")
+            "CPU devices and off otherwise) or set it to False."
+        )
 
 
 def attach_replica_graphs(
@@ -316,8 +328,7 @@ def attach_replica_graphs(
     devs = [as_device(d) if d is not None else None for d in devices]
     check_parallel_backward_devices([d for d in devs if d is not None])
     flat = [flatten(out) for out in outputs]
-    diff = [[t for t in leaves_ if isinstance(t, Tensor) and t.requires_grad]
-            for leaves_, _ in flat]
+    diff = [[t for t in leaves_ if isinstance(t, Tensor) and t.requires_grad] for leaves_, _ in flat]
     if not any(diff):
         return outputs
     if check_leaves:
@@ -328,14 +339,12 @@ def attach_replica_graphs(
     joined = iter(_JoinReplicaGraphs.apply(graphs, *sources, anchor))
     rebuilt = []
     for leaves_, spec in flat:
-        swapped = [next(joined) if isinstance(t, Tensor) and t.requires_grad else t
-                   for t in leaves_]
+        swapped = [next(joined) if isinstance(t, Tensor) and t.requires_grad else t for t in leaves_]
         rebuilt.append(unflatten(spec, swapped))
     return rebuilt
 
 
-def _check_no_foreign_leaves(outputs: list[list[Tensor]],
-                             leaves: list[list[Tensor | None]]) -> None:
+def _check_no_foreign_leaves(outputs: list[list[Tensor]], leaves: list[list[Tensor | None]]) -> None:
     known = {id(t) for row in leaves for t in row if t is not None}
     seen: set[int] = set()
     stack = [o.grad_fn for outs in outputs for o in outs if o.grad_fn is not None]
@@ -351,5 +360,6 @@ def _check_no_foreign_leaves(outputs: list[list[Tensor]],
                 f"{tuple(variable.shape)}) which is neither a parameter or buffer of the module "
                 "nor part of its inputs; with the parallel CPU backward it would get no "
                 "gradient. Register it as a parameter, pass it as an input, or build "
-                "DataParallel(..., parallel_backward=False).")
+                "DataParallel(..., parallel_backward=False)."
+            )
         stack.extend(fn for fn, _ in node.next_functions if fn is not None)

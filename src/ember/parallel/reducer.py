@@ -28,6 +28,7 @@ reference never sees its values overwritten.
 Python hook per tensor too (with a lock and dictionaries per call), and it sees the gradients
 before they are accumulated into ``.grad``.
 """
+
 from __future__ import annotations
 
 import threading
@@ -56,6 +57,7 @@ def _hook(reducer_ref: weakref.ref, index: int) -> Callable[[Tensor], None]:
         reducer = reducer_ref()
         if reducer is not None:
             reducer._on_grad_ready(index)
+
     return hook
 
 
@@ -69,6 +71,7 @@ def _locked_hook(reducer_ref: weakref.ref, index: int, lock: threading.Lock) -> 
         if reducer is not None:
             with lock:
                 reducer._on_grad_ready(index)
+
     return hook
 
 
@@ -101,11 +104,18 @@ class Reducer:
             are the same every iteration; learned in the first iteration.
     """
 
-    def __init__(self, params: Sequence[Tensor], names: Sequence[str],
-                 process_group: dist.ProcessGroup | None, *, bucket_cap_mb: float = 25,
-                 first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
-                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False) -> None:
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        names: Sequence[str],
+        process_group: dist.ProcessGroup | None,
+        *,
+        bucket_cap_mb: float = 25,
+        first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+    ) -> None:
         self.params = list(params)
         self.names = list(names)
         self.group = process_group
@@ -124,9 +134,10 @@ class Reducer:
 
         ref = weakref.ref(self)
         lock = threading.Lock()
-        self._handles = [p.register_post_accumulate_grad_hook(
-            _hook(ref, i) if self._one_device else _locked_hook(ref, i, lock))
-            for i, p in enumerate(self.params)]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(_hook(ref, i) if self._one_device else _locked_hook(ref, i, lock))
+            for i, p in enumerate(self.params)
+        ]
         weakref.finalize(self, _remove, self._handles)
 
         # Per-iteration state, reset by prepare_for_backward.
@@ -181,8 +192,7 @@ class Reducer:
         seen = set(self._order or [])
         # Parameters that never fired (static graph, or a rank that joined before any step)
         # go last, in the initial order, so every rank sends a complete permutation.
-        order = list(self._order or []) + [i for i in reversed(range(len(self.params)))
-                                           if i not in seen]
+        order = list(self._order or []) + [i for i in reversed(range(len(self.params))) if i not in seen]
         tensor = torch.tensor(order, dtype=torch.int64, device=self._comm_device)
         dist.broadcast(tensor, src=_group_src(self.group), group=self.group)
         self._rebuilt, self._order = True, None
@@ -191,8 +201,9 @@ class Reducer:
             return False
         # Gradients still point into the old buffers; the next backward copies them over, or
         # lays the new buckets over the old memory if nothing holds it by then.
-        self._spare = [b.buffer if b.buffer._base is None else b.buffer._base
-                       for b in self.buckets if b.buffer is not None]
+        self._spare = [
+            b.buffer if b.buffer._base is None else b.buffer._base for b in self.buckets if b.buffer is not None
+        ]
         self._build(tensor.tolist())
         return True
 
@@ -207,8 +218,9 @@ class Reducer:
             # A backward ran hooks but never reached its end-of-backward callback (it raised).
             missing = [i for i in range(len(self.params)) if not self._ready[i]]
             self._abort()
-            raise RuntimeError(self._missing_message(missing, "the previous backward pass "
-                                                    "stopped before reducing gradients"))
+            raise RuntimeError(
+                self._missing_message(missing, "the previous backward pass stopped before reducing gradients")
+            )
         self._expect_hooks = False
         if sync and torch.is_grad_enabled() and self.rebuild_pending:
             self.rebuild_buckets()
@@ -262,7 +274,8 @@ class Reducer:
                     f"static_graph=True, but the gradient hook of parameter "
                     f"'{self.names[index]}' fired more often than in the first iteration "
                     f"({self._static_counts[index]} times). The graph changed between "
-                    "iterations; construct the wrapper with static_graph=False.")
+                    "iterations; construct the wrapper with static_graph=False."
+                )
         self._mark_ready(index, from_hook=True)
 
     def _start_backward(self) -> None:
@@ -297,8 +310,7 @@ class Reducer:
             self._spare = []
             return list(range(len(params)))
         detached = [k for k, (p, v) in enumerate(zip(params, views)) if p.grad is not v]
-        if detached and not self.gradient_as_bucket_view and \
-                bucket.shared(detached, self.buckets):
+        if detached and not self.gradient_as_bucket_view and bucket.shared(detached, self.buckets):
             # Some dropped gradient (or a view of one) is still held: leave the old memory to
             # its holder. Attached gradients are copied over by _attach / _mark_ready.
             bucket.allocate()
@@ -321,10 +333,9 @@ class Reducer:
             # A gradient replaced by another view of the buffer (else _claim gave a fresh one)
             # must be read before the buffer is zeroed.
             here = buffer.untyped_storage().data_ptr()
-            grads = [g.clone() if g is not None and g.untyped_storage().data_ptr() == here
-                     else g for g in grads]
+            grads = [g.clone() if g is not None and g.untyped_storage().data_ptr() == here else g for g in grads]
         if len(small) == len(params) - sum(large) and any(g is None for g in grads):
-            buffer[:bucket.small_numel].zero_()  # one op (the usual case: all were dropped)
+            buffer[: bucket.small_numel].zero_()  # one op (the usual case: all were dropped)
         else:
             for k, grad in zip(small, grads):
                 if grad is None:
@@ -342,7 +353,8 @@ class Reducer:
         if grad.is_sparse:
             raise RuntimeError(
                 f"Parameter '{self.names[index]}' has a sparse gradient; ember's "
-                "DistributedDataParallel reduces dense buckets only. Use sparse=False.")
+                "DistributedDataParallel reduces dense buckets only. Use sparse=False."
+            )
 
     def _mark_ready(self, index: int, from_hook: bool) -> None:
         if self._ready[index]:
@@ -350,10 +362,10 @@ class Reducer:
                 f"The gradient of parameter '{self.names[index]}' became ready twice in one "
                 "backward pass (reentrant activation checkpointing, or the parameter used by "
                 "several forwards before one backward). Use non-reentrant checkpointing, or "
-                "construct the wrapper with static_graph=True if the graph does not change.")
+                "construct the wrapper with static_graph=True if the graph does not change."
+            )
         self._ready[index] = 1
-        if from_hook and self.synced_iterations == 0 and self._order is not None \
-                and not self.static_graph:
+        if from_hook and self.synced_iterations == 0 and self._order is not None and not self.static_graph:
             self._order.append(index)
         b, slot = self._locate[index]
         bucket = self.buckets[b]
@@ -387,20 +399,18 @@ class Reducer:
             buffer = buckets[b].buffer
             assert buffer is not None  # every gradient of the bucket arrived
             self._launch(b, buffer)
-        if self._next_bucket == len(buckets) and self._used_map is not None \
-                and self._used_work is None:
+        if self._next_bucket == len(buckets) and self._used_map is not None and self._used_work is None:
             self._used_work = dist.all_reduce(self._used_map, group=self.group, async_op=True)
 
     def _launch(self, b: int, buffer: Tensor) -> None:
         bucket = self.buckets[b]
         if self._scale is not None and bucket.small_numel:
             # The division by the world size, one op for all the small slots.
-            buffer[:bucket.small_numel].mul_(self._scale)
+            buffer[: bucket.small_numel].mul_(self._scale)
         if self.comm_hook is None:
             bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
         else:
-            grad_bucket = GradBucket(b, buffer, bucket.params, bucket.views,
-                                     b == len(self.buckets) - 1)
+            grad_bucket = GradBucket(b, buffer, bucket.params, bucket.views, b == len(self.buckets) - 1)
             # Built-in hooks let the reducer divide: saves them a pass of their own.
             grad_bucket.prescaled = getattr(self.comm_hook, "accepts_prescaled", False)
             bucket.work = self.comm_hook(grad_bucket)
@@ -417,8 +427,11 @@ class Reducer:
             for bucket in self.buckets:
                 assert bucket.work is not None and bucket.buffer is not None  # every bucket launched
                 result = bucket.work.wait()
-                if self.comm_hook is not None and isinstance(result, Tensor) \
-                        and result.data_ptr() != bucket.buffer.data_ptr():
+                if (
+                    self.comm_hook is not None
+                    and isinstance(result, Tensor)
+                    and result.data_ptr() != bucket.buffer.data_ptr()
+                ):
                     bucket.buffer.copy_(result.reshape(-1))
                 bucket.work = None
             if self._used_work is not None:
@@ -451,8 +464,7 @@ class Reducer:
         counts = self._first_counts
         self._static_counts = counts
         self._unused = [i for i, c in enumerate(counts) if c == 0]
-        self._used_map = torch.tensor([int(c > 0) for c in counts], dtype=torch.int32,
-                                      device=self._comm_device)
+        self._used_map = torch.tensor([int(c > 0) for c in counts], dtype=torch.int32, device=self._comm_device)
         # Hooks only counted; now every gradient is final, so reduce all buckets in order.
         for i in range(len(self.params)):
             self._mark_ready(i, from_hook=counts[i] > 0)
@@ -460,7 +472,7 @@ class Reducer:
     def _abort(self) -> None:
         # Wait for what was launched so no collective is left in flight (the same buckets
         # were launched by every rank that saw the same unused set), then reset.
-        for bucket in self.buckets[:self._next_bucket]:
+        for bucket in self.buckets[: self._next_bucket]:
             if bucket.work is not None:
                 bucket.work.wait()
             bucket.work = None
@@ -476,7 +488,8 @@ class Reducer:
             "that requires grad has to take part in computing the loss. Fix: make all forward "
             "outputs that depend on them feed the loss, set requires_grad=False on parameters "
             "you do not train, or construct the wrapper with find_unused_parameters=True "
-            "(costs an autograd-graph walk per iteration).")
+            "(costs an autograd-graph walk per iteration)."
+        )
 
     # ----------------------------------------------------------------------------- join
     def shadow_backward(self) -> None:
@@ -488,8 +501,7 @@ class Reducer:
             if self.comm_hook is None:
                 dist.all_reduce(zeros, group=self.group)
             else:
-                self.comm_hook(GradBucket(b, zeros, bucket.params, [], b == len(self.buckets) - 1)
-                               ).wait()
+                self.comm_hook(GradBucket(b, zeros, bucket.params, [], b == len(self.buckets) - 1)).wait()
         if self.find_unused or first_static:
             used = torch.zeros(len(self.params), dtype=torch.int32, device=self._comm_device)
             dist.all_reduce(used, group=self.group)
@@ -504,4 +516,3 @@ class Reducer:
         """Detaches the gradient hooks from the parameters (the reducer stops working)."""
         _remove(self._handles)
         self._handles.clear()
-

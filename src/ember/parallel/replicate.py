@@ -28,6 +28,7 @@ re-read on every call, so parameters replaced or moved (``load_state_dict``, ``.
 reusing them would need the same dict copy to pick up attribute changes (``train()``/``eval()``),
 and fresh copies cannot be disturbed by a caller that keeps a replica from an earlier step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -69,8 +70,11 @@ def _layout(t: Tensor) -> tuple[list[int], tuple[int, ...]]:
     return order, tuple(strides)
 
 
-def _pieces(flat: Tensor, like: Sequence[Tensor], layouts: Sequence[tuple[list[int], tuple]],
-            ) -> list[Tensor]:
+def _pieces(
+    flat: Tensor,
+    like: Sequence[Tensor],
+    layouts: Sequence[tuple[list[int], tuple]],
+) -> list[Tensor]:
     """Cut ``flat`` into tensors shaped (and strided) as ``like``, each its own tensor.
 
     ``.data`` rather than a view: views of one flat tensor would share its autograd version
@@ -100,8 +104,7 @@ def _copy_to(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
             groups.setdefault(t.dtype, []).append(i)
     for bucket in _buckets(tensors, groups.values()):
         layouts = [_layout(tensors[j]) for j in bucket]
-        flat = torch.cat([tensors[j].permute(order).reshape(-1)
-                          for j, (order, _) in zip(bucket, layouts)])
+        flat = torch.cat([tensors[j].permute(order).reshape(-1) for j, (order, _) in zip(bucket, layouts)])
         moved = flat.to(device, non_blocking=device.type == "cuda")
         for j, piece in zip(bucket, _pieces(moved, [tensors[j] for j in bucket], layouts)):
             out[j] = piece
@@ -142,8 +145,7 @@ def _reduce_add_coalesced(rows: Sequence[Sequence[Tensor]], destination: torch.d
         layouts = [_layout(first[j]) for j in bucket]
         total: Tensor | None = None
         for row in rows:
-            flat = torch.cat([row[j].permute(order).reshape(-1)
-                              for j, (order, _) in zip(bucket, layouts)])
+            flat = torch.cat([row[j].permute(order).reshape(-1) for j, (order, _) in zip(bucket, layouts)])
             flat = flat.to(destination, non_blocking=async_copy)
             if total is None:
                 total = flat  # torch.cat made it: ours to add into
@@ -194,13 +196,12 @@ class ReduceAdd(torch.autograd.Function):
     """Sum per-device gradients (laid out as :class:`Broadcast` outputs) onto ``destination``."""
 
     @staticmethod
-    def forward(ctx: Any, destination: torch.device, num_inputs: int,
-                *grads: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, destination: torch.device, num_inputs: int, *grads: Tensor) -> tuple[Tensor, ...]:
         ctx.devices = [grads[k].device for k in range(0, len(grads), num_inputs)]
         if all(g.device == destination for g in grads):
             # Nothing to move: one add per tensor (a coalesced sum would only add two copies).
             return tuple(_sum_parts(grads[j::num_inputs], destination) for j in range(num_inputs))
-        rows = [grads[k:k + num_inputs] for k in range(0, len(grads), num_inputs)]
+        rows = [grads[k : k + num_inputs] for k in range(0, len(grads), num_inputs)]
         return tuple(_reduce_add_coalesced(rows, destination))
 
     @staticmethod
@@ -218,8 +219,9 @@ class _Plan:
         self.root = root
         self.modules = list(root.modules())  # de-duplicated, root first
         index = {id(m): k for k, m in enumerate(self.modules)}
-        self.children = [[(name, None if c is None else index[id(c)])
-                          for name, c in m._modules.items()] for m in self.modules]
+        self.children = [
+            [(name, None if c is None else index[id(c)]) for name, c in m._modules.items()] for m in self.modules
+        ]
         self.params = [tuple(m._parameters) for m in self.modules]
         self.buffers = [tuple(m._buffers) for m in self.modules]
 
@@ -227,10 +229,8 @@ class _Plan:
         if root is not self.root:
             return False
         modules = self.modules
-        for m, children, params, buffers in zip(modules, self.children, self.params,
-                                                self.buffers):
-            if (len(m._modules) != len(children) or len(m._parameters) != len(params)
-                    or len(m._buffers) != len(buffers)):
+        for m, children, params, buffers in zip(modules, self.children, self.params, self.buffers):
+            if len(m._modules) != len(children) or len(m._parameters) != len(params) or len(m._buffers) != len(buffers):
                 return False
             got = m._modules
             for name, k in children:
@@ -240,8 +240,11 @@ class _Plan:
         return True
 
 
-def _collect(modules: list[nn.Module], names: list[tuple[str, ...]], attr: str,
-             ) -> tuple[list[Tensor], list[list[tuple[str, int | None]]]]:
+def _collect(
+    modules: list[nn.Module],
+    names: list[tuple[str, ...]],
+    attr: str,
+) -> tuple[list[Tensor], list[list[tuple[str, int | None]]]]:
     """Unique tensors (shared ones once) and, per module, (name, index into them or None)."""
     unique: dict[int, int] = {}
     tensors: list[Tensor] = []
@@ -294,8 +297,7 @@ class Replicator:
     def __deepcopy__(self, memo: dict) -> Replicator:
         return Replicator()
 
-    def replicate(self, module: nn.Module, devices: Sequence[DeviceLike],
-                  mode: str = "graph") -> Replicas:
+    def replicate(self, module: nn.Module, devices: Sequence[DeviceLike], mode: str = "graph") -> Replicas:
         """Replicas of ``module`` on ``devices``; ``mode`` is "graph", "leaf" or "detached".
 
         Raises:
@@ -319,8 +321,7 @@ class Replicator:
         per, sources, leaves = _tensor_copies(params + diff_buffers, devs, mode)
         n_params = len(params)
         bcopies = _buffer_copies(buffers, devs, [row[n_params:] for row in per])
-        replicas = [_build(plan, pslots, bslots, per[r][:n_params], bcopies[r])
-                    for r in range(len(devs))]
+        replicas = [_build(plan, pslots, bslots, per[r][:n_params], bcopies[r]) for r in range(len(devs))]
         return Replicas(replicas, sources, leaves)
 
 
@@ -332,17 +333,21 @@ def _check_devices(params: list[Tensor], buffers: list[Tensor], device: torch.de
                     f"module must have its parameters and buffers on device {device} "
                     f"(device_ids[0]) but found a {kind} of shape {tuple(t.shape)} on device "
                     f"{t.device}. Move the module first, e.g. module.to({str(device)!r}), or "
-                    f"put that device first in device_ids.")
+                    f"put that device first in device_ids."
+                )
 
 
-def _tensor_copies(tensors: list[Tensor], devs: list[torch.device], mode: str,
-                   ) -> tuple[list[list[Tensor]], list[Tensor], list[list[Any]]]:
+def _tensor_copies(
+    tensors: list[Tensor],
+    devs: list[torch.device],
+    mode: str,
+) -> tuple[list[list[Tensor]], list[Tensor], list[list[Any]]]:
     """Per-replica copies of parameters (and buffers that require grad); in leaf mode also the
     sources (originals that require grad) and each replica's leaves for them."""
     n = len(tensors)
     if mode == "graph" and torch.is_grad_enabled() and n:
         flat = Broadcast.apply(devs, *tensors)
-        return [list(flat[r * n:(r + 1) * n]) for r in range(len(devs))], [], []
+        return [list(flat[r * n : (r + 1) * n]) for r in range(len(devs))], [], []
     per: list[list[Tensor]] = []
     on_device: dict[torch.device, list[Tensor]] = {}
     for d in devs:
@@ -368,8 +373,7 @@ def _tensor_copies(tensors: list[Tensor], devs: list[torch.device], mode: str,
     return per, [tensors[j] for j in wanted], [[row[j] for j in wanted] for row in per]
 
 
-def _buffer_copies(buffers: list[Tensor], devs: list[torch.device],
-                   diff: list[list[Tensor]]) -> list[list[Tensor]]:
+def _buffer_copies(buffers: list[Tensor], devs: list[torch.device], diff: list[list[Tensor]]) -> list[list[Tensor]]:
     """Per-replica buffers: the originals on the first replica, copies elsewhere (so their
     in-place updates are lost); buffers that require grad come from ``diff``."""
     plain = [b for b in buffers if not b.requires_grad] if diff[0] else buffers
@@ -381,13 +385,11 @@ def _buffer_copies(buffers: list[Tensor], devs: list[torch.device],
             with torch.no_grad():
                 copies = iter([b.clone() for b in plain] if d == devs[0] else _copy_to(plain, d))
         grads = iter(diff[r])
-        out.append([next(grads) if diff[0] and b.requires_grad else next(copies)
-                    for b in buffers])
+        out.append([next(grads) if diff[0] and b.requires_grad else next(copies) for b in buffers])
     return out
 
 
-def _build(plan: _Plan, pslots: list, bslots: list, params: list[Tensor],
-           buffers: list[Tensor]) -> nn.Module:
+def _build(plan: _Plan, pslots: list, bslots: list, params: list[Tensor], buffers: list[Tensor]) -> nn.Module:
     copies = []
     new_object, set_attr = object.__new__, object.__setattr__
     for m, prow, brow in zip(plan.modules, pslots, bslots):
@@ -403,13 +405,11 @@ def _build(plan: _Plan, pslots: list, bslots: list, params: list[Tensor],
         d["_is_replica"] = True
         copies.append(replica)
     for replica, children in zip(copies, plan.children):
-        replica.__dict__["_modules"] = {name: None if k is None else copies[k]
-                                        for name, k in children}
+        replica.__dict__["_modules"] = {name: None if k is None else copies[k] for name, k in children}
     return copies[0]
 
 
-def replicate(network: nn.Module, devices: Sequence[DeviceLike],
-              detach: bool = False) -> list[nn.Module]:
+def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:
     """Replicas of ``network`` on ``devices`` (PyTorch's ``replicate`` signature).
 
     Args:

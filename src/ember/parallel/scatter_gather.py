@@ -9,6 +9,7 @@ gather concatenates tensors back along ``dim`` on one device.
 Both work on a flattened view of the structure (``flatten`` / ``unflatten``) so that one
 recursive walk serves scatter, gather and their error messages.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,8 +26,16 @@ from torch import Tensor
 DeviceLike = torch.device | str | int
 
 __all__ = [
-    "DeviceLike", "Gather", "Scatter", "as_device", "chunk_sizes", "flatten", "gather", "scatter",
-    "scatter_kwargs", "unflatten",
+    "DeviceLike",
+    "Gather",
+    "Scatter",
+    "as_device",
+    "chunk_sizes",
+    "flatten",
+    "gather",
+    "scatter",
+    "scatter_kwargs",
+    "unflatten",
 ]
 
 
@@ -222,8 +231,9 @@ class Scatter(torch.autograd.Function):
     """Split ``input`` along ``dim`` into chunks of ``sizes`` on ``devices``; backward gathers."""
 
     @staticmethod
-    def forward(ctx: Any, devices: Sequence[torch.device], sizes: Sequence[int], dim: int,
-                input: Tensor) -> tuple[Tensor, ...]:
+    def forward(
+        ctx: Any, devices: Sequence[torch.device], sizes: Sequence[int], dim: int, input: Tensor
+    ) -> tuple[Tensor, ...]:
         ctx.dim, ctx.input_device = dim, input.device
         chunks = input.split(list(sizes), dim)
         return tuple(copy_to(c, d) for c, d in zip(chunks, devices))
@@ -293,22 +303,23 @@ def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> 
     return [unflatten(spec, replica_leaves) for replica_leaves in split]
 
 
-def _split_leaves(leaves: list[Any], spec: Spec | None, devices: list[torch.device],
-                  dim: int) -> list[list[Any]]:
+def _split_leaves(leaves: list[Any], spec: Spec | None, devices: list[torch.device], dim: int) -> list[list[Any]]:
     tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
     if not tensor_at:
         kinds = sorted({type(leaf).__name__ for leaf in leaves}) or ["nothing"]
         raise ValueError(
             f"cannot scatter a batch that holds no tensor (found only: {', '.join(kinds)}); "
             f"data parallelism splits tensors along dim {dim} across devices. Pass the batch as "
-            "tensors, or call the wrapped module directly for inputs that cannot be split.")
+            "tensors, or call the wrapped module directly for inputs that cannot be split."
+        )
     sizes = {}
     for i in tensor_at:
         t = leaves[i]
         if t.dim() <= dim:
             raise ValueError(
                 f"cannot split {leaf_paths(spec)[i]} (a {t.dim()}-dim tensor) along dim {dim}. "
-                f"Give it a batch dimension, or pass it as a Python number or a module attribute.")
+                f"Give it a batch dimension, or pass it as a Python number or a module attribute."
+            )
         sizes[i] = t.size(dim)
     if len(set(sizes.values())) > 1:
         paths = leaf_paths(spec)
@@ -316,7 +327,8 @@ def _split_leaves(leaves: list[Any], spec: Spec | None, devices: list[torch.devi
         raise ValueError(
             f"every tensor in the batch must have the same size along dim {dim} to be split "
             f"into matching chunks, got {listed}. Move tensors that are not per-sample (lookup "
-            f"tables, masks shared by the batch) into the module, or give them a batch dimension.")
+            f"tables, masks shared by the batch) into the module, or give them a batch dimension."
+        )
     per_chunk = chunk_sizes(next(iter(sizes.values())), len(devices))
     n = len(per_chunk)
     out: list[list[Any]] = [list(leaves) for _ in range(n)]
@@ -326,17 +338,16 @@ def _split_leaves(leaves: list[Any], spec: Spec | None, devices: list[torch.devi
     return out
 
 
-def _split_tensor(t: Tensor, devices: list[torch.device], sizes: list[int],
-                  dim: int) -> Sequence[Tensor]:
+def _split_tensor(t: Tensor, devices: list[torch.device], sizes: list[int], dim: int) -> Sequence[Tensor]:
     if all(d == t.device for d in devices) and not (t.requires_grad and torch.is_grad_enabled()):
         # The common case (CPU batch, CPU replicas, no grad through the input): plain views.
         return t.split(sizes, dim)
     return Scatter.apply(devices, sizes, dim, t)
 
 
-def scatter_kwargs(inputs: tuple, kwargs: dict[str, Any] | None,
-                   target_devices: Sequence[DeviceLike],
-                   dim: int = 0) -> tuple[list[tuple], list[dict[str, Any]]]:
+def scatter_kwargs(
+    inputs: tuple, kwargs: dict[str, Any] | None, target_devices: Sequence[DeviceLike], dim: int = 0
+) -> tuple[list[tuple], list[dict[str, Any]]]:
     """Scatter positional and keyword arguments together, into equally long lists.
 
     Both are split as one batch, so their tensors must agree in size along ``dim`` and every
@@ -349,9 +360,14 @@ def scatter_kwargs(inputs: tuple, kwargs: dict[str, Any] | None,
     return [args for args, _ in pairs], [kw for _, kw in pairs]
 
 
-def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0,
-           *, warn_on_scalars: bool = True,
-           combine_scalars: Callable[[list[Tensor]], Tensor] | None = None) -> Any:
+def gather(
+    outputs: Sequence[Any],
+    target_device: DeviceLike,
+    dim: int = 0,
+    *,
+    warn_on_scalars: bool = True,
+    combine_scalars: Callable[[list[Tensor]], Tensor] | None = None,
+) -> Any:
     """Concatenate replica outputs along ``dim`` on ``target_device``.
 
     Args:
@@ -377,27 +393,33 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0,
     for r, (_, other) in enumerate(flat[1:], start=1):
         problem = _spec_mismatch(spec, other, "output")
         if problem:
-            raise ValueError(f"replica 0 and replica {r} returned different structures: "
-                             f"{problem}. Every replica must return the same structure.")
+            raise ValueError(
+                f"replica 0 and replica {r} returned different structures: "
+                f"{problem}. Every replica must return the same structure."
+            )
     columns = zip(*(leaves for leaves, _ in flat))
-    return unflatten(spec, [_gather_leaf(list(col), device, dim, warn_on_scalars, combine_scalars)
-                            for col in columns])
+    return unflatten(spec, [_gather_leaf(list(col), device, dim, warn_on_scalars, combine_scalars) for col in columns])
 
 
-def _gather_leaf(values: list[Any], device: torch.device, dim: int, warn: bool,
-                 combine: Callable[[list[Tensor]], Tensor] | None) -> Any:
+def _gather_leaf(
+    values: list[Any], device: torch.device, dim: int, warn: bool, combine: Callable[[list[Tensor]], Tensor] | None
+) -> Any:
     first = values[0]
     if isinstance(first, Tensor):
         if not all(isinstance(v, Tensor) for v in values):
-            raise ValueError(f"replica 0 returned a tensor where another returned "
-                             f"{[type(v).__name__ for v in values]}; outputs must match")
+            raise ValueError(
+                f"replica 0 returned a tensor where another returned "
+                f"{[type(v).__name__ for v in values]}; outputs must match"
+            )
         scalars = all(v.dim() == 0 for v in values)
         if scalars and combine is not None:
             return combine(values)
         if warn and scalars:
-            warnings.warn(f"Was asked to gather along dimension {dim}, but all input tensors "
-                          "were scalars; will instead unsqueeze and return a vector.",
-                          stacklevel=3)
+            warnings.warn(
+                f"Was asked to gather along dimension {dim}, but all input tensors "
+                "were scalars; will instead unsqueeze and return a vector.",
+                stacklevel=3,
+            )
         if len(values) == 1 and first.device == device and first.dim() > 0:
             return first  # nothing to concatenate: skip a copy
         return Gather.apply(device, dim, *values)

@@ -1,5 +1,6 @@
 """Profilers for ``Trainer(profiler=...)``: "simple" (wall time per action), "advanced" (cProfile per
 action), "pytorch" (``torch.profiler`` with a TensorBoard trace), or a ``Profiler`` subclass of your own."""
+
 from ember.profilers.advanced import AdvancedProfiler
 from ember.profilers.base import PassThroughProfiler, Profiler
 from ember.profilers.pytorch import PyTorchProfiler

@@ -4,6 +4,7 @@ Actions nest (``run_training_batch`` holds ``training_step``). Only one cProfile
 time (Python 3.12 refuses a second), so the active action's profile is paused while a nested one
 runs and resumed when it stops; each function call is counted in the innermost action only.
 """
+
 from __future__ import annotations
 
 import cProfile
@@ -24,8 +25,13 @@ class AdvancedProfiler(Profiler):
             ``snakeviz`` or ``pstats``); needs ``dirpath`` (or the trainer's log folder).
     """
 
-    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
-                 line_count_restriction: float = 1.0, dump_stats: bool = False) -> None:
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        filename: str | None = None,
+        line_count_restriction: float = 1.0,
+        dump_stats: bool = False,
+    ) -> None:
         super().__init__(dirpath=dirpath, filename=filename)
         self.profiled_actions: dict[str, cProfile.Profile] = {}
         self.line_count_restriction = line_count_restriction
@@ -58,7 +64,8 @@ class AdvancedProfiler(Profiler):
                 profile.dump_stats(path)
             out = io.StringIO()
             pstats.Stats(profile, stream=out).strip_dirs().sort_stats("cumulative").print_stats(
-                self.line_count_restriction)
+                self.line_count_restriction
+            )
             stats[action] = out.getvalue()
         return self._stats_to_str(stats)
 

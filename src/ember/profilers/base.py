@@ -12,6 +12,7 @@ Why "off costs nothing": the Trainer never calls a profiler per step when there 
 ``PassThroughProfiler`` (the default) gets ``fn`` itself back, so the step path is the same objects
 as without this module. A real profiler gets a wrapper that times each call.
 """
+
 from __future__ import annotations
 
 import os

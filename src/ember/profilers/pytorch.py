@@ -7,6 +7,7 @@ one ``<stage>[-<filename>][-<rank>].<time>.pt.trace.json`` per run and rank, so
 ``tensorboard --logdir <dirpath>`` finds it. A ``schedule`` (``torch.profiler.schedule``) limits
 recording to some training batches: the profiler steps once per training batch.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,9 +33,16 @@ class PyTorchProfiler(Profiler):
             ``record_shapes``, ``profile_memory``, ``with_stack``...).
     """
 
-    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
-                 export_to_chrome: bool = True, sort_by_key: str | None = None, row_limit: int = 20,
-                 record_module_names: bool = False, **profiler_kwargs: Any) -> None:
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        filename: str | None = None,
+        export_to_chrome: bool = True,
+        sort_by_key: str | None = None,
+        row_limit: int = 20,
+        record_module_names: bool = False,
+        **profiler_kwargs: Any,
+    ) -> None:
         super().__init__(dirpath=dirpath, filename=filename)
         self.export_to_chrome = export_to_chrome
         self.row_limit = row_limit
@@ -57,15 +65,20 @@ class PyTorchProfiler(Profiler):
         on_ready: Callable[..., Any] | None = None
         if self.export_to_chrome:
             folder = self.dirpath or os.getcwd()
-            name = os.path.basename(self.report_path(extension="") or "") or "-".join(
-                p for p in (self._stage, None if self._rank is None else str(self._rank)) if p) or "trace"
+            name = (
+                os.path.basename(self.report_path(extension="") or "")
+                or "-".join(p for p in (self._stage, None if self._rank is None else str(self._rank)) if p)
+                or "trace"
+            )
 
             def on_ready(prof: torch.profiler.profile) -> None:
                 before = set(os.listdir(folder)) if os.path.isdir(folder) else set()
                 torch.profiler.tensorboard_trace_handler(folder, worker_name=name)(prof)
                 self.trace_paths += [os.path.join(folder, f) for f in sorted(set(os.listdir(folder)) - before)]
-        self.profiler = torch.profiler.profile(on_trace_ready=on_ready, with_modules=self.record_module_names,
-                                               **self.profiler_kwargs)
+
+        self.profiler = torch.profiler.profile(
+            on_trace_ready=on_ready, with_modules=self.record_module_names, **self.profiler_kwargs
+        )
         self.profiler.__enter__()
 
     def start(self, action_name: str) -> None:

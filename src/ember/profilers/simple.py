@@ -4,6 +4,7 @@ Nested actions are timed independently (``run_training_batch`` contains ``traini
 percentages of nested rows add up to more than 100 %: each row answers "how much of the run was
 spent inside this action".
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,9 @@ class SimpleProfiler(Profiler):
         extended: add the number of calls and the percentage of the run to the table.
     """
 
-    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
-                 extended: bool = True) -> None:
+    def __init__(
+        self, dirpath: str | os.PathLike | None = None, filename: str | None = None, extended: bool = True
+    ) -> None:
         super().__init__(dirpath=dirpath, filename=filename)
         self.current_actions: dict[str, float] = {}
         self.recorded_durations: dict[str, list[float]] = defaultdict(list)

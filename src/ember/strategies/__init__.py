@@ -1,4 +1,5 @@
 """Strategies: how the Trainer places and parallelises a module. Pick one by name or pass an instance."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -7,16 +8,25 @@ from ember.strategies.registry import available_strategies, get_strategy, regist
 from ember.strategies.single import SingleDeviceStrategy
 from ember.strategies.strategy import Strategy
 
-__all__ = ["Strategy", "SingleDeviceStrategy", "DataParallelStrategy", "DDPStrategy",
-           "register_strategy", "get_strategy", "available_strategies"]
+__all__ = [
+    "Strategy",
+    "SingleDeviceStrategy",
+    "DataParallelStrategy",
+    "DDPStrategy",
+    "register_strategy",
+    "get_strategy",
+    "available_strategies",
+]
 
 
 def __getattr__(name: str) -> Any:
     # The parallel strategies pull in threads / torch.distributed machinery: import on first use.
     if name == "DataParallelStrategy":
         from ember.strategies.dp import DataParallelStrategy
+
         return DataParallelStrategy
     if name == "DDPStrategy":
         from ember.strategies.ddp import DDPStrategy
+
         return DDPStrategy
     raise AttributeError(f"module 'ember.strategies' has no attribute {name!r}")

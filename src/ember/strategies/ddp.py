@@ -26,6 +26,7 @@ watchdog thread per rank stops the job when one rank keeps the others waiting, n
 stack. A collective that times out raises :class:`~ember.strategies.watchdog.CollectiveTimeout`,
 which names the rank that did not arrive.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,8 +58,7 @@ from ember.types import ReduceOp, Stage
 __all__ = ["DDPStrategy"]
 
 T = TypeVar("T")
-_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
-        "max": dist.ReduceOp.MAX}
+_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 # Collectives a rank may wait in at every step, as the watchdog's messages name them.
 _GRADIENTS = "the gradient all-reduce (backward)"
 _BUFFERS = "the buffer broadcast before training_step"
@@ -68,9 +68,11 @@ def oversubscription_message(ranks: int, cores: int) -> str | None:
     """What to tell a user whose ``ranks`` CPU processes on one machine outnumber its ``cores`` (None if not)."""
     if ranks <= cores:
         return None
-    return (f"{ranks} CPU ranks run on this machine, which has {cores} core(s) for this job: the ranks take turns "
-            f"on the cores, so training runs slower than with devices={cores}. Use devices={cores} (or fewer) on "
-            "this machine, more machines, or GPUs.")
+    return (
+        f"{ranks} CPU ranks run on this machine, which has {cores} core(s) for this job: the ranks take turns "
+        f"on the cores, so training runs slower than with devices={cores}. Use devices={cores} (or fewer) on "
+        "this machine, more machines, or GPUs."
+    )
 
 
 class DDPStrategy(Strategy):
@@ -100,32 +102,54 @@ class DDPStrategy(Strategy):
 
     strategy_name = "ddp"
 
-    def __init__(self, accelerator: str | None = None, devices: list[torch.device] | None = None,
-                 *, bucket_cap_mb: float = 25, find_unused_parameters: bool = False,
-                 comm_hook: Any = None, timeout: float | datetime.timedelta = 1800.0,
-                 watchdog_timeout: float | None = 60.0,
-                 start_method: str = "popen", gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, broadcast_buffers: bool = True,
-                 process_group_backend: str | None = None) -> None:
+    def __init__(
+        self,
+        accelerator: str | None = None,
+        devices: list[torch.device] | None = None,
+        *,
+        bucket_cap_mb: float = 25,
+        find_unused_parameters: bool = False,
+        comm_hook: Any = None,
+        timeout: float | datetime.timedelta = 1800.0,
+        watchdog_timeout: float | None = 60.0,
+        start_method: str = "popen",
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        broadcast_buffers: bool = True,
+        process_group_backend: str | None = None,
+    ) -> None:
         if start_method not in ("popen", "spawn"):
-            raise ValueError(f"start_method={start_method!r} is not supported; use 'popen' (re-run "
-                             "the script, the 'ddp' default) or 'spawn' (what 'ddp_spawn' uses).")
+            raise ValueError(
+                f"start_method={start_method!r} is not supported; use 'popen' (re-run "
+                "the script, the 'ddp' default) or 'spawn' (what 'ddp_spawn' uses)."
+            )
         if watchdog_timeout is False:
             watchdog_timeout = None
-        if watchdog_timeout is not None and (isinstance(watchdog_timeout, bool) or not isinstance(
-                watchdog_timeout, (int, float)) or not watchdog_timeout > 0):
-            raise ValueError(f"watchdog_timeout={watchdog_timeout!r} is not valid: give the seconds one rank may "
-                             "keep the others waiting (a number > 0; the deadline grows with the slowest "
-                             "step), or None to turn the watchdog off.")
+        if watchdog_timeout is not None and (
+            isinstance(watchdog_timeout, bool)
+            or not isinstance(watchdog_timeout, (int, float))
+            or not watchdog_timeout > 0
+        ):
+            raise ValueError(
+                f"watchdog_timeout={watchdog_timeout!r} is not valid: give the seconds one rank may "
+                "keep the others waiting (a number > 0; the deadline grows with the slowest "
+                "step), or None to turn the watchdog off."
+            )
         super().__init__(accelerator=accelerator, devices=devices)
         self.start_method = start_method
-        self.timeout = timeout if isinstance(timeout, datetime.timedelta) else \
-            datetime.timedelta(seconds=float(timeout))
+        self.timeout = (
+            timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=float(timeout))
+        )
         self.watchdog_timeout = None if watchdog_timeout is None else float(watchdog_timeout)
         self.process_group_backend = process_group_backend
-        self.ddp_kwargs = dict(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
-                               comm_hook=comm_hook, gradient_as_bucket_view=gradient_as_bucket_view,
-                               static_graph=static_graph, broadcast_buffers=broadcast_buffers)
+        self.ddp_kwargs = dict(
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            comm_hook=comm_hook,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            broadcast_buffers=broadcast_buffers,
+        )
         self.ddp: DistributedDataParallel | None = None
         self._world: World | None = detect_world()
         self._launcher: Launcher | None = None
@@ -139,8 +163,15 @@ class DDPStrategy(Strategy):
     def __getstate__(self) -> dict[str, Any]:
         # Sent to spawned workers: they find their own place in the job and their own group.
         state = dict(self.__dict__)
-        state.update(ddp=None, _world=None, _launcher=None, _owns_group=False, _threads_before=None,
-                     _beacon=Beacon(), _watchdog=None)
+        state.update(
+            ddp=None,
+            _world=None,
+            _launcher=None,
+            _owns_group=False,
+            _threads_before=None,
+            _beacon=Beacon(),
+            _watchdog=None,
+        )
         return state
 
     @property
@@ -183,7 +214,8 @@ class DDPStrategy(Strategy):
             f"process(es) per machine, but devices={[d.index for d in devices]} lists only "
             f"{len(devices)} CUDA device(s), so it has no device of its own. Give one device per "
             f"process on each machine: devices={per_machine} (or a list of {per_machine} indices), "
-            "or start as many processes per machine as devices (torchrun --nproc-per-node).")
+            "or start as many processes per machine as devices (torchrun --nproc-per-node)."
+        )
 
     @property
     def backend(self) -> str:
@@ -246,9 +278,15 @@ class DDPStrategy(Strategy):
         if store is None:
             return  # a process group made without a store we can reach: no watchdog
         self._beacon = Beacon()
-        self._watchdog = Watchdog(store, dist.get_rank(), dist.get_world_size(), self._beacon,
-                                  floor=self.watchdog_timeout, timeout=self.timeout.total_seconds(),
-                                  progress=self._progress)
+        self._watchdog = Watchdog(
+            store,
+            dist.get_rank(),
+            dist.get_world_size(),
+            self._beacon,
+            floor=self.watchdog_timeout,
+            timeout=self.timeout.total_seconds(),
+            progress=self._progress,
+        )
         self._watchdog.start()
 
     @property
@@ -269,8 +307,11 @@ class DDPStrategy(Strategy):
         # Read by the watchdog thread once a second: plain attribute reads.
         trainer = self.trainer
         progress = getattr(trainer, "progress", None)
-        return {"stage": getattr(trainer, "state", None), "step": getattr(progress, "global_step", None),
-                "epoch": getattr(progress, "current_epoch", None)}
+        return {
+            "stage": getattr(trainer, "state", None),
+            "step": getattr(progress, "global_step", None),
+            "epoch": getattr(progress, "current_epoch", None),
+        }
 
     def abort_job(self, message: str, exit_code: int) -> NoReturn:
         """Ends every process of the job now with ``exit_code``, for a rank that cannot stop cleanly
@@ -323,8 +364,13 @@ class DDPStrategy(Strategy):
 
     def _wrap(self, module: Any) -> None:
         device_ids = [self.root_device] if self.root_device.type == "cuda" else None
-        self.ddp = self._waiting("the broadcast of rank 0's weights (DistributedDataParallel setup)",
-                                 DistributedDataParallel, module, device_ids=device_ids, **self.ddp_kwargs)
+        self.ddp = self._waiting(
+            "the broadcast of rank 0's weights (DistributedDataParallel setup)",
+            DistributedDataParallel,
+            module,
+            device_ids=device_ids,
+            **self.ddp_kwargs,
+        )
         self._buffers_stale = False
         self._trainable = [id(p) for p in module.parameters() if p.requires_grad]
 
@@ -369,24 +415,36 @@ class DDPStrategy(Strategy):
             return dataloader
         n = len(dataloader.dataset)
         if n < self.world_size:
-            raise ValueError(f"The {stage} dataset has {n} samples but the job has {self.world_size} "
-                             "ranks; each rank needs at least one. Use fewer processes or more data.")
+            raise ValueError(
+                f"The {stage} dataset has {n} samples but the job has {self.world_size} "
+                "ranks; each rank needs at least one. Use fewer processes or more data."
+            )
         shuffle = isinstance(dataloader.sampler, RandomSampler)
         # Validation and test shards that would yield a batch fewer than the longest get a padding
         # batch (sampler.py), so every rank runs the same steps. Predict keeps its shards as they are,
         # as Lightning does: its outputs are the dataset's, each sample once.
         batch_size = dataloader.batch_size if stage != "predict" else None
         sampler = self._sampler_factory(even=False, batch_size=batch_size, drop_last=dataloader.drop_last)(
-            n, shuffle, dataloader.sampler)
+            n, shuffle, dataloader.sampler
+        )
         return rebuild_with_sampler(dataloader, sampler)
 
-    def _sampler_factory(self, even: bool, batch_size: int | None = None,
-                         drop_last: bool = False) -> Callable[[int, bool, Any], ShardedSampler]:
+    def _sampler_factory(
+        self, even: bool, batch_size: int | None = None, drop_last: bool = False
+    ) -> Callable[[int, bool, Any], ShardedSampler]:
         def factory(n: int, shuffle: bool, user_sampler: Any) -> ShardedSampler:
-            return ShardedSampler(n, self.world_size, self.global_rank, shuffle=shuffle,
-                                  generator=getattr(user_sampler, "generator", None), even=even,
-                                  agree=lambda seed: self.broadcast(seed, 0), batch_size=batch_size,
-                                  drop_last=drop_last)
+            return ShardedSampler(
+                n,
+                self.world_size,
+                self.global_rank,
+                shuffle=shuffle,
+                generator=getattr(user_sampler, "generator", None),
+                even=even,
+                agree=lambda seed: self.broadcast(seed, 0),
+                batch_size=batch_size,
+                drop_last=drop_last,
+            )
+
         return factory
 
     def _warn_unsharded(self, loader: Any, stage: Stage, reason: str | None = None) -> None:
@@ -395,7 +453,9 @@ class DDPStrategy(Strategy):
                 f"The {stage} loader cannot be sharded by ember ({reason or why_not_swappable(loader)}),"
                 " so every rank iterates all of it. Shard it yourself (e.g. by "
                 "trainer.global_rank / trainer.world_size), or use a plain DataLoader.",
-                UserWarning, stacklevel=3)
+                UserWarning,
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
@@ -509,6 +569,10 @@ class DDPStrategy(Strategy):
         if self.world_size == 1 or not dist.is_initialized():
             return decision
         flag = torch.tensor([int(bool(decision))], device=self.root_device)
-        self._waiting("an all-reduce (strategy.reduce_boolean_decision)", dist.all_reduce, flag,
-                      op=dist.ReduceOp.MIN if all else dist.ReduceOp.MAX)
+        self._waiting(
+            "an all-reduce (strategy.reduce_boolean_decision)",
+            dist.all_reduce,
+            flag,
+            op=dist.ReduceOp.MIN if all else dist.ReduceOp.MAX,
+        )
         return bool(flag.item())

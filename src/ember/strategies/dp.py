@@ -27,6 +27,7 @@ Random ops (dropout) draw from the one global generator in whatever order the re
 reach it, so a dp run is not bit-reproducible, and does not draw the same masks as "single".
 Manual optimization is not supported (the replicas would each step the optimizer).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -117,8 +118,9 @@ def _merge_metrics(module: nn.Module, replicas: list[nn.Module], paths: list[str
     return originals
 
 
-def _combine_logs(module: TrainModule, sinks: list[_ReplicaLog], weights: list[int],
-                  device: torch.device, metrics: dict[int, Any]) -> None:
+def _combine_logs(
+    module: TrainModule, sinks: list[_ReplicaLog], weights: list[int], device: torch.device, metrics: dict[int, Any]
+) -> None:
     """Log, on ``module``, one value per name (and per repeated call) from all replicas."""
     order: list[str] = []
     by_name: dict[str, list[list[tuple[Any, dict, int]]]] = {}
@@ -150,8 +152,7 @@ def _combine_logs(module: TrainModule, sinks: list[_ReplicaLog], weights: list[i
             elif fx == "sum":
                 value = _weighted_sum(values, [1.0] * len(values), device)
             else:
-                stacked = torch.stack([torch.as_tensor(v, device=device).reshape(())
-                                       for v in values])
+                stacked = torch.stack([torch.as_tensor(v, device=device).reshape(()) for v in values])
                 value = stacked.max() if fx == "max" else stacked.min()
             module.log(name, value, **options)
 
@@ -171,9 +172,14 @@ class DataParallelStrategy(Strategy):
 
     strategy_name = "dp"
 
-    def __init__(self, accelerator: str | None = None, devices: list[torch.device] | None = None,
-                 *, parallel_backward: bool | None = None,
-                 threads_per_replica: int | None = None) -> None:
+    def __init__(
+        self,
+        accelerator: str | None = None,
+        devices: list[torch.device] | None = None,
+        *,
+        parallel_backward: bool | None = None,
+        threads_per_replica: int | None = None,
+    ) -> None:
         super().__init__(accelerator=accelerator, devices=devices)
         self.parallel_backward = parallel_backward
         self.threads_per_replica = threads_per_replica
@@ -211,7 +217,8 @@ class DataParallelStrategy(Strategy):
             raise ValueError(
                 "strategy='dp' trains with automatic optimization only: with "
                 "automatic_optimization=False every replica would run its own backward and "
-                "optimizer step. Use strategy='single' or 'ddp' for manual optimization.")
+                "optimizer step. Use strategy='single' or 'ddp' for manual optimization."
+            )
         return self._run("training_step", batch, batch_idx, extra, training=True)
 
     def validation_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:
@@ -228,8 +235,7 @@ class DataParallelStrategy(Strategy):
             return self.threads_per_replica
         return max(1, torch.get_num_threads() // n)
 
-    def _run(self, method: str, batch: Any, batch_idx: int, extra: tuple,
-             training: bool = False) -> Any:
+    def _run(self, method: str, batch: Any, batch_idx: int, extra: tuple, training: bool = False) -> Any:
         module = self.module
         assert module is not None  # set by setup()
         devices = self.parallel_devices
@@ -253,10 +259,18 @@ class DataParallelStrategy(Strategy):
 
         parallel_backward = bool(self.parallel_backward)
         check = parallel_backward and training and not self._leaves_checked
-        outputs = run_replicas(module, self._replicator, args, kwargs, devices, method=method,
-                               parallel_backward=parallel_backward,
-                               threads_per_replica=self._threads(len(args)), check_leaves=check,
-                               on_replicas=give_each_replica_a_log)
+        outputs = run_replicas(
+            module,
+            self._replicator,
+            args,
+            kwargs,
+            devices,
+            method=method,
+            parallel_backward=parallel_backward,
+            threads_per_replica=self._threads(len(args)),
+            check_leaves=check,
+            on_replicas=give_each_replica_a_log,
+        )
         if check and len(args) > 1:
             self._leaves_checked = True
         root = self.root_device
@@ -266,8 +280,7 @@ class DataParallelStrategy(Strategy):
         return _combine_outputs(outputs, weights, root, training)
 
 
-def _combine_outputs(outputs: list[Any], weights: list[int], device: torch.device,
-                     training: bool) -> Any:
+def _combine_outputs(outputs: list[Any], weights: list[int], device: torch.device, training: bool) -> Any:
     if len(outputs) == 1:
         return outputs[0]
     skipped = [i for i, out in enumerate(outputs) if out is None]
@@ -277,7 +290,8 @@ def _combine_outputs(outputs: list[Any], weights: list[int], device: torch.devic
         raise ValueError(
             f"training_step returned None on replicas {skipped} but not on the others. A step "
             "is skipped for the whole batch or not at all: make the decision independent of the "
-            "chunk (e.g. from batch_idx), or use strategy='single'.")
+            "chunk (e.g. from batch_idx), or use strategy='single'."
+        )
 
     def mean(values: list[Tensor]) -> Tensor:
         return _weighted_mean(values, [float(w) for w in weights], device)
@@ -289,7 +303,11 @@ def _combine_outputs(outputs: list[Any], weights: list[int], device: torch.devic
             loss = mean([t.reshape(()) for t in losses]).reshape(losses[0].shape)
             if not isinstance(outputs[0], dict):
                 return loss
-            rest = gather([{k: v for k, v in out.items() if k != "loss"} for out in outputs],
-                          device, warn_on_scalars=False, combine_scalars=mean)
+            rest = gather(
+                [{k: v for k, v in out.items() if k != "loss"} for out in outputs],
+                device,
+                warn_on_scalars=False,
+                combine_scalars=mean,
+            )
             return {"loss": loss, **rest}
     return gather(outputs, device, warn_on_scalars=False, combine_scalars=mean)

@@ -7,6 +7,7 @@ otherwise. A rank the launcher itself stopped does not count. Ctrl-C ends the la
 Python ends any script on an uncaught ``KeyboardInterrupt``: killed by SIGINT, which a shell
 reports as 130.
 """
+
 from __future__ import annotations
 
 import signal

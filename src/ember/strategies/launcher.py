@@ -24,6 +24,7 @@ outlives the job by more than a few seconds.
 The exit status of the process that started the job (what a scheduler reads) is the job's, as
 ``exits.py`` computes it: 1 when a rank failed, ``128 + N`` when the ranks stopped on signal N.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -49,16 +50,27 @@ import torch.distributed as dist
 
 from ember.strategies.exits import describe_exit, exit_status, job_status, signal_name, stop_signal
 
-__all__ = ["World", "detect_world", "Launcher", "PopenLauncher", "loopback_store", "local_env",
-           "FailureRecord", "classify_failure", "die_with_parent", "stop_processes", "is_peer_failure",
-           "destroy_group"]
+__all__ = [
+    "World",
+    "detect_world",
+    "Launcher",
+    "PopenLauncher",
+    "loopback_store",
+    "local_env",
+    "FailureRecord",
+    "classify_failure",
+    "die_with_parent",
+    "stop_processes",
+    "is_peer_failure",
+    "destroy_group",
+]
 
 _job_store: dist.Store | None = None  # this process's job store, once it has joined a job
 PARENT_ENV = "EMBER_DDP_PARENT_PID"  # set in processes ember starts: they die with that parent
 HOSTED_ENV = "EMBER_DDP_STORE_HOSTED"  # the store lives in the spawning process, not in rank 0
 _STOP_GRACE_S = 2.0
 PEERS_EXIT_S = 10.0  # how long a rank that exits on purpose (preemption) waits for the others to
-                     # exit too, before stopping them: they stop at the same step, so normally ms
+# exit too, before stopping them: they stop at the same step, so normally ms
 
 
 @dataclass(frozen=True)
@@ -81,17 +93,30 @@ def detect_world(env: dict[str, str] | None = None) -> World | None:
     if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         local = int(env.get("LOCAL_RANK", rank))
-        return World(rank, world, local, int(env.get("LOCAL_WORLD_SIZE", world)),
-                     int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))), env["MASTER_ADDR"],
-                     int(env["MASTER_PORT"]), "ember" if PARENT_ENV in env else "torchrun")
+        return World(
+            rank,
+            world,
+            local,
+            int(env.get("LOCAL_WORLD_SIZE", world)),
+            int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            "ember" if PARENT_ENV in env else "torchrun",
+        )
     ntasks = int(env.get("SLURM_NTASKS", "1") or 1)
     if "SLURM_PROCID" in env and ntasks > 1 and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
         per_node = re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE", "") or "")
         job = int(re.sub(r"\D", "", env.get("SLURM_JOB_ID", "0")) or 0)
-        return World(int(env["SLURM_PROCID"]), ntasks, int(env.get("SLURM_LOCALID", 0)),
-                     int(per_node.group()) if per_node else ntasks, int(env.get("SLURM_NODEID", 0)),
-                     env.get("MASTER_ADDR") or first_host(env.get("SLURM_NODELIST", "127.0.0.1")),
-                     int(env.get("MASTER_PORT") or 15000 + job % 20000), "slurm")
+        return World(
+            int(env["SLURM_PROCID"]),
+            ntasks,
+            int(env.get("SLURM_LOCALID", 0)),
+            int(per_node.group()) if per_node else ntasks,
+            int(env.get("SLURM_NODEID", 0)),
+            env.get("MASTER_ADDR") or first_host(env.get("SLURM_NODELIST", "127.0.0.1")),
+            int(env.get("MASTER_PORT") or 15000 + job % 20000),
+            "slurm",
+        )
     return None
 
 
@@ -110,15 +135,22 @@ def loopback_store(timeout: datetime.timedelta) -> dist.TCPStore:
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
     port = listener.getsockname()[1]
-    return dist.TCPStore("127.0.0.1", port, None, True, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=listener.detach())
+    return dist.TCPStore(
+        "127.0.0.1", port, None, True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.detach()
+    )
 
 
 def local_env(world_size: int, port: int) -> dict[str, str]:
     """Environment of a single-machine job ember starts (rank variables added per process)."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
-           "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "NODE_RANK": "0",
-           PARENT_ENV: str(os.getpid())}
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "NODE_RANK": "0",
+        PARENT_ENV: str(os.getpid()),
+    }
     if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own sockets on loopback too
     return env
@@ -137,6 +169,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 def stop_processes(procs: list[Any], grace: float = _STOP_GRACE_S) -> None:
     """SIGTERM, then SIGKILL what still runs after ``grace`` seconds; reap all (Popen or Process)."""
+
     def poll(p: Any) -> int | None:
         return p.poll() if isinstance(p, subprocess.Popen) else p.exitcode
 
@@ -153,16 +186,22 @@ def stop_processes(procs: list[Any], grace: float = _STOP_GRACE_S) -> None:
         p.wait() if isinstance(p, subprocess.Popen) else p.join()
 
 
-_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-               "Socket Timeout", "NCCL communicator was aborted", "failed to recv", "ECONNRESET")
+_PEER_SIGNS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "NCCL communicator was aborted",
+    "failed to recv",
+    "ECONNRESET",
+)
 
 
 def is_peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` looks like the consequence of another rank failing."""
     cause: BaseException | None = exc
     while cause is not None:
-        if isinstance(cause, getattr(dist, "DistError", ())) or \
-                any(s in str(cause) for s in _PEER_SIGNS):
+        if isinstance(cause, getattr(dist, "DistError", ())) or any(s in str(cause) for s in _PEER_SIGNS):
             return True
         cause = cause.__cause__ or cause.__context__
     return False
@@ -228,8 +267,7 @@ class Launcher:
         store: A store already created for the job (rank 0 of a job ember started).
     """
 
-    def __init__(self, world: World, timeout: datetime.timedelta,
-                 store: dist.Store | None = None) -> None:
+    def __init__(self, world: World, timeout: datetime.timedelta, store: dist.Store | None = None) -> None:
         self.world, self.timeout = world, timeout
         self.store = store or _job_store  # a later Trainer in the same job reuses the first's
         self.record = FailureRecord(self.store) if self.store is not None else None
@@ -249,10 +287,15 @@ class Launcher:
         if self.store is None:
             w = self.world
             # Under torchrun the agent hosts the store at MASTER_PORT; otherwise rank 0 does.
-            hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or \
-                HOSTED_ENV in os.environ
-            self.store = dist.TCPStore(w.master_addr, w.master_port, None, w.rank == 0 and not hosted,
-                                       timeout=self.timeout, wait_for_workers=False)
+            hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or HOSTED_ENV in os.environ
+            self.store = dist.TCPStore(
+                w.master_addr,
+                w.master_port,
+                None,
+                w.rank == 0 and not hosted,
+                timeout=self.timeout,
+                wait_for_workers=False,
+            )
         # Under torchrun the agent's store outlives a restart, and so do the previous attempt's
         # process-group keys (peer addresses among them): a restarted attempt that reads them
         # connects to dead peers ("Gloo connectFullMesh failed", pytorch#135712) or hangs. Each
@@ -260,9 +303,14 @@ class Launcher:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         extra: dict[str, Any] = {"device_id": device} if device is not None and device.type == "cuda" else {}
         before = socket_fds()
-        dist.init_process_group(backend, store=dist.PrefixStore(f"ember/attempt{attempt}", self.store),
-                                rank=self.world.rank, world_size=self.world.world_size,
-                                timeout=self.timeout, **extra)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"ember/attempt{attempt}", self.store),
+            rank=self.world.rank,
+            world_size=self.world.world_size,
+            timeout=self.timeout,
+            **extra,
+        )
         _group_sockets.update({fd: ino for fd, ino in socket_fds().items() if before.get(fd) != ino})
         # Left to interpreter shutdown, the group's threads can abort the process ("terminate
         # called without an active exception") after a perfectly good run.
@@ -281,8 +329,11 @@ class Launcher:
             if not original:
                 status = self.job_status(None)
                 why = "failed" if status == 1 else f"stopped on {signal_name(status - 128)}"
-                print(f"[ember ddp] rank {self.world.rank}: stopping because another rank {why}.",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[ember ddp] rank {self.world.rank}: stopping because another rank {why}.",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 raise SystemExit(status) from None
             note = f"[ember ddp] raised on rank {self.world.rank} of {self.world.world_size}."
             if hasattr(exc, "add_note"):
@@ -384,8 +435,7 @@ class PopenLauncher(Launcher):
             child_env = {**os.environ, **env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             self.children.append(subprocess.Popen(command, env=child_env))
         os.environ.update({**env, "RANK": "0", "LOCAL_RANK": "0"})  # later Trainers join this job
-        super().__init__(World(0, num_processes, 0, num_processes, 0, "127.0.0.1", store.port,
-                               "ember"), timeout, store)
+        super().__init__(World(0, num_processes, 0, num_processes, 0, "127.0.0.1", store.port, "ember"), timeout, store)
         self._stopping = False
         # Statuses the children ended with on their own, taken when this process stops the rest
         # (None: still running then, so whatever they end with is the launcher's doing).
@@ -458,14 +508,21 @@ def _exit(status: int) -> None:
 def rerun_command() -> list[str]:
     """The command line that started this process, to start it again for another rank."""
     main = sys.modules.get("__main__")
-    interactive = hasattr(sys, "ps1") or main is None or (
-        not getattr(main, "__file__", None) and getattr(main, "__spec__", None) is None
-        and "-c" not in getattr(sys, "orig_argv", []))
+    interactive = (
+        hasattr(sys, "ps1")
+        or main is None
+        or (
+            not getattr(main, "__file__", None)
+            and getattr(main, "__spec__", None) is None
+            and "-c" not in getattr(sys, "orig_argv", [])
+        )
+    )
     if interactive:
         raise RuntimeError(
             "strategy='ddp' starts the other ranks by running your script again, but this is an "
             "interactive session (REPL or notebook) with no script to run. Use "
-            "strategy='ddp_spawn' here, or put the training code in a script and run it.")
+            "strategy='ddp_spawn' here, or put the training code in a script and run it."
+        )
     if hasattr(sys, "orig_argv"):
         return [sys.executable, *sys.orig_argv[1:]]
     spec = getattr(main, "__spec__", None)

@@ -3,6 +3,7 @@
 Factories are stored as ``"module:attr"`` strings so that naming a strategy imports only that
 strategy (``import ember`` stays cheap, and ``ddp``'s launcher is not loaded for ``single``).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -16,8 +17,9 @@ _Factory = str | Callable[..., Strategy]
 _REGISTRY: dict[str, tuple[_Factory, dict[str, Any], str]] = {}
 
 
-def register_strategy(name: str, factory: _Factory, description: str = "", override: bool = False,
-                      **init_params: Any) -> None:
+def register_strategy(
+    name: str, factory: _Factory, description: str = "", override: bool = False, **init_params: Any
+) -> None:
     """Register ``factory`` (a Strategy class, a callable or a ``"module:attr"`` string) as ``name``.
 
     Args:
@@ -60,5 +62,9 @@ def get_strategy(name: str, **extra: Any) -> Strategy:
 register_strategy("single", "ember.strategies.single:SingleDeviceStrategy", "one process, one device")
 register_strategy("dp", "ember.strategies.dp:DataParallelStrategy", "one process, N replicas in threads")
 register_strategy("ddp", "ember.strategies.ddp:DDPStrategy", "one process per device; script re-run or torchrun")
-register_strategy("ddp_spawn", "ember.strategies.ddp:DDPStrategy", "ddp, workers started with multiprocessing spawn",
-                  start_method="spawn")
+register_strategy(
+    "ddp_spawn",
+    "ember.strategies.ddp:DDPStrategy",
+    "ddp, workers started with multiprocessing spawn",
+    start_method="spawn",
+)

@@ -7,6 +7,7 @@ loaded only to be thrown away. Loaders that cannot be rebuilt safely (DataLoader
 iterable datasets, custom samplers or batch samplers) are returned unchanged; resuming one of them
 mid-epoch falls back to iterating past the consumed batches, with a warning.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -88,11 +89,18 @@ def shutdown_workers(loader: Any) -> None:
 def rebuild_with_sampler(loader: DataLoader, sampler: Sampler) -> DataLoader:
     """A copy of ``loader`` drawing indices from ``sampler``; every other setting is kept."""
     kwargs: dict[str, Any] = dict(
-        batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
-        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
-        persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
     )
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
@@ -114,8 +122,10 @@ def make_resumable(loader: Any, sampler_factory: Callable[[int, bool, Any], Samp
         return loader
     shuffle = isinstance(loader.sampler, RandomSampler)
     if sampler_factory is None:
+
         def sampler_factory(n: int, shuffle: bool, user_sampler: Any) -> Sampler:
             return ShardedSampler(n, 1, 0, shuffle=shuffle, generator=getattr(user_sampler, "generator", None))
+
     return rebuild_with_sampler(loader, sampler_factory(len(loader.dataset), shuffle, loader.sampler))
 
 

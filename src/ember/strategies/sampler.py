@@ -33,6 +33,7 @@ epoch. ``state_dict()`` is ``{"seed", "epoch", "position"}`` where ``position`` 
 the epoch's (padded) global order already handed out over all ranks; loaders prefetch, so the
 Trainer stores the number of samples its loop consumed instead.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -69,13 +70,23 @@ class ShardedSampler(Sampler[int]):
         ValueError: If ``rank`` is outside ``[0, num_replicas)``.
     """
 
-    def __init__(self, num_samples: int, num_replicas: int, rank: int, shuffle: bool = True,
-                 seed: int | None = None, generator: torch.Generator | None = None,
-                 even: bool = True, agree: Callable[[int], int] | None = None,
-                 batch_size: int | None = None, drop_last: bool = False) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool = True,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        even: bool = True,
+        agree: Callable[[int], int] | None = None,
+        batch_size: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
         if not 0 <= rank < num_replicas:
-            raise ValueError(f"ShardedSampler got rank={rank} with num_replicas={num_replicas}; "
-                             f"rank must be in [0, {num_replicas}).")
+            raise ValueError(
+                f"ShardedSampler got rank={rank} with num_replicas={num_replicas}; rank must be in [0, {num_replicas})."
+            )
         self.num_samples = int(num_samples)
         self.num_replicas = int(num_replicas)
         self.rank = int(rank)
@@ -86,8 +97,9 @@ class ShardedSampler(Sampler[int]):
         self.agree = agree
         #: Samples appended to this rank's evaluation shard (0 or 1), and how many batches come before
         #: them (None: no padding).
-        self.padding, self.real_batches = _eval_padding(self.num_samples, self.num_replicas, self.rank,
-                                                        None if even else batch_size, drop_last)
+        self.padding, self.real_batches = _eval_padding(
+            self.num_samples, self.num_replicas, self.rank, None if even else batch_size, drop_last
+        )
         self.epoch = 0
         self.seed: int | None = None  # this epoch's seed, once drawn
         self._start = 0  # global position the next iteration starts from (a resume)
@@ -178,8 +190,7 @@ class ShardedSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         """``{"seed", "epoch", "position"}``: enough to continue this epoch on any world size."""
-        return {"seed": self.seed, "epoch": self.epoch,
-                "position": min(self._handed_out, self._total())}
+        return {"seed": self.seed, "epoch": self.epoch, "position": min(self._handed_out, self._total())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues epoch ``state["epoch"]`` from global position ``state["position"]``."""

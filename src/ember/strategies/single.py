@@ -1,4 +1,5 @@
 """One process, one device: the strategy every other one must agree with."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -5,6 +5,7 @@ starts ``N`` workers that join a job whose store lives in the caller, and return
 A failing rank's exception is re-raised in the caller with the worker's traceback attached as a
 :class:`RemoteTraceback`. How jobs rendezvous and report failures is ``launcher.py``'s.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,10 +71,14 @@ class SpawnLauncher:
             (the Trainer's default preemption signals).
     """
 
-    def __init__(self, num_processes: int, timeout: datetime.timedelta,
-                 dumps: Callable[[Any], bytes] = pickle.dumps,
-                 loads: Callable[[bytes], Any] = pickle.loads,
-                 forward_signals: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self,
+        num_processes: int,
+        timeout: datetime.timedelta,
+        dumps: Callable[[Any], bytes] = pickle.dumps,
+        loads: Callable[[bytes], Any] = pickle.loads,
+        forward_signals: tuple[int, ...] | None = None,
+    ) -> None:
         self.num_processes, self.timeout = num_processes, timeout
         self.dumps, self.loads = dumps, loads
         if forward_signals is None:
@@ -85,18 +90,24 @@ class SpawnLauncher:
         main_file = getattr(sys.modules.get("__main__"), "__file__", None)
         if main_file is not None and not os.path.exists(main_file):
             # The spawned workers re-run the main module from its file; each would die at start-up.
-            raise RuntimeError(f"ddp_spawn starts each rank by re-importing the main module from its file, and "
-                               f"{main_file!r} is not a file (a script read from stdin?). Save the script to a "
-                               f"file and run that.")
+            raise RuntimeError(
+                f"ddp_spawn starts each rank by re-importing the main module from its file, and "
+                f"{main_file!r} is not a file (a script read from stdin?). Save the script to a "
+                f"file and run that."
+            )
         payload = self.dumps((fn, args, kwargs))
         store = loopback_store(self.timeout)
         env = {**local_env(self.num_processes, store.port), HOSTED_ENV: "1"}
         ctx = multiprocessing.get_context("spawn")
         results = ctx.Queue()
-        procs = [ctx.Process(target=_spawn_worker, name=f"ember-ddp-rank{rank}",
-                             args=(rank, env, self.timeout.total_seconds(), payload, self.loads,
-                                   results))
-                 for rank in range(self.num_processes)]
+        procs = [
+            ctx.Process(
+                target=_spawn_worker,
+                name=f"ember-ddp-rank{rank}",
+                args=(rank, env, self.timeout.total_seconds(), payload, self.loads, results),
+            )
+            for rank in range(self.num_processes)
+        ]
         received: list[int] = []
 
         def forward(signum: int, frame: Any) -> None:
@@ -175,14 +186,16 @@ class SpawnLauncher:
         return done
 
 
-def _spawn_worker(rank: int, env: dict[str, str], timeout: float, payload: bytes,
-                  loads: Callable[[bytes], Any], results: Any) -> None:
+def _spawn_worker(
+    rank: int, env: dict[str, str], timeout: float, payload: bytes, loads: Callable[[bytes], Any], results: Any
+) -> None:
     os.environ.update({**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
     die_with_parent(int(env[PARENT_ENV]))
     record = None
     try:
-        store = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), None, False,
-                              timeout=datetime.timedelta(seconds=timeout))
+        store = dist.TCPStore(
+            "127.0.0.1", int(env["MASTER_PORT"]), None, False, timeout=datetime.timedelta(seconds=timeout)
+        )
         record = FailureRecord(store)
         fn, args, kwargs = loads(payload)
         value = pickle.dumps(fn(*args, **kwargs))
@@ -202,7 +215,7 @@ def _spawn_worker(rank: int, env: dict[str, str], timeout: float, payload: bytes
         # Frames only: the caller re-raises the exception itself, so its message shows once.
         frames = traceback.format_exc()
         message = "".join(traceback.format_exception_only(type(exc), exc))
-        frames = frames[:-len(message)] if frames.endswith(message) else frames
+        frames = frames[: -len(message)] if frames.endswith(message) else frames
         results.put(("error", rank, pickled, repr(exc), frames, original))
         exit_code = 1
     else:

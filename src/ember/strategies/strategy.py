@@ -5,6 +5,7 @@ combined across replicas. The loop in ``ember/trainer/loops.py`` only ever talks
 so a new way of parallelising training is a new subclass registered by name (see ``registry.py``).
 Single-process versions of the collective verbs are identities.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _STEPS = ("training_step", "validation_step", "test_step", "predict_step")
-
 
 
 class Strategy:
@@ -110,8 +110,11 @@ class Strategy:
         self.module = module
         module.to(self.root_device)
         # As Lightning: a step defined without batch_idx (``def training_step(self, batch)``) gets none.
-        self._without_batch_idx = frozenset(name for name in _STEPS if callable(getattr(module, name, None))
-                                            and not takes_batch_idx(getattr(module, name)))
+        self._without_batch_idx = frozenset(
+            name
+            for name in _STEPS
+            if callable(getattr(module, name, None)) and not takes_batch_idx(getattr(module, name))
+        )
 
     def step_args(self, step: str, batch: Any, batch_idx: int, extra: tuple[Any, ...]) -> tuple[Any, ...]:
         """The positional arguments the module's ``step`` takes: ``(batch, batch_idx, *extra)``, or

@@ -9,13 +9,28 @@ one waits in (:func:`missing`), which training ranks are behind this one (:func:
 text that names them in a verdict, a timed-out collective's explanation, or an abort. The phases
 of a training batch, which the strategy sets and the judge compares ranks by, are defined here.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TRAINING_STEP", "AFTER_STEP", "BACKWARD", "AFTER_BACKWARD", "Records", "missing", "behind",
-           "describe", "position", "behind_summary", "missing_summary", "mismatch_summary",
-           "deadline_detail", "timeout_summary", "abort_summary"]
+__all__ = [
+    "TRAINING_STEP",
+    "AFTER_STEP",
+    "BACKWARD",
+    "AFTER_BACKWARD",
+    "Records",
+    "missing",
+    "behind",
+    "describe",
+    "position",
+    "behind_summary",
+    "missing_summary",
+    "mismatch_summary",
+    "deadline_detail",
+    "timeout_summary",
+    "abort_summary",
+]
 
 # The phases of a training batch, in order: the strategy sets them, the judge compares ranks by them.
 TRAINING_STEP = "training_step"
@@ -49,16 +64,28 @@ def behind(records: Records, rank: int, limit: float) -> list[int]:
     if mine is None:
         return []
     margin = 2.0  # records are up to a second old
-    return [r for r, rec in records.items()
-            if r != rank and rec and not rec["waiting"] and rec.get("stalled", 0) >= limit - margin
-            and (_training_position(rec) or mine) < mine]
+    return [
+        r
+        for r, rec in records.items()
+        if r != rank
+        and rec
+        and not rec["waiting"]
+        and rec.get("stalled", 0) >= limit - margin
+        and (_training_position(rec) or mine) < mine
+    ]
 
 
 def _training_position(rec: dict[str, Any] | None) -> tuple[int, int, int] | None:
     """(epoch, batch, phase) of a rank in the training loop, comparable across ranks; else None
     (evaluation shards differ in length between ranks, so their positions are not comparable)."""
-    if not rec or rec["state"] != "running" or rec.get("stage") != "fitting" or rec.get("loop") != "training" \
-            or not rec.get("batches") or rec.get("epoch") is None:
+    if (
+        not rec
+        or rec["state"] != "running"
+        or rec.get("stage") != "fitting"
+        or rec.get("loop") != "training"
+        or not rec.get("batches")
+        or rec.get("epoch") is None
+    ):
         return None
     return rec["epoch"], rec["batch"], _PHASE_ORDER.get(rec["where"], 0)
 
@@ -84,8 +111,9 @@ def position(rec: dict[str, Any]) -> str:
 def describe(rank: int, rec: dict[str, Any] | None) -> str:
     """One rank from its record: what it is stuck or waiting in, where, its pid and host."""
     if rec is None:
-        return (f"rank {rank} has reported nothing since this run began (it is stuck before its watchdog "
-                "started, or gone)")
+        return (
+            f"rank {rank} has reported nothing since this run began (it is stuck before its watchdog started, or gone)"
+        )
     if rec["state"] != "running":
         return f"rank {rank} has already left this run"
     place = f"waiting in {rec['waiting']}" if rec["waiting"] else f"stuck in {rec['where']}"
@@ -96,48 +124,62 @@ def behind_summary(records: Records, late: list[int], rank: int, waited: float) 
     """The verdict when ``rank`` made no progress and the ``late`` ranks are behind it."""
     mine = records[rank]
     assert mine is not None  # this rank published its record before reading them
-    return (f"{'; '.join(describe(r, records[r]) for r in late)}. Rank {rank} is "
-            f"ahead, {position(mine)}, and has made no progress for {waited:.0f} s: it waits "
-            f"for {'it' if len(late) == 1 else 'them'} (in a collective whose wait does not "
-            "block the CPU, as with NCCL, or one ember does not see).")
+    return (
+        f"{'; '.join(describe(r, records[r]) for r in late)}. Rank {rank} is "
+        f"ahead, {position(mine)}, and has made no progress for {waited:.0f} s: it waits "
+        f"for {'it' if len(late) == 1 else 'them'} (in a collective whose wait does not "
+        "block the CPU, as with NCCL, or one ember does not see)."
+    )
 
 
 def missing_summary(records: Records, absent: list[int], rank: int, waited: float) -> str:
     """The verdict when the ``absent`` ranks kept ``rank`` (and whoever waits with it) waiting."""
     mine = records[rank]
     assert mine is not None  # this rank published its record before reading them
-    waiters = [r for r, rec in records.items()
-               if rec and rec["state"] == "running" and rec["waiting"] == mine["waiting"]]
-    return (f"{'; '.join(describe(r, records[r]) for r in absent)}. "
-            f"{_ranks(waiters).capitalize()} waited {waited:.0f} s for "
-            f"{'it' if len(absent) == 1 else 'them'} in {mine['waiting']}.")
+    waiters = [
+        r for r, rec in records.items() if rec and rec["state"] == "running" and rec["waiting"] == mine["waiting"]
+    ]
+    return (
+        f"{'; '.join(describe(r, records[r]) for r in absent)}. "
+        f"{_ranks(waiters).capitalize()} waited {waited:.0f} s for "
+        f"{'it' if len(absent) == 1 else 'them'} in {mine['waiting']}."
+    )
 
 
 def mismatch_summary(records: Records) -> str:
     """The verdict when every rank waits, but not all in the same collective."""
-    return ("the ranks wait in different collectives, which never match up: "
-            + "; ".join(describe(r, rec) for r, rec in records.items())
-            + ". Every rank must call the same collectives in the same order.")
+    return (
+        "the ranks wait in different collectives, which never match up: "
+        + "; ".join(describe(r, rec) for r, rec in records.items())
+        + ". Every rank must call the same collectives in the same order."
+    )
 
 
 def deadline_detail(limit: float, floor: float | None, slowest: float, timeout: float, factor: int) -> str:
     """How the deadline ``limit`` came about, and how to change it (printed by the judging rank)."""
-    return (f"The watchdog deadline was {limit:.0f} s: the larger of watchdog_timeout="
-            f"{floor:g} s and {factor} x the slowest step so far ({slowest:.1f} s), kept "
-            f"under the collective timeout ({timeout:g} s). Set DDPStrategy(watchdog_timeout=...) "
-            "to change it, or None to turn the watchdog off.")
+    return (
+        f"The watchdog deadline was {limit:.0f} s: the larger of watchdog_timeout="
+        f"{floor:g} s and {factor} x the slowest step so far ({slowest:.1f} s), kept "
+        f"under the collective timeout ({timeout:g} s). Set DDPStrategy(watchdog_timeout=...) "
+        "to change it, or None to turn the watchdog off."
+    )
 
 
 def timeout_summary(records: Records, absent: list[int], rank: int, what: str, timeout: float) -> str:
     """Why ``what`` timed out on ``rank``: the ``absent`` ranks did not arrive (or nobody is absent)."""
     if absent:
         it = "it" if len(absent) == 1 else "them"
-        return (f"{'; '.join(describe(r, records[r]) for r in absent)}. "
-                f"{'It' if len(absent) == 1 else 'They'} did not arrive at {what}, where rank "
-                f"{rank} waited for {it} until the collective timeout ({timeout:g} s).")
-    return (f"every rank is in a collective, yet {what} timed out on rank {rank} after "
-            f"{timeout:g} s: " + "; ".join(describe(r, rec) for r, rec in records.items())
-            + ". Mismatched collectives, or a network or device fault.")
+        return (
+            f"{'; '.join(describe(r, records[r]) for r in absent)}. "
+            f"{'It' if len(absent) == 1 else 'They'} did not arrive at {what}, where rank "
+            f"{rank} waited for {it} until the collective timeout ({timeout:g} s)."
+        )
+    return (
+        f"every rank is in a collective, yet {what} timed out on rank {rank} after "
+        f"{timeout:g} s: "
+        + "; ".join(describe(r, rec) for r, rec in records.items())
+        + ". Mismatched collectives, or a network or device fault."
+    )
 
 
 def abort_summary(records: Records, named: list[int], rank: int, message: str, world_size: int) -> str:

@@ -47,6 +47,7 @@ rank's record only once it has waited in a collective, or made no progress, past
 What the records say (who is missing, who is behind), the words of the verdicts, and the phases
 the strategy sets are in ``verdicts.py``; this module holds the beacon, the thread and the store.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -75,8 +76,18 @@ from ember.strategies.verdicts import (
     timeout_summary,
 )
 
-__all__ = ["Beacon", "Watchdog", "CollectiveTimeout", "deadline", "collective_cap", "is_timeout",
-           "print_stacks", "exit_with_stacks", "HUNG_EXIT_CODE", "STEP_FACTOR"]
+__all__ = [
+    "Beacon",
+    "Watchdog",
+    "CollectiveTimeout",
+    "deadline",
+    "collective_cap",
+    "is_timeout",
+    "print_stacks",
+    "exit_with_stacks",
+    "HUNG_EXIT_CODE",
+    "STEP_FACTOR",
+]
 
 HUNG_EXIT_CODE = 1  # the status every process of a job stopped by the watchdog exits with
 STEP_FACTOR = 20  # the deadline is at least this many times the slowest step seen
@@ -171,9 +182,18 @@ class Watchdog:
             started before: every rank starts them in the same order (one per fit, validate...).
     """
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, beacon: Beacon, *,
-                 floor: float | None, timeout: float,
-                 progress: Callable[[], dict[str, Any]] = dict, run: str | None = None) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        beacon: Beacon,
+        *,
+        floor: float | None,
+        timeout: float,
+        progress: Callable[[], dict[str, Any]] = dict,
+        run: str | None = None,
+    ) -> None:
         self.rank, self.world_size, self.beacon = rank, world_size, beacon
         self.floor, self.timeout = floor, timeout
         self.progress = progress
@@ -235,8 +255,7 @@ class Watchdog:
                 # The store's host exited: the job is ending, and the launcher reports why.
                 return
             except Exception as exc:  # a bug here must not take training down; say so once
-                print(f"[ember ddp] rank {self.rank}: the hang watchdog stopped: {exc!r}", file=sys.stderr,
-                      flush=True)
+                print(f"[ember ddp] rank {self.rank}: the hang watchdog stopped: {exc!r}", file=sys.stderr, flush=True)
                 return
 
     # ------------------------------------------------------------------ one look
@@ -280,10 +299,20 @@ class Watchdog:
         except Exception:
             info = {}
         seen = self._batch_seen
-        return {**info, "state": state, "batches": b.batches, "batch": b.batch, "loop": b.loop,
-                "where": b.where, "waiting": b.waiting, "waited": round(waited or 0.0, 1),
-                "stalled": round(now - seen, 1) if seen is not None else 0.0,
-                "slowest": round(self.slowest_step, 2), "pid": os.getpid(), "host": self._host}
+        return {
+            **info,
+            "state": state,
+            "batches": b.batches,
+            "batch": b.batch,
+            "loop": b.loop,
+            "where": b.where,
+            "waiting": b.waiting,
+            "waited": round(waited or 0.0, 1),
+            "stalled": round(now - seen, 1) if seen is not None else 0.0,
+            "slowest": round(self.slowest_step, 2),
+            "pid": os.getpid(),
+            "host": self._host,
+        }
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/rank{rank}"
@@ -335,8 +364,17 @@ class Watchdog:
         else:  # every rank waits in the same collective: the communication itself is slow or broken,
             return  # which the collective timeout decides
         detail = deadline_detail(limit, self.floor, slowest, self.timeout, STEP_FACTOR)
-        self._act(self._post({"summary": "stopping the job: " + summary, "detail": detail, "dump": dump,
-                              "exit": HUNG_EXIT_CODE, "by": self.rank}))
+        self._act(
+            self._post(
+                {
+                    "summary": "stopping the job: " + summary,
+                    "detail": detail,
+                    "dump": dump,
+                    "exit": HUNG_EXIT_CODE,
+                    "by": self.rank,
+                }
+            )
+        )
 
     # ------------------------------------------------------------------ the store's news
     # Posters write first and then bump "news"; each watchdog reads one counter a second and only
@@ -364,8 +402,10 @@ class Watchdog:
             with self._lock:
                 request = json.loads(self.store.get(self._k(f"request/{self._requests}")))
             if self.rank in request["dump"]:
-                print_stacks(f"[ember ddp] rank {self.rank}: {request['summary']}\n[ember ddp] rank "
-                             f"{self.rank}: Python stack (pid {os.getpid()} on {self._host}):")
+                print_stacks(
+                    f"[ember ddp] rank {self.rank}: {request['summary']}\n[ember ddp] rank "
+                    f"{self.rank}: Python stack (pid {os.getpid()} on {self._host}):"
+                )
                 self._count(f"request/{self._requests}/answered", 1)
 
     def _post(self, verdict: dict[str, Any]) -> dict[str, Any]:
@@ -391,10 +431,13 @@ class Watchdog:
         while self._count(counter) < expected and time.monotonic() < until:
             time.sleep(0.05)
         if self._count(counter) < expected:
-            print(f"[ember ddp] rank {self.rank}: not every named rank printed its stack within "
-                  f"{ANSWER_S:.0f} s. A process whose threads cannot run (C code holding the GIL), or "
-                  "that is gone, cannot; `py-spy dump --pid <pid>` on its host shows where it is.",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[ember ddp] rank {self.rank}: not every named rank printed its stack within "
+                f"{ANSWER_S:.0f} s. A process whose threads cannot run (C code holding the GIL), or "
+                "that is gone, cannot; `py-spy dump --pid <pid>` on its host shows where it is.",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _act(self, verdict: dict[str, Any]) -> NoReturn:
         """Prints the verdict (and this rank's stack if it is named), then ends the process."""
@@ -441,8 +484,10 @@ class Watchdog:
                 self._request_stacks(summary, absent)
             return summary
         except Exception as exc:
-            return (f"{what} timed out on rank {self.rank} after {self.timeout:g} s, waiting for another "
-                    f"rank (which one could not be read from the job's store: {exc}).")
+            return (
+                f"{what} timed out on rank {self.rank} after {self.timeout:g} s, waiting for another "
+                f"rank (which one could not be read from the job's store: {exc})."
+            )
 
     def abort(self, message: str, code: int) -> NoReturn:
         """Ends the whole job now with status ``code``. Every rank prints ``message`` with where the
@@ -462,8 +507,9 @@ def _own_connection(store: dist.Store) -> dist.Store:
     thread's, e.g. a rendezvous); other stores are shared as they are."""
     if isinstance(store, dist.TCPStore):
         try:
-            return dist.TCPStore(store.host, store.port, None, False, timeout=datetime.timedelta(seconds=30),
-                                 wait_for_workers=False)
+            return dist.TCPStore(
+                store.host, store.port, None, False, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
+            )
         except Exception:
             pass
     return store

@@ -6,6 +6,7 @@ what cannot be pickled. Back: :func:`run_in_worker` runs the entry point in a wo
 0, returns the trained weights, metrics, progress and callback states, which
 :func:`adopt_worker_state` copies into the caller's module and Trainer.
 """
+
 from __future__ import annotations
 
 import io
@@ -37,8 +38,7 @@ def run_in_worker(fn: Callable[..., Any], args: tuple, kwargs: dict, rng: dict) 
         "logged_metrics": _to_cpu(dict(trainer.logged_metrics)),
         "progress": trainer.progress.state_dict(),
         "history": list(getattr(trainer, "history", [])),
-        "callbacks": [(type(cb).__name__, cb.state_dict()) for cb in trainer.callbacks
-                      if hasattr(cb, "state_dict")],
+        "callbacks": [(type(cb).__name__, cb.state_dict()) for cb in trainer.callbacks if hasattr(cb, "state_dict")],
         # Where this run wrote: the caller's loggers and checkpoint callbacks point there too, so a
         # later validate/test logs into the same version and nothing warns about another directory.
         "log_dirs": [lg.log_dir for lg in trainer.loggers],
@@ -95,7 +95,8 @@ def dumps(obj: Any) -> bytes:
             "strategy='ddp_spawn' sends the Trainer, the module and the dataloaders to its worker "
             f"processes by pickling them, and that failed: {exc}. Make them picklable (module-"
             "level functions and classes instead of lambdas or locally defined ones, no open "
-            "files or locks), or use strategy='ddp', which re-runs your script instead.") from exc
+            "files or locks), or use strategy='ddp', which re-runs your script instead."
+        ) from exc
     return buffer.getvalue()
 
 

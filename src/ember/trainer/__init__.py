@@ -1,4 +1,5 @@
 """The Trainer and its parts: loops, metrics, optimizers, precision, progress, checkpoints."""
+
 from ember.trainer.trainer import Trainer
 
 __all__ = ["Trainer"]

@@ -1,4 +1,5 @@
 """The Trainer's arguments: checked, and turned into things (devices, the strategy, callbacks, loggers)."""
+
 from __future__ import annotations
 
 import difflib
@@ -27,11 +28,22 @@ log = logging.getLogger(__name__)
 _ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 
 
-def check_schedule(*, max_epochs: int | None, max_steps: int, min_epochs: int | None, min_steps: int | None,
-                   accumulate_grad_batches: int,
-                   gradient_clip_val: float | None, gradient_clip_algorithm: str, val_check_interval: int | float,
-                   check_val_every_n_epoch: int | None, log_every_n_steps: int, num_sanity_val_steps: int,
-                   reload_dataloaders_every_n_epochs: int, fast_dev_run: bool | int) -> tuple[int, int]:
+def check_schedule(
+    *,
+    max_epochs: int | None,
+    max_steps: int,
+    min_epochs: int | None,
+    min_steps: int | None,
+    accumulate_grad_batches: int,
+    gradient_clip_val: float | None,
+    gradient_clip_algorithm: str,
+    val_check_interval: int | float,
+    check_val_every_n_epoch: int | None,
+    log_every_n_steps: int,
+    num_sanity_val_steps: int,
+    reload_dataloaders_every_n_epochs: int,
+    fast_dev_run: bool | int,
+) -> tuple[int, int]:
     """Check the Trainer's schedule arguments (each error names the argument and what it accepts);
     return ``max_epochs`` resolved (1000 when neither it nor ``max_steps`` is given) and ``min_epochs``
     resolved as Lightning's (1 when only ``min_steps`` is given, else 0)."""
@@ -53,24 +65,30 @@ def check_schedule(*, max_epochs: int | None, max_steps: int, min_epochs: int | 
         raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}.")
     if gradient_clip_val is not None and gradient_clip_val < 0:
         raise ValueError(f"gradient_clip_val must be >= 0, got {gradient_clip_val!r}.")
-    if (isinstance(val_check_interval, bool) or not isinstance(val_check_interval, (int, float))
-            or val_check_interval <= 0):
-        raise ValueError("val_check_interval must be a fraction in (0, 1] or a positive int, "
-                         f"got {val_check_interval!r}.")
+    if (
+        isinstance(val_check_interval, bool)
+        or not isinstance(val_check_interval, (int, float))
+        or val_check_interval <= 0
+    ):
+        raise ValueError(
+            f"val_check_interval must be a fraction in (0, 1] or a positive int, got {val_check_interval!r}."
+        )
     if isinstance(val_check_interval, float) and val_check_interval > 1.0:
-        raise ValueError(f"val_check_interval={val_check_interval} is a fraction above 1.0; "
-                         "pass an int for a batch count.")
-    if check_val_every_n_epoch is not None and (not isinstance(check_val_every_n_epoch, int)
-                                                or check_val_every_n_epoch < 1):
-        raise ValueError("check_val_every_n_epoch must be a positive int or None, "
-                         f"got {check_val_every_n_epoch!r}.")
+        raise ValueError(
+            f"val_check_interval={val_check_interval} is a fraction above 1.0; pass an int for a batch count."
+        )
+    if check_val_every_n_epoch is not None and (
+        not isinstance(check_val_every_n_epoch, int) or check_val_every_n_epoch < 1
+    ):
+        raise ValueError(f"check_val_every_n_epoch must be a positive int or None, got {check_val_every_n_epoch!r}.")
     if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
         raise ValueError(f"log_every_n_steps must be a positive int, got {log_every_n_steps!r}.")
     if not isinstance(num_sanity_val_steps, int) or num_sanity_val_steps < -1:
         raise ValueError(f"num_sanity_val_steps must be an int >= -1, got {num_sanity_val_steps!r}.")
     if not isinstance(reload_dataloaders_every_n_epochs, int) or reload_dataloaders_every_n_epochs < 0:
-        raise ValueError("reload_dataloaders_every_n_epochs must be a non-negative int, got "
-                         f"{reload_dataloaders_every_n_epochs!r}.")
+        raise ValueError(
+            f"reload_dataloaders_every_n_epochs must be a non-negative int, got {reload_dataloaders_every_n_epochs!r}."
+        )
     if not isinstance(fast_dev_run, int) or fast_dev_run < 0:  # bool is an int: True means 1
         raise ValueError(f"fast_dev_run must be a bool or a non-negative int, got {fast_dev_run!r}.")
     return max_epochs, min_epochs
@@ -91,8 +109,12 @@ def set_backend_flags(deterministic: bool | str | None, benchmark: bool | None) 
         if benchmark is None:
             benchmark = False
         elif benchmark:
-            warnings.warn("deterministic=True and benchmark=True: PyTorch ignores cudnn's deterministic setting "
-                          "while torch.backends.cudnn.benchmark is True.", UserWarning, stacklevel=3)
+            warnings.warn(
+                "deterministic=True and benchmark=True: PyTorch ignores cudnn's deterministic setting "
+                "while torch.backends.cudnn.benchmark is True.",
+                UserWarning,
+                stacklevel=3,
+            )
     if benchmark is not None:
         torch.backends.cudnn.benchmark = benchmark
 
@@ -110,8 +132,10 @@ def check_limit(name: str, value: int | float | None) -> int | float:
         raise ValueError(f"{name} must be a fraction in [0, 1] or a non-negative int number of batches, got {value!r}.")
     if isinstance(value, float) and value > 1.0:
         if not value.is_integer():
-            raise ValueError(f"{name}={value} is neither a fraction in [0, 1] nor a whole number of batches; pass "
-                             f"a fraction, or an int such as {int(value)}.")
+            raise ValueError(
+                f"{name}={value} is neither a fraction in [0, 1] nor a whole number of batches; pass "
+                f"a fraction, or an int such as {int(value)}."
+            )
         return int(value)
     return value
 
@@ -123,7 +147,7 @@ NOT_TAKEN = {
     "barebones": "ember has no barebones mode; turn off enable_progress_bar, logger and enable_checkpointing",
     "inference_mode": "ember always evaluates under torch.no_grad() (see the README's differences from Lightning)",
     "use_distributed_sampler": "ember's ddp always gives a map-style loader its own sharded sampler (it "
-                               "resumes mid-epoch); for another split, use an IterableDataset that splits itself",
+    "resumes mid-epoch); for another split, use an IterableDataset that splits itself",
     "sync_batchnorm": "convert the module yourself with torch.nn.SyncBatchNorm.convert_sync_batchnorm before fit",
     "model_registry": "ember has no model registry",
 }
@@ -169,8 +193,10 @@ def resolve_devices(accelerator: str, devices: Any) -> tuple[str, list[torch.dev
     if accelerator == "gpu":
         accelerator = "cuda"
     if accelerator == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("accelerator='cuda' was requested but CUDA is not available on this machine. "
-                           "Use accelerator='cpu' (or 'auto').")
+        raise RuntimeError(
+            "accelerator='cuda' was requested but CUDA is not available on this machine. "
+            "Use accelerator='cpu' (or 'auto')."
+        )
     available = torch.cuda.device_count() if accelerator == "cuda" else None
     if devices == "auto":
         # One device, except for GPUs under torchrun or SLURM: then the processes started on this
@@ -185,22 +211,26 @@ def resolve_devices(accelerator: str, devices: Any) -> tuple[str, list[torch.dev
         if devices < 1:
             raise ValueError(f"devices must be at least 1, got {devices}.")
         if available is not None and devices > available:
-            raise ValueError(f"devices={devices} but only {available} CUDA device(s) are available. "
-                             f"Ask for at most {available}.")
+            raise ValueError(
+                f"devices={devices} but only {available} CUDA device(s) are available. Ask for at most {available}."
+            )
         ids = list(range(devices))
     else:
         ids = list(devices)
         if not ids or any(not isinstance(i, int) or i < 0 for i in ids) or len(set(ids)) != len(ids):
             raise ValueError(f"devices list must hold distinct non-negative device indices, got {devices!r}.")
         if available is not None and max(ids) >= available:
-            raise ValueError(f"devices={ids} names CUDA device {max(ids)} but only {available} exist "
-                             f"(0..{available - 1}).")
+            raise ValueError(
+                f"devices={ids} names CUDA device {max(ids)} but only {available} exist (0..{available - 1})."
+            )
     if accelerator == "cpu":
         return "cpu", [torch.device("cpu")] * len(ids)
     return "cuda", [torch.device("cuda", i) for i in ids]
 
-def resolve_strategy(trainer: Trainer, strategy: str | Strategy, accelerator: str,
-                     devices: list[torch.device]) -> Strategy:
+
+def resolve_strategy(
+    trainer: Trainer, strategy: str | Strategy, accelerator: str, devices: list[torch.device]
+) -> Strategy:
     if isinstance(strategy, Strategy):
         resolved = strategy
     elif isinstance(strategy, str):
@@ -209,13 +239,17 @@ def resolve_strategy(trainer: Trainer, strategy: str | Strategy, accelerator: st
     else:
         raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}.")
     if resolved.strategy_name == "single" and len(devices) > 1:
-        raise ValueError(f"strategy='single' runs on one device but devices={len(devices)}. Use strategy='dp' or "
-                         "'ddp' for several devices, or devices=1.")
+        raise ValueError(
+            f"strategy='single' runs on one device but devices={len(devices)}. Use strategy='dp' or "
+            "'ddp' for several devices, or devices=1."
+        )
     resolved.connect(trainer, accelerator, devices)
     return resolved
 
-def build_callbacks(trainer: Trainer, callbacks: Any, progress_bar: bool, checkpointing: bool,
-                    summary: bool, max_time: Any = None) -> list[Callback]:
+
+def build_callbacks(
+    trainer: Trainer, callbacks: Any, progress_bar: bool, checkpointing: bool, summary: bool, max_time: Any = None
+) -> list[Callback]:
     if callbacks is None:
         callbacks = []
     elif isinstance(callbacks, Callback):
@@ -243,6 +277,7 @@ def build_callbacks(trainer: Trainer, callbacks: Any, progress_bar: bool, checkp
     if trainer.fast_dev_run and checkpoint_cls is not None:
         callbacks = [c for c in callbacks if not isinstance(c, checkpoint_cls)]
     return callbacks
+
 
 def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
     """``callbacks`` with the checkpointing ones (ModelCheckpoint, OnExceptionCheckpoint) moved to the end, the

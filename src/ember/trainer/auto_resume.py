@@ -21,6 +21,7 @@ since it records the moment of a failure rather than a step boundary. The most r
 newest by modification time, ``last*.ckpt`` first among equals; a damaged one is skipped with a
 warning, so a restart is never stuck on it.
 """
+
 from __future__ import annotations
 
 import glob
@@ -97,8 +98,12 @@ def find_resumable(patterns: list[str], job: str | None) -> tuple[str, dict[str,
     warning saying which and why, and the next newest is tried, so a restart is never stuck on a
     file it cannot load.
     """
-    files = {os.path.abspath(p) for pattern in patterns for p in glob.glob(pattern)
-             if not os.path.basename(p).startswith("on_exception")}
+    files = {
+        os.path.abspath(p)
+        for pattern in patterns
+        for p in glob.glob(pattern)
+        if not os.path.basename(p).startswith("on_exception")
+    }
 
     def recency(p: str) -> tuple[float, bool]:
         try:
@@ -113,8 +118,11 @@ def find_resumable(patterns: list[str], job: str | None) -> tuple[str, dict[str,
                 continue
             verify(path)  # reads the file whole: only for the one that would be chosen
         except CheckpointError as err:
-            warnings.warn(f"Skipping {path} while looking for a checkpoint to resume from: {_why(err, path)}",
-                          UserWarning, stacklevel=3)
+            warnings.warn(
+                f"Skipping {path} while looking for a checkpoint to resume from: {_why(err, path)}",
+                UserWarning,
+                stacklevel=3,
+            )
             continue
         if meta is None:
             continue

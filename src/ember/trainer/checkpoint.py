@@ -45,6 +45,7 @@ Resuming under a different world size continues the epoch from the first sample 
 order that no rank has seen. What cannot carry over is each rank's RNG stream: ranks that did not
 exist in the saved run keep the stream ``seed_everything`` gave them.
 """
+
 from __future__ import annotations
 
 import glob
@@ -85,8 +86,11 @@ def _plain_hparams(module: Any) -> dict[str, Any]:
         try:
             check_plain_data(v)
         except CheckpointError:
-            warnings.warn(f"Hyper-parameter {k!r} ({type(v).__name__}) is not plain data and is left out of the "
-                          f"checkpoint. Pass ignore=[{k!r}] to save_hyperparameters to silence this.", UserWarning)
+            warnings.warn(
+                f"Hyper-parameter {k!r} ({type(v).__name__}) is not plain data and is left out of the "
+                f"checkpoint. Pass ignore=[{k!r}] to save_hyperparameters to silence this.",
+                UserWarning,
+            )
             continue
         out[k] = v
     return out
@@ -96,8 +100,10 @@ def _datamodule_hparams(datamodule: Any) -> dict[str, Any]:
     """As Lightning: a datamodule's saved hyper-parameters, for ``DataModule.load_from_checkpoint``."""
     if datamodule is None or not datamodule.__dict__.get("_hparams"):
         return {}
-    return {"datamodule_hyper_parameters": _plain_hparams(datamodule),
-            "datamodule_hparams_name": getattr(datamodule, "_hparams_name", None)}
+    return {
+        "datamodule_hyper_parameters": _plain_hparams(datamodule),
+        "datamodule_hparams_name": getattr(datamodule, "_hparams_name", None),
+    }
 
 
 def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
@@ -135,8 +141,9 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
         ckpt["callbacks"] = {cb.state_key: cb.state_dict() for cb in trainer.callbacks}
         if trainer.datamodule is not None:
             ckpt["datamodule"] = trainer.datamodule.state_dict()
-        ckpt["callback_metrics"] = {k: (v.detach().to("cpu") if isinstance(v, torch.Tensor) else v)
-                                    for k, v in trainer.callback_metrics.items()}
+        ckpt["callback_metrics"] = {
+            k: (v.detach().to("cpu") if isinstance(v, torch.Tensor) else v) for k, v in trainer.callback_metrics.items()
+        }
         ckpt["epoch_metrics"] = _train_accumulators(trainer)
         ckpt["rng"] = _gather_rng(strategy)
         for cb in trainer.callbacks:
@@ -146,8 +153,9 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
     return ckpt
 
 
-def save(trainer: Trainer, filepath: str, weights_only: bool = False,
-         before_rename: Callable[[str], None] | None = None) -> str:
+def save(
+    trainer: Trainer, filepath: str, weights_only: bool = False, before_rename: Callable[[str], None] | None = None
+) -> str:
     """Write ``trainer``'s checkpoint to ``filepath`` (rank zero writes, every rank returns the path).
 
     Waits for a checkpoint being written in the background first (raising its error, if it failed).
@@ -303,15 +311,18 @@ def find_last(trainer: Trainer) -> tuple[str | None, list[str]]:
     for p in broken:
         why = f"a symbolic link to {os.readlink(p)!r}, which does not exist (the checkpoint it pointed to was removed)"
         if not found:
-            raise CheckpointNotFoundError(f"ckpt_path='last': {p} is {why}, and there is no other last checkpoint. "
-                                          "Pass the path of a checkpoint to resume from, or remove the link to start "
-                                          "from scratch.")
+            raise CheckpointNotFoundError(
+                f"ckpt_path='last': {p} is {why}, and there is no other last checkpoint. "
+                "Pass the path of a checkpoint to resume from, or remove the link to start "
+                "from scratch."
+            )
         warnings.warn(f"ckpt_path='last' skips {p}, {why}.", UserWarning, stacklevel=4)
     if not found:
         # Say where a checkpoint would have been found, run directories that do not exist yet included.
         first = trainer.loggers[0] if trainer.loggers else None
-        if isinstance(first, FileLogger) and not any(cb.dirpath and getattr(cb, "_dirpath_given", False)
-                                                     for cb in callbacks):
+        if isinstance(first, FileLogger) and not any(
+            cb.dirpath and getattr(cb, "_dirpath_given", False) for cb in callbacks
+        ):
             runs = os.path.abspath(first.runs_root(trainer.default_root_dir))
             dirs = [os.path.join(runs, "*", "checkpoints")] + [d for d in dirs if not d.startswith(runs + os.sep)]
         return None, dirs
@@ -342,16 +353,21 @@ def resolve(trainer: Trainer, ckpt_path: str | os.PathLike | None, continue_run:
     """
     strategy = trainer.strategy
     if continue_run and auto_resume.applies(ckpt_path):  # fit: a restarted job, or "auto" (auto_resume.py)
-        chosen, found_here = auto_resume.choose(trainer, ckpt_path, search_patterns(trainer)) \
-            if strategy.is_global_zero else (None, False)
+        chosen, found_here = (
+            auto_resume.choose(trainer, ckpt_path, search_patterns(trainer))
+            if strategy.is_global_zero
+            else (None, False)
+        )
         chosen, found_here = strategy.broadcast((chosen, found_here))
         if found_here:
             if chosen is not None:
                 _continue_run(trainer, chosen)
             return chosen
     elif ckpt_path == auto_resume.AUTO:
-        raise ValueError("ckpt_path='auto' applies to fit (resume when a checkpoint exists); for validate, "
-                         "test and predict pass 'last', 'best' or a path.")
+        raise ValueError(
+            "ckpt_path='auto' applies to fit (resume when a checkpoint exists); for validate, "
+            "test and predict pass 'last', 'best' or a path."
+        )
     if ckpt_path is None:
         return None
     if ckpt_path == "last":
@@ -368,8 +384,11 @@ def resolve(trainer: Trainer, ckpt_path: str | os.PathLike | None, continue_run:
             raise CheckpointNotFoundError(problem)
         if found is None:
             if strategy.is_global_zero:
-                warnings.warn(f"ckpt_path='last' found no checkpoint (searched {dirs}); starting from scratch.",
-                              UserWarning, stacklevel=5)
+                warnings.warn(
+                    f"ckpt_path='last' found no checkpoint (searched {dirs}); starting from scratch.",
+                    UserWarning,
+                    stacklevel=5,
+                )
             return None
         if continue_run:
             _continue_run(trainer, found)
@@ -377,7 +396,9 @@ def resolve(trainer: Trainer, ckpt_path: str | os.PathLike | None, continue_run:
     if ckpt_path == "best":
         best = [cb.best_model_path for cb in _checkpoint_callbacks(trainer) if cb.best_model_path]
         if not best:
-            raise CheckpointError("ckpt_path='best' but no ModelCheckpoint of this Trainer has saved a best "
-                                  "checkpoint yet. Pass a path, or 'last'.")
+            raise CheckpointError(
+                "ckpt_path='best' but no ModelCheckpoint of this Trainer has saved a best "
+                "checkpoint yet. Pass a path, or 'last'."
+            )
         return best[0]
     return os.fspath(ckpt_path)

@@ -6,6 +6,7 @@ and only then changes the module, the optimizers and the callbacks. A malformed 
 entry raises a ``CheckpointError`` that names the entry and says what is wrong, with nothing
 touched. The checks are about shape and type, not about values a run could legitimately have.
 """
+
 from __future__ import annotations
 
 import math
@@ -82,13 +83,17 @@ def validate(trainer: Trainer, ckpt: dict[str, Any], path: str, part: str) -> No
         try:
             check(trainer, ckpt, ckpt.get(entry))
         except _Bad as bad:
-            raise CheckpointError(f"Checkpoint {path!r} has a malformed or mismatched {entry!r} entry: {bad}. "
-                                  "Nothing was loaded: the module, optimizers and callbacks are unchanged. Resume "
-                                  "from another checkpoint (or one written with this configuration).") from None
+            raise CheckpointError(
+                f"Checkpoint {path!r} has a malformed or mismatched {entry!r} entry: {bad}. "
+                "Nothing was loaded: the module, optimizers and callbacks are unchanged. Resume "
+                "from another checkpoint (or one written with this configuration)."
+            ) from None
         except (KeyError, TypeError, AttributeError, IndexError, ValueError) as err:
-            raise CheckpointError(f"Checkpoint {path!r} has a malformed {entry!r} entry ({type(err).__name__}: "
-                                  f"{err}). Nothing was loaded: the module, optimizers and callbacks are unchanged. "
-                                  "Resume from another checkpoint.") from None
+            raise CheckpointError(
+                f"Checkpoint {path!r} has a malformed {entry!r} entry ({type(err).__name__}: "
+                f"{err}). Nothing was loaded: the module, optimizers and callbacks are unchanged. "
+                "Resume from another checkpoint."
+            ) from None
 
 
 def _progress(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
@@ -105,8 +110,10 @@ def _position(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
     n = trainer.num_training_batches
     saved_world = ckpt.get("strategy", {}).get("world_size", 1) if isinstance(ckpt.get("strategy"), dict) else 1
     if saved_world == trainer.strategy.world_size and n != math.inf and p["batch_in_epoch"] > n:
-        raise _Bad(f"it is at batch {p['batch_in_epoch']} of an epoch that has {int(n)} batches in this run; the "
-                   "training data or limit_train_batches differ from the run that wrote it")
+        raise _Bad(
+            f"it is at batch {p['batch_in_epoch']} of an epoch that has {int(n)} batches in this run; the "
+            "training data or limit_train_batches differ from the run that wrote it"
+        )
 
 
 def _optimizers(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
@@ -115,8 +122,10 @@ def _optimizers(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
     saved_scheds = ckpt.get("lr_schedulers")
     n_scheds = len(saved_scheds) if isinstance(saved_scheds, (list, tuple)) else "?"
     if len(saved) != len(opts) or n_scheds != len(scheds):
-        raise _Bad(f"it has {len(saved)} optimizer(s) and {n_scheds} LR scheduler(s) but configure_optimizers "
-                   f"returned {len(opts)} and {len(scheds)}")
+        raise _Bad(
+            f"it has {len(saved)} optimizer(s) and {n_scheds} LR scheduler(s) but configure_optimizers "
+            f"returned {len(opts)} and {len(scheds)}"
+        )
     for i, (opt, state) in enumerate(zip(opts, saved)):
         state = _dict(state, f"optimizer {i}'s state")
         groups = _list(state.get("param_groups"), f"optimizer {i}'s param_groups")
@@ -126,16 +135,19 @@ def _optimizers(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
         if ours != theirs:
             raise _Bad(f"optimizer {i} has parameter groups of sizes {theirs}, but the optimizer now has {ours}")
         # The saved ids are positions in the saved groups; match them to this run's parameters.
-        params = {pid: p for g_saved, g in zip(groups, opt.param_groups)
-                  for pid, p in zip(g_saved["params"], g["params"])}
+        params = {
+            pid: p for g_saved, g in zip(groups, opt.param_groups) for pid, p in zip(g_saved["params"], g["params"])
+        }
         for pid, slots in per_param.items():
             if pid not in params:
                 raise _Bad(f"optimizer {i} has state for parameter id {pid!r}, which none of its groups lists")
             param = params[pid]
             for name, tensor in _dict(slots, f"optimizer {i}'s state of parameter {pid}").items():
                 if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and tensor.shape != param.shape:
-                    raise _Bad(f"optimizer {i}'s {name!r} for parameter {pid} has shape {tuple(tensor.shape)}, the "
-                               f"parameter has {tuple(param.shape)}")
+                    raise _Bad(
+                        f"optimizer {i}'s {name!r} for parameter {pid} has shape {tuple(tensor.shape)}, the "
+                        f"parameter has {tuple(param.shape)}"
+                    )
 
 
 def _schedulers(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
@@ -193,8 +205,10 @@ def _sampler(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
     except (AttributeError, TypeError):
         return
     if position > total:
-        raise _Bad(f"its position {position} is beyond the {total} samples of this run's training dataset; the "
-                   "training data differ from the run that wrote it")
+        raise _Bad(
+            f"its position {position} is beyond the {total} samples of this run's training dataset; the "
+            "training data differ from the run that wrote it"
+        )
 
 
 def _rng(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:

@@ -11,6 +11,7 @@ an uncompiled module. ``to_uncompiled`` puts the original methods back.
 ``dp`` refuses a compiled module (as Lightning's strategies other than single / ddp / fsdp do): its
 replicas are shallow copies that would share the original's compiled methods, bound to the original.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -36,8 +37,10 @@ def from_compiled(model: Any) -> TrainModule:
         raise TypeError(f"Expected the result of torch.compile(module), got {type(model).__name__}.")
     module = model._orig_mod  # noqa: SLF001  (torch's public way in: torch.compile documents _orig_mod)
     if not isinstance(module, TrainModule):
-        raise TypeError(f"torch.compile wrapped a {type(module).__name__}, not an ember.TrainModule. Compile the "
-                        "TrainModule (trainer.fit(torch.compile(module))) or a submodule inside it.")
+        raise TypeError(
+            f"torch.compile wrapped a {type(module).__name__}, not an ember.TrainModule. Compile the "
+            "TrainModule (trainer.fit(torch.compile(module))) or a submodule inside it."
+        )
     ctx = model.dynamo_ctx
     if _CTX in vars(module):  # compiled before (fit then validate): start from the original methods
         to_uncompiled(module)

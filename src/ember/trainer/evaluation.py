@@ -18,6 +18,7 @@ rank whose stream ended first runs copies of its own first batch as padding batc
 and a rank with no batch at all raises on every rank. Predict is not padded (as in Lightning):
 its outputs are the dataset's, each sample once, and each rank runs its own batches.
 """
+
 from __future__ import annotations
 
 import copy
@@ -60,8 +61,15 @@ class EvaluationLoop:
         input_dtype: floating inputs are cast to it (64-true), or None.
     """
 
-    def __init__(self, trainer: Trainer, module: TrainModule, hooks: Hooks, metrics: MetricCollector,
-                 precision: Precision, input_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        module: TrainModule,
+        hooks: Hooks,
+        metrics: MetricCollector,
+        precision: Precision,
+        input_dtype: torch.dtype | None,
+    ) -> None:
         self.trainer, self.module, self.hooks, self.metrics, self.precision = trainer, module, hooks, metrics, precision
         self.input_dtype = input_dtype
         self.strategy = trainer.strategy
@@ -89,14 +97,18 @@ class EvaluationLoop:
             module.__dict__.pop("_ember_saved_modes", None)
 
     # ------------------------------------------------------------------ one loader
-    def _run_loader(self, hook: str, loader: Any, limit: float, dl_idx: int, many: bool,
-                    keep: list[Any] | None, stage: str) -> None:
+    def _run_loader(
+        self, hook: str, loader: Any, limit: float, dl_idx: int, many: bool, keep: list[Any] | None, stage: str
+    ) -> None:
         """Run ``{hook}_step`` with its batch hooks over the first ``limit`` batches of ``loader`` (and a
         padding batch where this rank has fewer than another), under no_grad and autocast; append each
         output of a real batch to ``keep`` (predict)."""
         metrics = self.metrics
-        step_fn = wrap(self.trainer.profiler, f"[Strategy]{type(self.strategy).__name__}.{hook}_step",
-                       getattr(self.strategy, f"{hook}_step"))  # (the method itself when not profiling)
+        step_fn = wrap(
+            self.trainer.profiler,
+            f"[Strategy]{type(self.strategy).__name__}.{hook}_step",
+            getattr(self.strategy, f"{hook}_step"),
+        )  # (the method itself when not profiling)
         batch_start = self.hooks.get(f"on_{hook}_batch_start")
         batch_end = self.hooks.get(f"on_{hook}_batch_end")
         fx_start, fx_step, fx_end = f"on_{hook}_batch_start", f"{hook}_step", f"on_{hook}_batch_end"
@@ -180,8 +192,7 @@ class EvaluationLoop:
             with torch.no_grad():
                 for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
                     results.append([])
-                    self._run_loader("predict", loader, limit, dl_idx, many, results[-1] if keep else None,
-                                     "predict")
+                    self._run_loader("predict", loader, limit, dl_idx, many, results[-1] if keep else None, "predict")
             hooks.call("on_predict_epoch_end")
             hooks.call("on_predict_end")
         finally:
@@ -229,8 +240,9 @@ def _agreed(loader: Any, limit: float, strategy: Strategy, dl_idx: int | None, s
         position += 1
 
 
-def _raise_empty(strategy: Strategy, batch: Any, batches: Iterator[Any], limit: float, dl_idx: int | None,
-                 stage: str) -> NoReturn:
+def _raise_empty(
+    strategy: Strategy, batch: Any, batches: Iterator[Any], limit: float, dl_idx: int | None, stage: str
+) -> NoReturn:
     """Raise on every rank that some rank's loader yielded no batch while others' did (a collective):
     a rank with batches counts them first, for at most ``COUNT_REST_SECONDS``, for the message."""
     count, exact = 0, True
@@ -252,7 +264,8 @@ def _raise_empty(strategy: Strategy, batch: Any, batches: Iterator[Any], limit: 
         "Every rank runs the same evaluation steps, and a rank whose loader ran out repeats its own first batch, "
         "so every rank needs at least one batch of each evaluation loader. Give every rank's IterableDataset at "
         "least one batch (split the data by trainer.global_rank and trainer.world_size), or evaluate with fewer "
-        "processes.")
+        "processes."
+    )
 
 
 def _unsized(loader: Any) -> bool:

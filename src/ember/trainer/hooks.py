@@ -1,4 +1,5 @@
 """Hook dispatch: who runs hook ``name``, in which order, and what ``self.log`` inside it defaults to."""
+
 from __future__ import annotations
 
 import functools
@@ -30,8 +31,9 @@ class Hooks:
         metrics: told which hook runs (``fx``), which decides ``self.log``'s on_step/on_epoch defaults.
     """
 
-    def __init__(self, trainer: Trainer, callbacks: Sequence[Callback], module: TrainModule | None,
-                 metrics: MetricCollector) -> None:
+    def __init__(
+        self, trainer: Trainer, callbacks: Sequence[Callback], module: TrainModule | None, metrics: MetricCollector
+    ) -> None:
         self._trainer = trainer
         self._callbacks = list(callbacks)
         self._module = module
@@ -55,11 +57,20 @@ class Hooks:
             if monitoring is not None and bool(cb.monitors_metrics) != monitoring:
                 continue
             if base is not None and defines_hook(name, cb, Callback):
-                table.append(wrap(profiler, f"[Callback]{type(cb).__name__}.{name}",
-                                  functools.partial(getattr(cb, name), self._trainer, self._module)))
+                table.append(
+                    wrap(
+                        profiler,
+                        f"[Callback]{type(cb).__name__}.{name}",
+                        functools.partial(getattr(cb, name), self._trainer, self._module),
+                    )
+                )
         module = self._module
-        if (module is not None and monitoring is not True and hasattr(TrainModule, name)
-                and defines_hook(name, module, TrainModule)):
+        if (
+            module is not None
+            and monitoring is not True
+            and hasattr(TrainModule, name)
+            and defines_hook(name, module, TrainModule)
+        ):
             table.append(wrap(profiler, f"[TrainModule]{type(module).__name__}.{name}", getattr(module, name)))
         self._table[key] = table
         return table

@@ -1,5 +1,6 @@
 """Where a run's batches come from: the loaders requested from the module or datamodule, how many
 batches of each run, and the per-batch transfer to the device (with the module's transfer hooks)."""
+
 from __future__ import annotations
 
 import math
@@ -97,8 +98,10 @@ def combined_train(loader: Any) -> Any:
     if isinstance(loader, (Mapping, list, tuple)) and not _holds_tensors(loader):
         return CombinedLoader(loader, "max_size_cycle")
     if isinstance(loader, CombinedLoader) and loader.mode == "sequential":
-        raise ValueError("fit does not support CombinedLoader(mode='sequential') for training: each step trains on "
-                         "one batch of each loader. Use 'max_size_cycle', 'min_size' or 'max_size'.")
+        raise ValueError(
+            "fit does not support CombinedLoader(mode='sequential') for training: each step trains on "
+            "one batch of each loader. Use 'max_size_cycle', 'min_size' or 'max_size'."
+        )
     return loader
 
 
@@ -111,8 +114,9 @@ def request(trainer: Trainer, given: Any, attr: str) -> Any:
     return fn() if callable(fn) else None
 
 
-def eval_loaders(trainer: Trainer, given: Any, stage: Stage, attr: str, limit: int | float) -> tuple[list[Any],
-                                                                                                     list[float]]:
+def eval_loaders(
+    trainer: Trainer, given: Any, stage: Stage, attr: str, limit: int | float
+) -> tuple[list[Any], list[float]]:
     """validate / test / predict: the loaders (processed by the strategy) and the batches to run of each."""
     loaders = as_list(request(trainer, given, attr))
     if not loaders:
@@ -150,6 +154,7 @@ def batch_transfer(trainer: Trainer, dataloader_idx: int, input_dtype: Any) -> C
     device = strategy.root_device
     base: Callable[[Any], Any] = strategy.batch_to_device
     if input_dtype is not None:
+
         def base(batch: Any) -> Any:
             return move_to_device(batch, device, input_dtype)
 
@@ -161,6 +166,7 @@ def batch_transfer(trainer: Trainer, dataloader_idx: int, input_dtype: Any) -> C
         if defines_hook(name, trainer.module, TrainModule):
             return getattr(trainer.module, name)
         return None
+
     before = owner("on_before_batch_transfer")
     custom = owner("transfer_batch_to_device")
     after = owner("on_after_batch_transfer")
@@ -174,6 +180,7 @@ def batch_transfer(trainer: Trainer, dataloader_idx: int, input_dtype: Any) -> C
         if after is not None:
             batch = after(batch, dataloader_idx)
         return batch
+
     return transfer
 
 
@@ -186,12 +193,20 @@ def unshuffled(loader: Any, kind: str) -> Any:
     reason = why_not_swappable(loader)
     # Only the sampler is in the way (custom, or drawing with replacement): a copy with a sequential one is exact.
     if reason is not None and not reason.startswith(("it has a custom sampler", "its RandomSampler")):
-        warnings.warn(f"overfit_batches: the {kind} dataloader's sampler ({type(sampler).__name__}) cannot be made "
-                      f"sequential ({reason}), so its batches may differ between epochs. Pass a loader with "
-                      "shuffle=False.", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"overfit_batches: the {kind} dataloader's sampler ({type(sampler).__name__}) cannot be made "
+            f"sequential ({reason}), so its batches may differ between epochs. Pass a loader with "
+            "shuffle=False.",
+            UserWarning,
+            stacklevel=2,
+        )
         return loader
-    warnings.warn(f"You requested to overfit but enabled {kind} dataloader shuffling. We are turning off the {kind} "
-                  "dataloader shuffling for you.", UserWarning, stacklevel=2)
+    warnings.warn(
+        f"You requested to overfit but enabled {kind} dataloader shuffling. We are turning off the {kind} "
+        "dataloader shuffling for you.",
+        UserWarning,
+        stacklevel=2,
+    )
     return rebuild_with_sampler(loader, SequentialSampler(loader.dataset))
 
 
@@ -243,11 +258,18 @@ class FitData:
         """As Lightning, once at the start of a fit (rank zero): a ``validation_step`` with no validation data
         to run it on is skipped, and the user is told so."""
         t = self._trainer
-        if is_overridden("validation_step", t.module, TrainModule) and not self.val_source_defined() \
-                and t.is_global_zero:
-            warnings.warn(f"{type(t.module).__name__} defines validation_step, but this fit has no validation data "
-                          "(no val_dataloaders passed to fit and no val_dataloader() on the module or datamodule), "
-                          "so validation is skipped. Pass val_dataloaders to validate.", UserWarning, stacklevel=4)
+        if (
+            is_overridden("validation_step", t.module, TrainModule)
+            and not self.val_source_defined()
+            and t.is_global_zero
+        ):
+            warnings.warn(
+                f"{type(t.module).__name__} defines validation_step, but this fit has no validation data "
+                "(no val_dataloaders passed to fit and no val_dataloader() on the module or datamodule), "
+                "so validation is skipped. Pass val_dataloaders to validate.",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def request_val(self) -> None:
         """Request the validation loaders (once per fit) and count their batches."""
@@ -260,8 +282,10 @@ class FitData:
             return
         loaders = as_list(request(t, self._given[1], "val_dataloader"))
         if loaders and not is_overridden("validation_step", t.module, TrainModule):
-            raise ValueError(f"Validation data was given but {type(t.module).__name__} defines no validation_step. "
-                             "Define validation_step or do not pass val_dataloaders.")
+            raise ValueError(
+                f"Validation data was given but {type(t.module).__name__} defines no validation_step. "
+                "Define validation_step or do not pass val_dataloaders."
+            )
         self._set_val(loaders)
 
     def request_train(self) -> None:
@@ -270,12 +294,15 @@ class FitData:
             return
         train = request(self._trainer, self._given[0], "train_dataloader")
         if train is None:
-            raise ValueError("fit needs training data: pass train_dataloaders, or a datamodule with "
-                             "train_dataloader().")
+            raise ValueError(
+                "fit needs training data: pass train_dataloaders, or a datamodule with train_dataloader()."
+            )
         self._set_train(train)
         if self.num_training_batches == 0:
-            raise ValueError("The train dataloader is empty (0 batches after limit_train_batches). Check the "
-                             "dataset, batch_size with drop_last, and limit_train_batches.")
+            raise ValueError(
+                "The train dataloader is empty (0 batches after limit_train_batches). Check the "
+                "dataset, batch_size with drop_last, and limit_train_batches."
+            )
 
     def reload(self) -> None:
         """``reload_dataloaders_every_n_epochs``: request a fresh train loader (one passed to ``fit`` is kept)."""

@@ -13,6 +13,7 @@ Evaluation makes the same agreement over loaders without a length, but goes on w
 has a batch (a rank that ran out runs padding batches, see evaluation.py): no sample is left out
 of a metric.
 """
+
 from __future__ import annotations
 
 import time
@@ -105,14 +106,21 @@ def uneven_message(counts: list[tuple[int, bool]], used: int, epoch: int) -> str
         used: batches every rank ran this epoch.
         epoch: the epoch's index.
     """
-    per_rank = ", ".join(f"rank {r}: {n}" if exact else f"rank {r}: at least {n}"
-                         for r, (n, exact) in enumerate(counts))
-    fix = ("Make each rank's IterableDataset yield the same number of batches (split the data evenly by "
-           "trainer.global_rank and trainer.world_size, dropping the remainder)")
+    per_rank = ", ".join(
+        f"rank {r}: {n}" if exact else f"rank {r}: at least {n}" for r, (n, exact) in enumerate(counts)
+    )
+    fix = (
+        "Make each rank's IterableDataset yield the same number of batches (split the data evenly by "
+        "trainer.global_rank and trainer.world_size, dropping the remainder)"
+    )
     if used == 0:
-        return (f"The train dataloader yielded no batch on some ranks in epoch {epoch} ({per_rank}), so no rank "
-                f"can train: every rank must take the same steps. {fix}.")
-    return (f"The train dataloader yielded a different number of batches on each rank in epoch {epoch} "
-            f"({per_rank}). Every rank must take the same steps, so the epoch ended after {used} batches on "
-            f"every rank, where the shortest ran out, and the other ranks' remaining batches were not used. "
-            f"{fix}, or set an int limit_train_batches no larger than the shortest rank's count.")
+        return (
+            f"The train dataloader yielded no batch on some ranks in epoch {epoch} ({per_rank}), so no rank "
+            f"can train: every rank must take the same steps. {fix}."
+        )
+    return (
+        f"The train dataloader yielded a different number of batches on each rank in epoch {epoch} "
+        f"({per_rank}). Every rank must take the same steps, so the epoch ended after {used} batches on "
+        f"every rank, where the shortest ran out, and the other ranks' remaining batches were not used. "
+        f"{fix}, or set an int limit_train_batches no larger than the shortest rank's count."
+    )

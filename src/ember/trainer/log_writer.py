@@ -4,6 +4,7 @@ Only global rank zero writes. ``trainer.logged_metrics`` mirrors what was writte
 tensors (as Lightning's); the loggers get floats, and with them the epoch, which ``logged_metrics`` does
 not hold.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -95,10 +96,12 @@ class LogWriter:
             hp = dict(getattr(source, "hparams_initial", None) or {})
             clash = sorted(k for k in hp if k in params and not _same(params[k], hp[k]))
             if clash:
-                raise RuntimeError(f"The hyper-parameters {clash} are saved by both {type(t.module).__name__} and "
-                                   f"{type(source).__name__} with different values, so the loggers cannot record "
-                                   "one set. Rename them in one of the two, or leave them out of one with "
-                                   "save_hyperparameters(ignore=[...]).")
+                raise RuntimeError(
+                    f"The hyper-parameters {clash} are saved by both {type(t.module).__name__} and "
+                    f"{type(source).__name__} with different values, so the loggers cannot record "
+                    "one set. Rename them in one of the two, or leave them out of one with "
+                    "save_hyperparameters(ignore=[...])."
+                )
             params.update(hp)
         if not params:
             return  # as Lightning: nothing saved with save_hyperparameters, nothing logged (no empty hparams.yaml)

@@ -20,6 +20,7 @@ A fit, as in Lightning::
         checkpointing: checkpoint callbacks run last) -> ReduceLROnPlateau
     on_train_end
 """
+
 from __future__ import annotations
 
 import itertools
@@ -82,9 +83,19 @@ class FitLoop:
         input_dtype: floating inputs are cast to it (64-true), or None.
     """
 
-    def __init__(self, trainer: Trainer, *, hooks: Hooks, metrics: MetricCollector, optim: OptimizerState,
-                 data: FitData, logs: LogWriter, evaluation: EvaluationLoop, step: TrainingStep,
-                 input_dtype: Any) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        *,
+        hooks: Hooks,
+        metrics: MetricCollector,
+        optim: OptimizerState,
+        data: FitData,
+        logs: LogWriter,
+        evaluation: EvaluationLoop,
+        step: TrainingStep,
+        input_dtype: Any,
+    ) -> None:
         self.trainer, self.hooks, self.metrics, self.optim = trainer, hooks, metrics, optim
         self.data, self.logs, self.evaluation, self.step = data, logs, evaluation, step
         self.input_dtype = input_dtype
@@ -117,9 +128,13 @@ class FitLoop:
         self._check_val_interval()
         n, every = data.num_training_batches, t.log_every_n_steps
         if t.loggers and n < every and not t.fast_dev_run and t.is_global_zero:  # as Lightning (rank zero)
-            warnings.warn(f"The number of training batches ({n}) is smaller than the logging interval "
-                          f"Trainer(log_every_n_steps={every}). Set a lower value for log_every_n_steps if you want "
-                          "to see logs for the training epoch.", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"The number of training batches ({n}) is smaller than the logging interval "
+                f"Trainer(log_every_n_steps={every}). Set a lower value for log_every_n_steps if you want "
+                "to see logs for the training epoch.",
+                UserWarning,
+                stacklevel=2,
+            )
         if resume is not None:
             resume.data_position()
         # As Lightning (max_epochs=0, max_steps=0, a finished run resumed, a stop requested before training
@@ -171,8 +186,12 @@ class FitLoop:
             return True
         if not self._said_continue:
             self._said_continue = True
-            log.info("Trainer was signaled to stop but the required min_epochs=%s or min_steps=%s has not been met. "
-                     "Training will continue...", t.min_epochs, t.min_steps)
+            log.info(
+                "Trainer was signaled to stop but the required min_epochs=%s or min_steps=%s has not been met. "
+                "Training will continue...",
+                t.min_epochs,
+                t.min_steps,
+            )
         return False
 
     def _done(self) -> bool:
@@ -185,15 +204,24 @@ class FitLoop:
     def _check_val_interval(self) -> None:
         t, data = self.trainer, self.data
         v, n = t.val_check_interval, data.num_training_batches
-        if isinstance(v, int) and t.check_val_every_n_epoch is not None and data.val_loaders \
-                and n != math.inf and v > n:
-            raise ValueError(f"val_check_interval={v} is larger than the {int(n)} training batches per epoch, so "
-                             "validation would never run. Lower it, or set check_val_every_n_epoch=None to count "
-                             "batches across epochs.")
+        if (
+            isinstance(v, int)
+            and t.check_val_every_n_epoch is not None
+            and data.val_loaders
+            and n != math.inf
+            and v > n
+        ):
+            raise ValueError(
+                f"val_check_interval={v} is larger than the {int(n)} training batches per epoch, so "
+                "validation would never run. Lower it, or set check_val_every_n_epoch=None to count "
+                "batches across epochs."
+            )
         if isinstance(v, float) and v != 1.0 and data.val_loaders and n == math.inf:
-            raise ValueError(f"val_check_interval={v} is a fraction of an epoch, but the train dataloader has no "
-                             "length, so validation would never run mid-epoch. Pass an int number of batches, or an "
-                             "int limit_train_batches.")
+            raise ValueError(
+                f"val_check_interval={v} is a fraction of an epoch, but the train dataloader has no "
+                "length, so validation would never run mid-epoch. Pass an int number of batches, or an "
+                "int limit_train_batches."
+            )
 
     def _val_due(self, batch_idx: int, is_last: bool) -> bool:
         t, p = self.trainer, self.progress
@@ -259,7 +287,8 @@ class FitLoop:
         # Building Lightning's {"loss": detached} outputs costs a detach and a dict per step: only
         # when a hook may read them (the module's own, or a callback that does not opt out).
         wants_outputs = step.automatic and any(
-            getattr(getattr(getattr(h, "func", h), "__self__", None), "uses_step_outputs", True) for h in batch_end)
+            getattr(getattr(getattr(h, "func", h), "__self__", None), "uses_step_outputs", True) for h in batch_end
+        )
         # After a batch's bookkeeping and any validation: where checkpoints resume exactly (see checkpoint.py).
         boundary = [cb.on_train_step_boundary for cb in t.callbacks if hasattr(cb, "on_train_step_boundary")]
         # One process only needs to look when a signal arrived; several agree periodically (preemption.py).
@@ -309,8 +338,9 @@ class FitLoop:
                     # batch (trainer.is_last_batch, the epoch-interval schedulers step).
                     p.is_last_batch = refused = True
                     if epoch_schedulers:
-                        self.optim.step_schedulers("epoch", p.current_epoch + 1, metrics.callback_metrics,
-                                                   plateau=False)
+                        self.optim.step_schedulers(
+                            "epoch", p.current_epoch + 1, metrics.callback_metrics, plateau=False
+                        )
                     break
             metrics.fx = "training_step"
             outputs, steps = run_step(batch, batch_idx, is_last)
@@ -364,13 +394,19 @@ class FitLoop:
     def _no_batch(self, sized: bool) -> None:
         """An epoch without a single batch: an error for a loader with a length (its length lied); for one
         without, the epoch ends empty as in Lightning (a stream may have nothing this epoch), said once per fit."""
-        message = ("The train dataloader yielded no batch. Check the dataset is not empty, that batch_size <= "
-                   "len(dataset) when drop_last=True, and limit_train_batches")
+        message = (
+            "The train dataloader yielded no batch. Check the dataset is not empty, that batch_size <= "
+            "len(dataset) when drop_last=True, and limit_train_batches"
+        )
         if sized:
             raise ValueError(message + ".")
         if not self._warned_empty and self.trainer.is_global_zero:
-            warnings.warn(f"{message} (epoch {self.progress.current_epoch}; it has no length, so the epoch ends "
-                          "without training, as Lightning does; said once per fit).", UserWarning, stacklevel=3)
+            warnings.warn(
+                f"{message} (epoch {self.progress.current_epoch}; it has no length, so the epoch ends "
+                "without training, as Lightning does; said once per fit).",
+                UserWarning,
+                stacklevel=3,
+            )
         self._warned_empty = True
 
     def _report_uneven(self, lockstep: Lockstep, start: int, used: int) -> None:

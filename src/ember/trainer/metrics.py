@@ -10,6 +10,7 @@ the epoch value is its ``compute()`` at the stage's end, and every logged Metric
 The Metric synchronises its state across processes itself inside ``compute()``, so its epoch value
 does not go through this module's cross-process reduction (it would be reduced twice).
 """
+
 from __future__ import annotations
 
 import numbers
@@ -27,16 +28,36 @@ if TYPE_CHECKING:
 
 _FLOAT32 = torch.float32
 # Hooks whose ``self.log`` defaults to per-step values; everything else defaults to per-epoch (as Lightning).
-_STEP_HOOKS = frozenset({
-    "training_step", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "backward",
-    "on_after_backward", "on_before_optimizer_step", "optimizer_step", "configure_gradient_clipping",
-    "clip_gradients", "on_before_zero_grad", "optimizer_zero_grad",
-})
+_STEP_HOOKS = frozenset(
+    {
+        "training_step",
+        "on_train_batch_start",
+        "on_train_batch_end",
+        "on_before_backward",
+        "backward",
+        "on_after_backward",
+        "on_before_optimizer_step",
+        "optimizer_step",
+        "configure_gradient_clipping",
+        "clip_gradients",
+        "on_before_zero_grad",
+        "optimizer_zero_grad",
+    }
+)
 # Hooks that run once per run or epoch: Lightning allows only on_step=False, on_epoch=True there.
-_EPOCH_ONLY_HOOKS = frozenset({
-    "on_train_start", "on_validation_start", "on_test_start", "on_train_epoch_start", "on_train_epoch_end",
-    "on_validation_epoch_start", "on_validation_epoch_end", "on_test_epoch_start", "on_test_epoch_end",
-})
+_EPOCH_ONLY_HOOKS = frozenset(
+    {
+        "on_train_start",
+        "on_validation_start",
+        "on_test_start",
+        "on_train_epoch_start",
+        "on_train_epoch_end",
+        "on_validation_epoch_start",
+        "on_validation_epoch_end",
+        "on_test_epoch_start",
+        "on_test_epoch_end",
+    }
+)
 # Inside these, trainer.callback_metrics shows the epoch values reduced so far (as Lightning's does).
 _EPOCH_END_HOOKS = frozenset({"on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end"})
 # Stages whose per-step values are written to the loggers batch by batch (the sanity check writes nothing).
@@ -49,11 +70,34 @@ _ENTRY_FIELDS = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx
 
 
 class _Entry:
-    __slots__ = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist", "total", "weight",
-                 "step_key", "epoch_key", "loader", "metric")
+    __slots__ = (
+        "name",
+        "prog_bar",
+        "logger",
+        "on_step",
+        "on_epoch",
+        "reduce_fx",
+        "sync_dist",
+        "total",
+        "weight",
+        "step_key",
+        "epoch_key",
+        "loader",
+        "metric",
+    )
 
-    def __init__(self, name: str, prog_bar: bool, logger: bool, on_step: bool, on_epoch: bool,
-                 reduce_fx: ReduceOp, sync_dist: bool, suffix: str = "", loader: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        prog_bar: bool,
+        logger: bool,
+        on_step: bool,
+        on_epoch: bool,
+        reduce_fx: ReduceOp,
+        sync_dist: bool,
+        suffix: str = "",
+        loader: str = "",
+    ) -> None:
         #: The key (the logged name, and ``/dataloader_idx_i`` when several evaluation loaders log it).
         self.name = name + suffix
         self.prog_bar, self.logger = prog_bar, logger
@@ -220,15 +264,36 @@ class MetricCollector:
         self._stages["train"] = stage
 
     # ------------------------------------------------------------------ what self.log calls
-    def log(self, name: str, value: Any, *, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
-            on_epoch: bool | None = None, reduce_fx: ReduceFx = "mean", batch_size: int | None = None,
-            sync_dist: bool = False, add_dataloader_idx: bool = True, enable_graph: bool = False) -> None:
+    def log(
+        self,
+        name: str,
+        value: Any,
+        *,
+        prog_bar: bool = False,
+        logger: bool = True,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: ReduceFx = "mean",
+        batch_size: int | None = None,
+        sync_dist: bool = False,
+        add_dataloader_idx: bool = True,
+        enable_graph: bool = False,
+    ) -> None:
         loader = self.key_suffix
         key = name + loader if loader and add_dataloader_idx else name
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._new_entry(name, key, loader if add_dataloader_idx else "", prog_bar, logger, on_step,
-                                    on_epoch, reduce_fx, sync_dist)
+            entry = self._new_entry(
+                name,
+                key,
+                loader if add_dataloader_idx else "",
+                prog_bar,
+                logger,
+                on_step,
+                on_epoch,
+                reduce_fx,
+                sync_dist,
+            )
         elif entry.loader != loader:
             first, now = (s.lstrip("/") or "outside any loader" for s in (entry.loader, loader))
             raise ValueError(
@@ -261,8 +326,10 @@ class MetricCollector:
             return
         else:
             hint = _COLLECTION_HINT if is_torchmetric(value, "MetricCollection") else ""
-            raise TypeError(f"self.log({name!r}, ...) expects a number or a scalar tensor, got {type(value).__name__} "
-                            f"(a torchmetrics.Metric may be logged too). {hint}".rstrip())
+            raise TypeError(
+                f"self.log({name!r}, ...) expects a number or a scalar tensor, got {type(value).__name__} "
+                f"(a torchmetrics.Metric may be logged too). {hint}".rstrip()
+            )
         # Inline, not _publish_step: this runs for every logged value. A padding batch's own step value
         # describes no new sample: it is dropped. A synced one is every rank's common value (and every rank
         # must join its collective).
@@ -309,8 +376,10 @@ class MetricCollector:
         # Identity, not ``in``: a Metric's == builds a CompositionalMetric.
         mixed = entry.total is not None if entry.metric is None else entry.metric is not metric
         if mixed:
-            raise ValueError(f"self.log({entry.name!r}, ...) got a torchmetrics.Metric where this name already logged "
-                             "another value in this epoch. Log each Metric under a name of its own.")
+            raise ValueError(
+                f"self.log({entry.name!r}, ...) got a torchmetrics.Metric where this name already logged "
+                "another value in this epoch. Log each Metric under a name of its own."
+            )
         entry.metric = metric
         if not entry.on_step:
             return
@@ -320,12 +389,24 @@ class MetricCollector:
         if isinstance(batch_value, torch.Tensor) and batch_value.numel() == 1:
             self._publish_step(entry, key, batch_value.detach().float().reshape(()))
         elif batch_value is not None:
-            raise ValueError(f"self.log({entry.name!r}, metric): its forward returned {type(batch_value).__name__}"
-                             f"{tuple(batch_value.shape) if isinstance(batch_value, torch.Tensor) else ''}, not a "
-                             "scalar; only scalars can be logged. Log the values you need under separate names.")
+            raise ValueError(
+                f"self.log({entry.name!r}, metric): its forward returned {type(batch_value).__name__}"
+                f"{tuple(batch_value.shape) if isinstance(batch_value, torch.Tensor) else ''}, not a "
+                "scalar; only scalars can be logged. Log the values you need under separate names."
+            )
 
-    def _new_entry(self, name: str, key: str, suffix: str, prog_bar: bool, logger: bool, on_step: bool | None,
-                   on_epoch: bool | None, reduce_fx: ReduceFx, sync_dist: bool) -> _Entry:
+    def _new_entry(
+        self,
+        name: str,
+        key: str,
+        suffix: str,
+        prog_bar: bool,
+        logger: bool,
+        on_step: bool | None,
+        on_epoch: bool | None,
+        reduce_fx: ReduceFx,
+        sync_dist: bool,
+    ) -> _Entry:
         if not isinstance(name, str) or not name:
             raise ValueError(f"self.log needs a non-empty string name, got {name!r}.")
         op = parse_reduce_fx(name, reduce_fx)
@@ -340,8 +421,9 @@ class MetricCollector:
                 "on_step / on_epoch, or log per-step values from a step or batch hook."
             )
         if not on_step and not on_epoch:
-            raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) would record nothing; "
-                             "set one of them.")
+            raise ValueError(
+                f"self.log({name!r}, on_step=False, on_epoch=False) would record nothing; set one of them."
+            )
         entry = _Entry(name, prog_bar, logger, on_step, on_epoch, op, sync_dist, suffix, self.key_suffix)
         self._entries[key] = entry
         return entry
@@ -403,17 +485,20 @@ class MetricCollector:
         entries = sorted((e for e in self._entries.values() if e.on_epoch and e.metric is None), key=lambda e: e.name)
         # A key this rank logged only in a padding batch has no value here; it joins the reduction with
         # the reduction's identity (the other ranks logged it in real batches).
-        rows = [(e.name, e.reduce_fx, e.total if e.total is not None else _IDENTITY[e.reduce_fx], e.weight)
-                for e in entries]
+        rows = [
+            (e.name, e.reduce_fx, e.total if e.total is not None else _IDENTITY[e.reduce_fx], e.weight) for e in entries
+        ]
         steps: list[_Entry] = []
         if self.strategy.world_size > 1:
-            steps = sorted((e for e in self._entries.values() if e.on_step and not e.sync_dist
-                            and e.step_key in cm), key=lambda e: e.name)
+            steps = sorted(
+                (e for e in self._entries.values() if e.on_step and not e.sync_dist and e.step_key in cm),
+                key=lambda e: e.name,
+            )
             rows += [(e.step_key + "/last", e.reduce_fx, cm[e.step_key], 1) for e in steps]
         if not rows and not metrics:
             return {}
         values = self._reduce_across_processes(rows) if rows else []
-        for entry, value in zip(steps, values[len(entries):]):
+        for entry, value in zip(steps, values[len(entries) :]):
             cm[entry.step_key] = value
             if entry.prog_bar:
                 self._progress_bar_metrics[entry.step_key] = value
@@ -436,9 +521,11 @@ class MetricCollector:
             if e.on_epoch:
                 value = e.metric.compute()
                 if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                    raise ValueError(f"self.log({e.name!r}, metric): its compute() returned "
-                                     f"{type(value).__name__}, not a scalar. Log a Metric that computes one "
-                                     "value, or log the elements of its result under separate names.")
+                    raise ValueError(
+                        f"self.log({e.name!r}, metric): its compute() returned "
+                        f"{type(value).__name__}, not a scalar. Log a Metric that computes one "
+                        "value, or log the elements of its result under separate names."
+                    )
                 out.append((e, value.detach().float().reshape(())))
         for e in logged:
             e.metric.reset()

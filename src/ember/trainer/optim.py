@@ -1,4 +1,5 @@
 """The forms ``configure_optimizers`` may return, normalised into optimizers + scheduler configs."""
+
 from __future__ import annotations
 
 import warnings
@@ -85,9 +86,12 @@ def _scheduler_config(obj: Any, automatic: bool = True) -> SchedulerConfig:
         if not automatic:
             ignored = [k for k in obj if k in _MANUAL_IGNORED]
             if ignored:
-                warnings.warn(f"The lr scheduler dict contains the key(s) {ignored}, but the keys will be ignored. "
-                              "You need to call lr_scheduler.step() yourself in manual optimization.",
-                              RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    f"The lr scheduler dict contains the key(s) {ignored}, but the keys will be ignored. "
+                    "You need to call lr_scheduler.step() yourself in manual optimization.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
                 obj = {k: v for k, v in obj.items() if k not in _MANUAL_IGNORED}
         cfg = SchedulerConfig(**obj)
     else:
@@ -97,14 +101,21 @@ def _scheduler_config(obj: Any, automatic: bool = True) -> SchedulerConfig:
     if not isinstance(cfg.frequency, int) or cfg.frequency < 1:
         raise ValueError(f"lr_scheduler frequency must be a positive int, got {cfg.frequency!r}.")
     if automatic and cfg.is_plateau and not cfg.monitor:
-        raise ValueError(f"{type(cfg.scheduler).__name__} needs a metric: return {{'optimizer': opt, 'lr_scheduler': "
-                         "{'scheduler': sched, 'monitor': 'val/loss'}} from configure_optimizers.")
+        raise ValueError(
+            f"{type(cfg.scheduler).__name__} needs a metric: return {{'optimizer': opt, 'lr_scheduler': "
+            "{'scheduler': sched, 'monitor': 'val/loss'}} from configure_optimizers."
+        )
     if automatic and isinstance(cfg.scheduler, torch.optim.lr_scheduler.OneCycleLR) and cfg.interval == "epoch":
-        warnings.warn("A OneCycleLR scheduler is using 'interval': 'epoch'. Did you mean 'interval': 'step'?",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            "A OneCycleLR scheduler is using 'interval': 'epoch'. Did you mean 'interval': 'step'?",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     if not all(callable(getattr(cfg.scheduler, a, None)) for a in ("step", "state_dict", "load_state_dict")):
-        raise TypeError(f"{type(cfg.scheduler).__name__} is not an LR scheduler: it needs step(), state_dict() and "
-                        "load_state_dict() (the last two save and restore it with checkpoints).")
+        raise TypeError(
+            f"{type(cfg.scheduler).__name__} is not an LR scheduler: it needs step(), state_dict() and "
+            "load_state_dict() (the last two save and restore it with checkpoints)."
+        )
     return cfg
 
 
@@ -114,17 +125,22 @@ def check_scheduler_api(schedulers: list[SchedulerConfig], module: TrainModule) 
     if not module.automatic_optimization or type(module).lr_scheduler_step is not TrainModule.lr_scheduler_step:
         return
     for cfg in schedulers:
-        if not isinstance(cfg.scheduler, (torch.optim.lr_scheduler.LRScheduler,
-                                          torch.optim.lr_scheduler.ReduceLROnPlateau)):
-            raise TypeError(f"The LR scheduler {type(cfg.scheduler).__name__} is not a torch.optim.lr_scheduler "
-                            "scheduler, so ember does not know how to call its step(). Override "
-                            f"{type(module).__name__}.lr_scheduler_step(self, scheduler, metric) to step it.")
+        if not isinstance(
+            cfg.scheduler, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        ):
+            raise TypeError(
+                f"The LR scheduler {type(cfg.scheduler).__name__} is not a torch.optim.lr_scheduler "
+                "scheduler, so ember does not know how to call its step(). Override "
+                f"{type(module).__name__}.lr_scheduler_step(self, scheduler, metric) to step it."
+            )
 
 
 def _check_optimizer(opt: Any) -> torch.optim.Optimizer:
     if not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(f"configure_optimizers returned a {type(opt).__name__} where an optimizer was expected. "
-                        f"It may return {_FORMS}.")
+        raise TypeError(
+            f"configure_optimizers returned a {type(opt).__name__} where an optimizer was expected. "
+            f"It may return {_FORMS}."
+        )
     return opt
 
 
@@ -136,15 +152,17 @@ def _check_dict_keys(conf: dict[str, Any]) -> None:
     train without the scheduler (Lightning warns and drops it; ember refuses, as for a scheduler config)."""
     unknown = sorted(str(k) for k in conf if k not in _DICT_KEYS)
     if unknown:
-        hints = [f"{k!r} (did you mean {hint!r}?)" if (hint := closest(k, list(_DICT_KEYS))) else repr(k)
-                 for k in unknown]
-        raise ValueError(f"configure_optimizers returned a dict with the unknown key(s) {', '.join(hints)}; it takes "
-                         f"{', '.join(map(repr, _DICT_KEYS))}, and a scheduler goes under 'lr_scheduler'. Rename "
-                         "or remove the key: it would otherwise be ignored.")
+        hints = [
+            f"{k!r} (did you mean {hint!r}?)" if (hint := closest(k, list(_DICT_KEYS))) else repr(k) for k in unknown
+        ]
+        raise ValueError(
+            f"configure_optimizers returned a dict with the unknown key(s) {', '.join(hints)}; it takes "
+            f"{', '.join(map(repr, _DICT_KEYS))}, and a scheduler goes under 'lr_scheduler'. Rename "
+            "or remove the key: it would otherwise be ignored."
+        )
 
 
-def parse_optimizers(result: Any, automatic: bool = True) -> tuple[list[torch.optim.Optimizer],
-                                                                   list[SchedulerConfig]]:
+def parse_optimizers(result: Any, automatic: bool = True) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
     """Normalise what ``configure_optimizers`` returned (``automatic``: the module's optimization mode)."""
     if result is None:
         return [], []
@@ -160,8 +178,10 @@ def parse_optimizers(result: Any, automatic: bool = True) -> tuple[list[torch.op
             opts, scheds = [], []
             for d in result:
                 if "optimizer" not in d:
-                    raise ValueError(f"configure_optimizers returned a dict without 'optimizer' (keys: {sorted(d)}). "
-                                     f"It may return {_FORMS}.")
+                    raise ValueError(
+                        f"configure_optimizers returned a dict without 'optimizer' (keys: {sorted(d)}). "
+                        f"It may return {_FORMS}."
+                    )
                 _check_dict_keys(d)
                 opts.append(_check_optimizer(d["optimizer"]))
                 sched = d.get("lr_scheduler")
@@ -238,6 +258,7 @@ def _then_hook(closure: Callable[[], Any], hooks: Hooks, optimizer: torch.optim.
         out = closure()
         hooks.call("on_before_optimizer_step", optimizer)
         return out
+
     return run
 
 
@@ -250,9 +271,16 @@ class OptimizerState:
         precision, strategy, hooks: what a manual ``opt.step()`` goes through.
     """
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], schedulers: list[SchedulerConfig], *,
-                 module: TrainModule | None = None, precision: Precision | None = None,
-                 strategy: Strategy | None = None, hooks: Hooks | None = None) -> None:
+    def __init__(
+        self,
+        optimizers: list[torch.optim.Optimizer],
+        schedulers: list[SchedulerConfig],
+        *,
+        module: TrainModule | None = None,
+        precision: Precision | None = None,
+        strategy: Strategy | None = None,
+        hooks: Hooks | None = None,
+    ) -> None:
         self.optimizers = optimizers
         self.schedulers = schedulers
         self.module, self.precision, self.strategy, self.hooks = module, precision, strategy, hooks
@@ -280,9 +308,14 @@ class OptimizerState:
                     if cfg.strict:
                         raise KeyError(
                             f"The LR scheduler monitors {cfg.monitor!r}, which was not logged. Logged keys: "
-                            f"{sorted(metrics)}. Log it with self.log({cfg.monitor!r}, ...) or change 'monitor'.")
-                    warnings.warn(f"The LR scheduler monitors {cfg.monitor!r}, which is not available, and strict is "
-                                  "False: skipping this learning rate update.", RuntimeWarning, stacklevel=2)
+                            f"{sorted(metrics)}. Log it with self.log({cfg.monitor!r}, ...) or change 'monitor'."
+                        )
+                    warnings.warn(
+                        f"The LR scheduler monitors {cfg.monitor!r}, which is not available, and strict is "
+                        "False: skipping this learning rate update.",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                     continue
             if custom:
                 assert module is not None

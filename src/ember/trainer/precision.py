@@ -1,4 +1,5 @@
 """Numeric precision: 32-true, 64-true, bf16-mixed (autocast) and 16-mixed (autocast + GradScaler)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -13,10 +14,17 @@ if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
 
 _ALIASES: dict[str | int, PrecisionName] = {
-    "32": "32-true", 32: "32-true", "32-true": "32-true",
-    "64": "64-true", 64: "64-true", "64-true": "64-true",
-    "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
-    "16": "16-mixed", 16: "16-mixed", "16-mixed": "16-mixed",
+    "32": "32-true",
+    32: "32-true",
+    "32-true": "32-true",
+    "64": "64-true",
+    64: "64-true",
+    "64-true": "64-true",
+    "bf16": "bf16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "16": "16-mixed",
+    16: "16-mixed",
+    "16-mixed": "16-mixed",
 }
 
 
@@ -65,8 +73,9 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, strategy: Strategy,
-                       closure: Callable[[], Any] | None = None) -> Any:
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, strategy: Strategy, closure: Callable[[], Any] | None = None
+    ) -> Any:
         if self.scaler is None:
             return strategy.optimizer_step(optimizer, closure)
         if closure is not None:

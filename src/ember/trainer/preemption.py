@@ -34,6 +34,7 @@ signal handlers only in the main thread and only between bytecodes, which a main
 C code (a collective waiting for a hung peer) never reaches: the handler's C half also writes the
 signal's number to a socket (:func:`signal.set_wakeup_fd`), which the thread watches.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -81,8 +82,10 @@ class PreemptionHandler:
 
     def __init__(self, trainer: Trainer, signals: tuple[int, ...], grace: float | None = DEFAULT_GRACE_S) -> None:
         if grace is not None and not grace > 0:
-            raise ValueError(f"preemption_grace={grace!r}: give the seconds a run has after a stop signal to reach "
-                             "a step boundary (a number > 0), or None to wait for one forever.")
+            raise ValueError(
+                f"preemption_grace={grace!r}: give the seconds a run has after a stop signal to reach "
+                "a step boundary (a number > 0), or None to wait for one forever."
+            )
         self.trainer = trainer
         self.signals = signals
         self.grace = grace
@@ -118,9 +121,11 @@ class PreemptionHandler:
     def _expired(self, signum: int) -> None:
         """The grace period ran out: print the stacks and end the process (under ddp, the job)."""
         code = exit_code(signum)
-        message = (f"received {signal.Signals(signum).name} {self.grace:g} s ago and has reached no step "
-                   f"boundary since, so it cannot stop with a checkpoint: it is stuck. Exiting with status "
-                   f"{code} without saving one.")
+        message = (
+            f"received {signal.Signals(signum).name} {self.grace:g} s ago and has reached no step "
+            f"boundary since, so it cannot stop with a checkpoint: it is stuck. Exiting with status "
+            f"{code} without saving one."
+        )
         strategy = self.trainer.strategy
         abort = getattr(strategy, "abort_job", None)
         if abort is not None and strategy.world_size > 1:
@@ -164,7 +169,8 @@ class PreemptionHandler:
         # resume from it keeps writing last.ckpt, not a second last-v1.ckpt beside it.
         for cb in callbacks:
             if hasattr(cb, "last_model_path") and os.path.dirname(os.path.abspath(target)) == os.path.abspath(
-                    cb.dirpath or ""):
+                cb.dirpath or ""
+            ):
                 cb.last_model_path = os.path.abspath(target)
         path = checkpoint.save(t, target)
         signum = self.received if self.received is not None else signal.SIGTERM
@@ -182,9 +188,12 @@ def requeue_slurm_job(job_id: str) -> str | None:
     warning saying why) when it could not be done."""
     scontrol = shutil.which("scontrol")
     if scontrol is None:
-        warnings.warn("SIGUSR1 under SLURM: the checkpoint is written, but `scontrol` is not on PATH, so the job "
-                      "was not requeued. Resubmit it; fit resumes from the checkpoint with ckpt_path='last'.",
-                      UserWarning, stacklevel=3)
+        warnings.warn(
+            "SIGUSR1 under SLURM: the checkpoint is written, but `scontrol` is not on PATH, so the job "
+            "was not requeued. Resubmit it; fit resumes from the checkpoint with ckpt_path='last'.",
+            UserWarning,
+            stacklevel=3,
+        )
         return None
     try:
         done = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True, timeout=60)
@@ -194,9 +203,12 @@ def requeue_slurm_job(job_id: str) -> str | None:
         if done.returncode == 0:
             return f"requeued SLURM job {job_id} (scontrol requeue {job_id})"
         failure = (done.stderr or done.stdout).strip() or f"status {done.returncode}"
-    warnings.warn(f"SIGUSR1 under SLURM: the checkpoint is written, but `scontrol requeue {job_id}` failed "
-                  f"({failure}). Resubmit the job; fit resumes from the checkpoint with ckpt_path='last'.",
-                  UserWarning, stacklevel=3)
+    warnings.warn(
+        f"SIGUSR1 under SLURM: the checkpoint is written, but `scontrol requeue {job_id}` failed "
+        f"({failure}). Resubmit the job; fit resumes from the checkpoint with ckpt_path='last'.",
+        UserWarning,
+        stacklevel=3,
+    )
     return None
 
 
@@ -204,8 +216,11 @@ def requeue_slurm_job(job_id: str) -> str | None:
 def preemption(trainer: Trainer) -> Iterator[PreemptionHandler | None]:
     """Install the handler for the duration of a fit loop; yields it (None when it cannot be installed)."""
     sigs = getattr(trainer, "preemption_signals", None)
-    handler = PreemptionHandler(trainer, default_signals() if sigs is None else tuple(sigs),
-                                getattr(trainer, "preemption_grace", DEFAULT_GRACE_S))
+    handler = PreemptionHandler(
+        trainer,
+        default_signals() if sigs is None else tuple(sigs),
+        getattr(trainer, "preemption_grace", DEFAULT_GRACE_S),
+    )
     if not handler.install():
         yield None
         return

@@ -1,4 +1,5 @@
 """Counters of a fit: epoch, optimizer steps, batches consumed, and their state_dict."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

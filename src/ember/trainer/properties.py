@@ -1,5 +1,6 @@
 """The Trainer's public state, read (and, for the loggers, assigned) by users and callbacks: progress,
 ranks, metrics, optimizers, loggers, the checkpoint and early-stopping callbacks, loaders and batch counts."""
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,10 @@ def as_logger_list(value: Any) -> list[Logger]:
         return []
     loggers = [value] if isinstance(value, Logger) else list(value) if isinstance(value, (list, tuple)) else None
     if loggers is None or not all(isinstance(lg, Logger) for lg in loggers):
-        raise TypeError(f"trainer.logger / trainer.loggers take None, an ember Logger or a list of them, got "
-                        f"{value!r}. Build one with ember.callbacks.CSVLogger(...) or TensorBoardLogger(...).")
+        raise TypeError(
+            f"trainer.logger / trainer.loggers take None, an ember Logger or a list of them, got "
+            f"{value!r}. Build one with ember.callbacks.CSVLogger(...) or TensorBoardLogger(...)."
+        )
     return loggers
 
 
@@ -100,8 +103,11 @@ class TrainerProperties:
         """The last value of every key logged with ``logger=True``: what went to the loggers, and, as in
         Lightning, the latest step values even when no write was due (merged on read, not per step)."""
         logged = self._logged_metrics
-        for pending in (self._metrics.pending_step_logs, self._metrics.pending_eval_step_logs,
-                        self._metrics.epoch_so_far()):
+        for pending in (
+            self._metrics.pending_step_logs,
+            self._metrics.pending_eval_step_logs,
+            self._metrics.epoch_so_far(),
+        ):
             if pending:  # as Lightning: the current batch's step values are visible before they are written
                 logged.update(pending)
         return logged
@@ -226,8 +232,11 @@ class TrainerProperties:
         """Whether fit validates, as Lightning decides it: a validation loader given or defined, a
         ``validation_step``, and ``limit_val_batches`` above 0 (False before a module is attached)."""
         module = self.module
-        return module is not None and getattr(type(module), "validation_step", None) not in (
-            None, TrainModule.validation_step) and self._data.validates
+        return (
+            module is not None
+            and getattr(type(module), "validation_step", None) not in (None, TrainModule.validation_step)
+            and self._data.validates
+        )
 
     @property
     def is_last_batch(self) -> bool:

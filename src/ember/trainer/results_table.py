@@ -5,6 +5,7 @@ Laid out as Lightning prints it without ``rich``: a rule, a header of "<Stage> m
 suffix dropped, a blank cell where a loader did not log the key), and a closing rule. A user moving
 from Lightning sees the same table, and a script that parses it keeps working.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,11 +35,11 @@ def format_results(results: list[dict[str, Any]], stage: str) -> str | None:
     half = int(term / 2)
     lines: list[str] = []
     for start in range(0, len(headers), per_table):
-        cols = [f"{stage} metric".capitalize(), *headers[start:start + per_table]]
+        cols = [f"{stage} metric".capitalize(), *headers[start : start + per_table]]
         row_format = f"{{:^{width}}}" * len(cols)
         lines += [rule, row_format.format(*cols).rstrip(), rule]
         for name, row in zip(names, rows):
-            cells = row[start:start + per_table]
+            cells = row[start : start + per_table]
             if len(name) > half:  # a long name wraps over several lines, exactly as Lightning's
                 while len(name) > half:
                     lines.append(row_format.format(name[:half], *cells).rstrip())

@@ -11,6 +11,7 @@ Three parts, each where Lightning does it:
 Each part first validates the entries it applies (``checkpoint_check``), and a failure in any
 part puts back everything the earlier parts changed, so a bad file leaves the run as it was.
 """
+
 from __future__ import annotations
 
 import copy
@@ -66,10 +67,12 @@ class Resume:
         module = trainer.module
         assert module is not None
         if fit and (ckpt.get("weights_only") or "progress" not in ckpt):
-            raise CheckpointError(f"{path!r} holds weights only (save_weights_only=True), not the optimizer and "
-                                  "progress state a fit resumes from. Start a new fit from it with "
-                                  f"{type(module).__name__}.load_from_checkpoint(path), or resume from a full "
-                                  "checkpoint.")
+            raise CheckpointError(
+                f"{path!r} holds weights only (save_weights_only=True), not the optimizer and "
+                "progress state a fit resumes from. Start a new fit from it with "
+                f"{type(module).__name__}.load_from_checkpoint(path), or resume from a full "
+                "checkpoint."
+            )
         self._validate("modules" if fit else "evaluation")
         # A fit continues training in the saved dtype; evaluation may cast (a float64 file into float32).
         ckpt["state_dict"] = match_compiled_keys(module, ckpt["state_dict"])  # saved with or without torch.compile
@@ -95,6 +98,7 @@ class Resume:
             for owner, attributes in reversed(touched):
                 vars(owner).clear()
                 vars(owner).update(attributes)
+
         self._undo.append(undo)
         try:
             module.on_load_checkpoint(ckpt)
@@ -136,6 +140,7 @@ class Resume:
             trainer._precision.load_state_dict(precision)
             trainer.progress.load_state_dict(progress)
             metrics.callback_metrics, metrics._stages = callback_metrics, stages
+
         self._undo.append(undo)
         try:
             for opt, state in zip(optim.optimizers, ckpt["optimizer_states"]):
@@ -170,6 +175,7 @@ class Resume:
             if sampler is not None:
                 sampler.load_state_dict(sampler_state)
             apply_rng(rng)
+
         self._undo.append(undo)
         try:
             _restore_data_position(trainer, ckpt, self.path)
@@ -181,9 +187,13 @@ class Resume:
         trainer.ckpt_path = self.path
         if trainer.is_global_zero:  # as Lightning, which names the file (ember adds where the run continues)
             p = trainer.progress
-            log.info("Restored all states from the checkpoint at %s (epoch %d, global step %d%s)", self.path,
-                     p.current_epoch, p.global_step, f", batch {p.batch_in_epoch} of the epoch" if p.batch_in_epoch
-                     else "")
+            log.info(
+                "Restored all states from the checkpoint at %s (epoch %d, global step %d%s)",
+                self.path,
+                p.current_epoch,
+                p.global_step,
+                f", batch {p.batch_in_epoch} of the epoch" if p.batch_in_epoch else "",
+            )
 
 
 def restore_for_evaluation(trainer: Trainer, path: str) -> None:
@@ -221,8 +231,10 @@ def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) ->
                     progress.batch_in_epoch = max(0, full - left)
                 # How far that count is from the global position, so checkpoints written later in
                 # this epoch record where it really is.
-                trainer._position_offset = (progress.current_epoch,
-                                            saved["position"] - progress.batch_in_epoch * batch_size * world)
+                trainer._position_offset = (
+                    progress.current_epoch,
+                    saved["position"] - progress.batch_in_epoch * batch_size * world,
+                )
         return
     saved_loader = ckpt.get("loader")
     if saved_loader is not None and callable(getattr(loader, "load_state_dict", None)):
@@ -230,10 +242,13 @@ def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) ->
             loader.load_state_dict(saved_loader)  # continues each inner loader where it was (CombinedLoader)
         return
     if progress.batch_in_epoch and not progress.epoch_finished:
-        warnings.warn(f"Resuming mid-epoch from {path!r} with a train loader ember cannot resume at the sampler level: "
-                      f"the first {progress.batch_in_epoch} batches of the epoch are loaded again and skipped, and the "
-                      "order matches the interrupted run only if the loader's order is deterministic. Use a plain "
-                      "DataLoader (map-style dataset, default sampler) for an exact resume.", UserWarning)
+        warnings.warn(
+            f"Resuming mid-epoch from {path!r} with a train loader ember cannot resume at the sampler level: "
+            f"the first {progress.batch_in_epoch} batches of the epoch are loaded again and skipped, and the "
+            "order matches the interrupted run only if the loader's order is deterministic. Use a plain "
+            "DataLoader (map-style dataset, default sampler) for an exact resume.",
+            UserWarning,
+        )
         trainer._data.train_loader = SkipFirstBatches(loader, progress.batch_in_epoch)
 
 
@@ -247,9 +262,11 @@ def _restore_rng(trainer: Trainer, ckpt: dict[str, Any]) -> None:
     rank, world = trainer.strategy.global_rank, trainer.strategy.world_size
     per_rank = rng["per_rank"]
     if world != rng.get("world_size", len(per_rank)) and trainer.strategy.is_global_zero:
-        warnings.warn(f"The checkpoint was written by {len(per_rank)} process(es) and this run has {world}: per-rank "
-                      "random streams cannot carry over exactly; ranks that did not exist keep their current streams.",
-                      UserWarning)
+        warnings.warn(
+            f"The checkpoint was written by {len(per_rank)} process(es) and this run has {world}: per-rank "
+            "random streams cannot carry over exactly; ranks that did not exist keep their current streams.",
+            UserWarning,
+        )
     if rank < len(per_rank):
         apply_rng(per_rank[rank])
 

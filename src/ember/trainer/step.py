@@ -17,6 +17,7 @@ There is one path: overriding a module hook (``optimizer_step``, ``optimizer_zer
 returns the batch's outputs and how many optimizer steps it took (0 when ``training_step`` returned
 None), which the fit loop counts into ``global_step``.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -47,18 +48,26 @@ def check_loss(output: Any) -> torch.Tensor | None:
     loss = output
     if isinstance(output, dict):
         if "loss" not in output:
-            raise ValueError(f"training_step returned a dict without a 'loss' key (keys: {sorted(output)}). "
-                             "In automatic optimization, return the loss tensor or {'loss': loss, ...}.")
+            raise ValueError(
+                f"training_step returned a dict without a 'loss' key (keys: {sorted(output)}). "
+                "In automatic optimization, return the loss tensor or {'loss': loss, ...}."
+            )
         loss = output["loss"]
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"training_step must return a scalar loss tensor, a dict with 'loss', or None to skip the "
-                        f"batch; it returned {type(loss).__name__}.")
+        raise TypeError(
+            f"training_step must return a scalar loss tensor, a dict with 'loss', or None to skip the "
+            f"batch; it returned {type(loss).__name__}."
+        )
     if loss.numel() != 1:
-        raise ValueError(f"training_step returned a loss of shape {tuple(loss.shape)}; the loss must be a scalar. "
-                         "Reduce it (e.g. loss.mean()) before returning it.")
+        raise ValueError(
+            f"training_step returned a loss of shape {tuple(loss.shape)}; the loss must be a scalar. "
+            "Reduce it (e.g. loss.mean()) before returning it."
+        )
     if not loss.requires_grad:
-        raise ValueError("training_step returned a loss that does not require grad, so nothing can be trained. "
-                         "Was it computed under torch.no_grad(), or detached (.item(), .detach())?")
+        raise ValueError(
+            "training_step returned a loss that does not require grad, so nothing can be trained. "
+            "Was it computed under torch.no_grad(), or detached (.item(), .detach())?"
+        )
     return loss
 
 
@@ -150,10 +159,21 @@ class TrainingStep:
             pass-through leaves the bound methods unwrapped.
     """
 
-    def __init__(self, *, strategy: Strategy, module: TrainModule, precision: Precision, optim: OptimizerState,
-                 metrics: MetricCollector, hooks: Hooks, progress: FitProgress, accumulate_grad_batches: int,
-                 gradient_clip_val: float | None, gradient_clip_algorithm: str,
-                 profiler: Profiler | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        strategy: Strategy,
+        module: TrainModule,
+        precision: Precision,
+        optim: OptimizerState,
+        metrics: MetricCollector,
+        hooks: Hooks,
+        progress: FitProgress,
+        accumulate_grad_batches: int,
+        gradient_clip_val: float | None,
+        gradient_clip_algorithm: str,
+        profiler: Profiler | None = None,
+    ) -> None:
         self.strategy, self.module, self.precision, self.optim = strategy, module, precision, optim
         self.metrics, self.hooks, self.progress = metrics, hooks, progress
         self.k = accumulate_grad_batches
@@ -169,7 +189,8 @@ class TrainingStep:
         self._backward_override = _override(module, "backward")
         self._zero_grad_override = _override(module, "optimizer_zero_grad")
         self._clip_override = _override(module, "configure_gradient_clipping") or (
-            module.configure_gradient_clipping if _override(module, "clip_gradients") else None)
+            module.configure_gradient_clipping if _override(module, "clip_gradients") else None
+        )
         self._hooks_bound = False
         self._profiler = profiler
         if self.automatic and optim.optimizers:
@@ -183,15 +204,17 @@ class TrainingStep:
         # The callables each step makes, timed when a profiler is on (otherwise the methods themselves).
         self._training_step = wrap(profiler, f"[Strategy]{strategy}.training_step", self.strategy.training_step)
         self._backward = wrap(profiler, f"[Strategy]{strategy}.backward", self.strategy.backward)
-        self._optimizer_step = wrap(profiler, f"[TrainModule]{type(self.module).__name__}.optimizer_step",
-                                    self.module.optimizer_step)
+        self._optimizer_step = wrap(
+            profiler, f"[TrainModule]{type(self.module).__name__}.optimizer_step", self.module.optimizer_step
+        )
         self._h_zero_grad = hooks.get("on_before_zero_grad")
         self._h_before_backward = hooks.get("on_before_backward")
         self._h_after_backward = hooks.get("on_after_backward")
         self._h_before_step = hooks.get("on_before_optimizer_step")
         # Whether anything runs between the last backward and the step (besides a short window's rescale).
-        self.pre_step_work = bool(self.precision.scaler is not None or self._h_before_step
-                                   or self._clip_override is not None or self.clip_val)
+        self.pre_step_work = bool(
+            self.precision.scaler is not None or self._h_before_step or self._clip_override is not None or self.clip_val
+        )
         self._hooks_bound = True
 
     def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[Any, int]:
@@ -210,9 +233,11 @@ class TrainingStep:
         closure = _Closure(self, batch, batch_idx, pos)
         self._optimizer_step(self.progress.current_epoch, batch_idx, self.optimizer, closure)
         if not closure.called:
-            raise RuntimeError(f"{type(self.module).__name__}.optimizer_step did not call optimizer_closure (batch "
-                               f"{batch_idx}): pass it to optimizer.step(closure=optimizer_closure), or call it "
-                               "yourself to skip the step. It runs training_step and backward.")
+            raise RuntimeError(
+                f"{type(self.module).__name__}.optimizer_step did not call optimizer_closure (batch "
+                f"{batch_idx}): pass it to optimizer.step(closure=optimizer_closure), or call it "
+                "yourself to skip the step. It runs training_step and backward."
+            )
         return closure.outputs, 0 if closure.skipped else 1
 
     # ------------------------------------------------------------------ the closure's parts
@@ -224,8 +249,11 @@ class TrainingStep:
             with self._autocast():
                 outputs = self._training_step(batch, batch_idx)
         # The usual return (a scalar tensor that requires grad) needs no further checking.
-        loss = outputs if type(outputs) is torch.Tensor and outputs.requires_grad and not outputs.ndim \
+        loss = (
+            outputs
+            if type(outputs) is torch.Tensor and outputs.requires_grad and not outputs.ndim
             else check_loss(outputs)
+        )
         if pos == 0:
             optimizer = self._optimizer
             for h in self._h_zero_grad:
@@ -238,9 +266,12 @@ class TrainingStep:
         if loss is None:
             if warn and not self._warned_none:
                 self._warned_none = True
-                warnings.warn(f"training_step returned None for batch {batch_idx}: skipping its backward and "
-                              "optimizer step, and those of every batch that returns None (said once per fit).",
-                              UserWarning, stacklevel=4)
+                warnings.warn(
+                    f"training_step returned None for batch {batch_idx}: skipping its backward and "
+                    "optimizer step, and those of every batch that returns None (said once per fit).",
+                    UserWarning,
+                    stacklevel=4,
+                )
             return outputs, None
         scaled = loss
         if self.k > 1:
@@ -280,8 +311,11 @@ class TrainingStep:
                 h(optimizer)
         if self._clip_override is not None:
             # The Trainer's values; like Lightning, no algorithm is named when no clipping value is set.
-            self._clip_override(optimizer, gradient_clip_val=self.clip_val,
-                                gradient_clip_algorithm=self.clip_algorithm if self.clip_val is not None else None)
+            self._clip_override(
+                optimizer,
+                gradient_clip_val=self.clip_val,
+                gradient_clip_algorithm=self.clip_algorithm if self.clip_val is not None else None,
+            )
         elif self.clip_val:
             self.module.clip_gradients(optimizer, self.clip_val, self.clip_algorithm)
 
@@ -292,16 +326,19 @@ class TrainingStep:
         def evaluate() -> torch.Tensor:
             loss = closure()
             if loss is None:
-                raise ValueError(f"training_step returned None for batch {self.batch_idx}, but "
-                                 f"{type(self.optim.optimizers[0]).__name__} needs the loss from every closure call, "
-                                 "so the batch cannot be skipped. Return a loss, or use an optimizer whose step takes "
-                                 "no closure.")
+                raise ValueError(
+                    f"training_step returned None for batch {self.batch_idx}, but "
+                    f"{type(self.optim.optimizers[0]).__name__} needs the loss from every closure call, "
+                    "so the batch cannot be skipped. Return a loss, or use an optimizer whose step takes "
+                    "no closure."
+                )
             if strategy.world_size > 1:
                 # The optimizer decides from the loss (convergence, line search): every rank must see the
                 # same value, or ranks would call the closure a different number of times and leave each
                 # other waiting in the gradient all-reduce.
                 return strategy.reduce(loss.detach(), "mean")
             return loss
+
         return evaluate
 
     def _check_closure_optimizer(self) -> None:
@@ -309,12 +346,16 @@ class TrainingStep:
             return
         name = type(self.optimizer.optimizer).__name__
         if self.k > 1:
-            raise ValueError(f"{name}.step needs a closure that computes the loss, which cannot be combined with "
-                             f"gradient accumulation (accumulate_grad_batches={self.k}). Use "
-                             "accumulate_grad_batches=1, or an optimizer whose step takes no closure.")
+            raise ValueError(
+                f"{name}.step needs a closure that computes the loss, which cannot be combined with "
+                f"gradient accumulation (accumulate_grad_batches={self.k}). Use "
+                "accumulate_grad_batches=1, or an optimizer whose step takes no closure."
+            )
         if self.precision.scaler is not None:
-            raise ValueError(f"{name}.step needs a closure, which a gradient scaler (precision='16-mixed') cannot "
-                             "drive. Use precision='bf16-mixed' or '32-true' with this optimizer.")
+            raise ValueError(
+                f"{name}.step needs a closure, which a gradient scaler (precision='16-mixed') cannot "
+                "drive. Use precision='bf16-mixed' or '32-true' with this optimizer."
+            )
 
     # ------------------------------------------------------------------ manual optimization
     def _manual(self, batch: Any, batch_idx: int) -> tuple[Any, int]:

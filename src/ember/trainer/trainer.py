@@ -1,5 +1,6 @@
 """The Trainer: arguments, the fit / validate / test / predict entry points, the one run helper they
 share (prepare -> setup -> restore -> run -> teardown), and public state."""
+
 from __future__ import annotations
 
 import logging
@@ -140,12 +141,20 @@ class Trainer(TrainerProperties):
         enable_checkpointing = True if enable_checkpointing is None else enable_checkpointing
         epochs_given = max_epochs is not None
         max_epochs, min_epochs = arguments.check_schedule(
-            max_epochs=max_epochs, max_steps=max_steps, min_epochs=min_epochs, min_steps=min_steps,
-            accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
-            gradient_clip_algorithm=gradient_clip_algorithm, val_check_interval=val_check_interval,
-            check_val_every_n_epoch=check_val_every_n_epoch, log_every_n_steps=log_every_n_steps,
+            max_epochs=max_epochs,
+            max_steps=max_steps,
+            min_epochs=min_epochs,
+            min_steps=min_steps,
+            accumulate_grad_batches=accumulate_grad_batches,
+            gradient_clip_val=gradient_clip_val,
+            gradient_clip_algorithm=gradient_clip_algorithm,
+            val_check_interval=val_check_interval,
+            check_val_every_n_epoch=check_val_every_n_epoch,
+            log_every_n_steps=log_every_n_steps,
             num_sanity_val_steps=num_sanity_val_steps,
-            reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs, fast_dev_run=fast_dev_run)
+            reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs,
+            fast_dev_run=fast_dev_run,
+        )
         self.reload_dataloaders_every_n_epochs = reload_dataloaders_every_n_epochs
         self.max_epochs = max_epochs
         self.max_steps = max_steps
@@ -181,8 +190,11 @@ class Trainer(TrainerProperties):
             # Nothing written, but a module's self.logger.experiment... still runs (Lightning's DummyLogger).
             dummy_logger = logger is not None and logger is not False
             logger, enable_checkpointing = False, False
-            log.info("Running in `fast_dev_run` mode: will run the requested loop using %d batch(es). Logging and "
-                     "checkpointing is suppressed.", n)
+            log.info(
+                "Running in `fast_dev_run` mode: will run the requested loop using %d batch(es). Logging and "
+                "checkpointing is suppressed.",
+                n,
+            )
 
         arguments.set_backend_flags(deterministic, benchmark)
         self.profiler: Profiler = arguments.resolve_profiler(profiler)
@@ -194,7 +206,8 @@ class Trainer(TrainerProperties):
         self._input_dtype = self._precision.input_dtype
 
         self.callbacks: list[Callback] = arguments.build_callbacks(
-            self, callbacks, enable_progress_bar, enable_checkpointing, enable_model_summary, max_time)
+            self, callbacks, enable_progress_bar, enable_checkpointing, enable_model_summary, max_time
+        )
         if not epochs_given and self.max_steps == -1 and arguments.has_timer(self.callbacks):
             self.max_epochs = -1  # as Lightning: the Timer ends the fit, not a default of 1000 epochs
         self.loggers = [DummyLogger()] if dummy_logger else arguments.build_loggers(self, logger)  # (callbacks too)
@@ -227,8 +240,14 @@ class Trainer(TrainerProperties):
         self._verbose = True  # validate / test print their results table
 
     # ------------------------------------------------------------------ one run, in every process
-    def _run(self, stage: Stage, module: TrainModule, loaders: tuple[Any, ...], datamodule: DataModule | None,
-             ckpt_path: str | None) -> Any:
+    def _run(
+        self,
+        stage: Stage,
+        module: TrainModule,
+        loaders: tuple[Any, ...],
+        datamodule: DataModule | None,
+        ckpt_path: str | None,
+    ) -> Any:
         """prepare -> setup -> restore -> run -> teardown, for fit, validate, test and predict."""
         try:
             path = self._prepare(stage, module, datamodule, ckpt_path)
@@ -242,8 +261,9 @@ class Trainer(TrainerProperties):
         finally:
             self._teardown(stage)
 
-    def _prepare(self, stage: Stage, module: TrainModule, datamodule: DataModule | None,
-                 ckpt_path: str | os.PathLike | None) -> str | None:
+    def _prepare(
+        self, stage: Stage, module: TrainModule, datamodule: DataModule | None, ckpt_path: str | os.PathLike | None
+    ) -> str | None:
         """Attach, join the processes, prepare_data, setup hooks, configure_model; returns the checkpoint
         file to restore, if any."""
         self.module, self.datamodule = module, datamodule
@@ -277,8 +297,13 @@ class Trainer(TrainerProperties):
         self.strategy.barrier("prepare_data")
         # "last" is resolved before the loggers' and callbacks' setup: a fit continuing a run's
         # last.ckpt continues writing into that run's directory.
-        path = checkpoint.resolve(self, ckpt_path, continue_run=True) if stage == "fit" else \
-            checkpoint.resolve(self, ckpt_path) if ckpt_path is not None else None
+        path = (
+            checkpoint.resolve(self, ckpt_path, continue_run=True)
+            if stage == "fit"
+            else checkpoint.resolve(self, ckpt_path)
+            if ckpt_path is not None
+            else None
+        )
         if datamodule is not None:
             datamodule.setup(stage=stage)
         # By keyword, as Lightning: ``def setup(self, stage)`` and ``(self, stage=None)`` both work.
@@ -292,8 +317,10 @@ class Trainer(TrainerProperties):
 
     def _fit(self, module: TrainModule, loaders: tuple[Any, ...], path: str | None) -> None:
         if not module.automatic_optimization and (self.accumulate_grad_batches > 1 or self.gradient_clip_val):
-            raise ValueError("accumulate_grad_batches and gradient_clip_val apply to automatic optimization only; "
-                             "with automatic_optimization=False, accumulate and clip in training_step yourself.")
+            raise ValueError(
+                "accumulate_grad_batches and gradient_clip_val apply to automatic optimization only; "
+                "with automatic_optimization=False, accumulate and clip in training_step yourself."
+            )
         self._data = FitData(self, *loaders)
         self._data.warn_validation_step_without_data()
         self._precision.convert_module(module)
@@ -312,22 +339,42 @@ class Trainer(TrainerProperties):
         optimizers, schedulers = parse_optimizers(configured, module.automatic_optimization)
         check_scheduler_api(schedulers, module)
         if module.automatic_optimization and len(optimizers) != 1:
-            raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization "
-                             "needs exactly one. For several, set self.automatic_optimization = False and step "
-                             "them in training_step.")
-        self._optim = OptimizerState(optimizers, schedulers, module=module, precision=self._precision,
-                                     strategy=self.strategy, hooks=self._hooks)
+            raise ValueError(
+                f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization "
+                "needs exactly one. For several, set self.automatic_optimization = False and step "
+                "them in training_step."
+            )
+        self._optim = OptimizerState(
+            optimizers, schedulers, module=module, precision=self._precision, strategy=self.strategy, hooks=self._hooks
+        )
         self.should_stop = False
         self.history = []
         self.progress = FitProgress()
-        step = TrainingStep(strategy=self.strategy, module=module, precision=self._precision, optim=self._optim,
-                            metrics=self._metrics, hooks=self._hooks, progress=self.progress, profiler=self.profiler,
-                            accumulate_grad_batches=self.accumulate_grad_batches,
-                            gradient_clip_val=self.gradient_clip_val,
-                            gradient_clip_algorithm=self.gradient_clip_algorithm)
+        step = TrainingStep(
+            strategy=self.strategy,
+            module=module,
+            precision=self._precision,
+            optim=self._optim,
+            metrics=self._metrics,
+            hooks=self._hooks,
+            progress=self.progress,
+            profiler=self.profiler,
+            accumulate_grad_batches=self.accumulate_grad_batches,
+            gradient_clip_val=self.gradient_clip_val,
+            gradient_clip_algorithm=self.gradient_clip_algorithm,
+        )
         evaluation = EvaluationLoop(self, module, self._hooks, self._metrics, self._precision, self._input_dtype)
-        self._loop = FitLoop(self, hooks=self._hooks, metrics=self._metrics, optim=self._optim, data=self._data,
-                             logs=self._logs, evaluation=evaluation, step=step, input_dtype=self._input_dtype)
+        self._loop = FitLoop(
+            self,
+            hooks=self._hooks,
+            metrics=self._metrics,
+            optim=self._optim,
+            data=self._data,
+            logs=self._logs,
+            evaluation=evaluation,
+            step=step,
+            input_dtype=self._input_dtype,
+        )
         self._hooks.call("on_fit_start")
         if self.enable_autolog_hparams:
             self._logs.hyperparams()
@@ -347,8 +394,11 @@ class Trainer(TrainerProperties):
             hook = "validation" if stage == "validate" else "test"
             if not is_overridden(f"{hook}_step", module, TrainModule):
                 raise ValueError(f"{type(module).__name__} defines no {hook}_step; define it to {stage}.")
-            attr, limit = (("val_dataloader", self.limit_val_batches) if stage == "validate"
-                           else ("test_dataloader", self.limit_test_batches))
+            attr, limit = (
+                ("val_dataloader", self.limit_val_batches)
+                if stage == "validate"
+                else ("test_dataloader", self.limit_test_batches)
+            )
             loaders, limits = eval_loaders(self, given, stage, attr, limit)
         self._eval_batches[stage] = limits
         self._eval_loaders[stage] = loaders
@@ -380,14 +430,20 @@ class Trainer(TrainerProperties):
                 # Named by its owner's class: the repr of a bound hook would print the whole module.
                 fn = getattr(h, "func", h)
                 owner = type(getattr(fn, "__self__", None)).__name__
-                warnings.warn(f"{owner}.on_exception raised {type(hook_exc).__name__}: {hook_exc} (while handling "
-                              f"{type(exc).__name__}, which follows)", RuntimeWarning)
+                warnings.warn(
+                    f"{owner}.on_exception raised {type(hook_exc).__name__}: {hook_exc} (while handling "
+                    f"{type(exc).__name__}, which follows)",
+                    RuntimeWarning,
+                )
         if self.datamodule is not None:  # after the callbacks and the module, as in Lightning
             try:
                 self.datamodule.on_exception(exc)
             except Exception as hook_exc:
-                warnings.warn(f"{type(self.datamodule).__name__}.on_exception raised {type(hook_exc).__name__}: "
-                              f"{hook_exc} (while handling {type(exc).__name__}, which follows)", RuntimeWarning)
+                warnings.warn(
+                    f"{type(self.datamodule).__name__}.on_exception raised {type(hook_exc).__name__}: "
+                    f"{hook_exc} (while handling {type(exc).__name__}, which follows)",
+                    RuntimeWarning,
+                )
         self._logs.finalize("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
 
     def _teardown(self, stage: Stage) -> None:
@@ -414,8 +470,14 @@ class Trainer(TrainerProperties):
         checkpoint.save(self, filepath, weights_only=weights_only)
 
     # ------------------------------------------------------------------ entry points
-    def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
-            datamodule: DataModule | None = None, ckpt_path: str | None = None) -> None:
+    def fit(
+        self,
+        module: TrainModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | None = None,
+    ) -> None:
         """Train ``module``.
 
         Args:
@@ -435,20 +497,38 @@ class Trainer(TrainerProperties):
         self.state = "fitting"
         self.strategy.launch(self._run, "fit", module, (train_dataloaders, val_dataloaders), datamodule, ckpt_path)
 
-    def validate(self, module: TrainModule | None = None, dataloaders: Any = None, datamodule: DataModule | None = None,
-                 ckpt_path: str | None = None, verbose: bool = True) -> list[dict[str, float]]:
+    def validate(
+        self,
+        module: TrainModule | None = None,
+        dataloaders: Any = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | None = None,
+        verbose: bool = True,
+    ) -> list[dict[str, float]]:
         """Run ``validation_step`` over the loaders; returns one metric dict per loader, and with ``verbose``
         prints them as a table (on global rank zero), as Lightning."""
         return self._evaluate("validate", module, dataloaders, datamodule, ckpt_path, verbose)
 
-    def test(self, module: TrainModule | None = None, dataloaders: Any = None, datamodule: DataModule | None = None,
-             ckpt_path: str | None = None, verbose: bool = True) -> list[dict[str, float]]:
+    def test(
+        self,
+        module: TrainModule | None = None,
+        dataloaders: Any = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | None = None,
+        verbose: bool = True,
+    ) -> list[dict[str, float]]:
         """Run ``test_step`` over the loaders; returns one metric dict per loader, and with ``verbose`` prints
         them as a table (on global rank zero), as Lightning."""
         return self._evaluate("test", module, dataloaders, datamodule, ckpt_path, verbose)
 
-    def predict(self, module: TrainModule | None = None, dataloaders: Any = None, datamodule: DataModule | None = None,
-                return_predictions: bool | None = None, ckpt_path: str | None = None) -> list[Any] | None:
+    def predict(
+        self,
+        module: TrainModule | None = None,
+        dataloaders: Any = None,
+        datamodule: DataModule | None = None,
+        return_predictions: bool | None = None,
+        ckpt_path: str | None = None,
+    ) -> list[Any] | None:
         """Run ``predict_step``; returns the outputs (a list per loader when there are several), or None
         with ``return_predictions=False``, which keeps no output (for predictions a callback writes out)."""
         module = self._module_for_eval(module)
@@ -460,8 +540,15 @@ class Trainer(TrainerProperties):
         self.state = "predicting"
         return self.strategy.launch(self._run, "predict", module, (dataloaders,), datamodule, ckpt_path)
 
-    def _evaluate(self, stage: Stage, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
-                  ckpt_path: str | None, verbose: bool) -> list[dict[str, float]]:
+    def _evaluate(
+        self,
+        stage: Stage,
+        module: TrainModule | None,
+        dataloaders: Any,
+        datamodule: DataModule | None,
+        ckpt_path: str | None,
+        verbose: bool,
+    ) -> list[dict[str, float]]:
         module = self._module_for_eval(module)
         self._verbose = bool(verbose)
         if isinstance(dataloaders, DataModule) and datamodule is None:  # Lightning's validate/test(model, dm)
@@ -484,7 +571,9 @@ class Trainer(TrainerProperties):
         if "_log_sink" not in module.__dict__:
             raise RuntimeError(f"{type(module).__name__}.__init__ did not call super().__init__(); call it first.")
         if is_compiled(module) and self.strategy.strategy_name == "dp":
-            raise ValueError("strategy='dp' cannot run a torch.compile'd module: its replicas would share the "
-                             "compiled steps of the original. Use strategy='single' or 'ddp', or pass the "
-                             "module uncompiled.")
+            raise ValueError(
+                "strategy='dp' cannot run a torch.compile'd module: its replicas would share the "
+                "compiled steps of the original. Use strategy='single' or 'ddp', or pass the "
+                "module uncompiled."
+            )
         return module

@@ -13,6 +13,7 @@ step. Under ddp the search runs on every rank alike and stops at ``max_val`` or 
 an out-of-memory error there ends the job as any failure of one rank does (the other ranks are
 inside a collective that rank will never join), so keep ``max_val`` below what fits.
 """
+
 from __future__ import annotations
 
 import gc
@@ -24,8 +25,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_OOM_MESSAGES = ("CUDA out of memory", "CUDA error: out of memory", "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",
-                 "CUDNN_STATUS_ALLOC_FAILED", "DefaultCPUAllocator: can't allocate memory")
+_OOM_MESSAGES = (
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "DefaultCPUAllocator: can't allocate memory",
+)
 
 
 def is_oom_error(exc: BaseException) -> bool:
@@ -41,8 +47,9 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def search(trial: Callable[[int], int | None], mode: str, init_val: int, max_trials: int, margin: float,
-           max_val: int) -> int:
+def search(
+    trial: Callable[[int], int | None], mode: str, init_val: int, max_trials: int, margin: float, max_val: int
+) -> int:
     """The batch size to use. ``trial(size)`` runs one trial and returns the dataset's length (None when
     unknown); it raises an out-of-memory error when the size does not fit."""
     size, low, high = min(init_val, max_val), 1, None
@@ -81,8 +88,10 @@ def search(trial: Callable[[int], int | None], mode: str, init_val: int, max_tri
         else:
             size = min(size * 2, max_val)
     if last_ok is None:
-        raise RuntimeError(f"scale_batch_size found no batch size that fits: even {size} ran out of memory. Free "
-                           "memory, make the model smaller, or start from a smaller init_val.")
+        raise RuntimeError(
+            f"scale_batch_size found no batch size that fits: even {size} ran out of memory. Free "
+            "memory, make the model smaller, or start from a smaller init_val."
+        )
     if mode == "binsearch" and margin > 0:
         last_ok = max(1, int(last_ok * (1 - margin)))
     return last_ok

@@ -12,6 +12,7 @@ passes through every point between (Lightning's skips its second point); an infi
 stops the sweep (Lightning's keeps going); and under ddp the loss each step records is the mean
 over the ranks, so every rank sees the same curve, stops at the same step and suggests the same rate.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,9 +51,13 @@ class LRFinder:
         idx = [i for i in range(skip_begin, end) if math.isfinite(losses_all[i])]
         if len(idx) < 2:
             import warnings
-            warnings.warn(f"lr_find has too few points for a suggestion ({len(losses_all)} recorded, "
-                          f"skip_begin={skip_begin}, skip_end={skip_end}): raise num_training, or give it more "
-                          "training batches (max_epochs, limit_train_batches).", UserWarning)
+
+            warnings.warn(
+                f"lr_find has too few points for a suggestion ({len(losses_all)} recorded, "
+                f"skip_begin={skip_begin}, skip_end={skip_end}): raise num_training, or give it more "
+                "training batches (max_epochs, limit_train_batches).",
+                UserWarning,
+            )
             self._optimal_idx = None
             return None
         losses = torch.tensor([losses_all[i] for i in idx], dtype=torch.float64)
@@ -118,8 +123,10 @@ class LRSweep(Callback):
 
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
         if len(trainer.optimizers) != 1:
-            raise ValueError(f"lr_find sweeps one optimizer's learning rate, but configure_optimizers returned "
-                             f"{len(trainer.optimizers)}. Tune each separately, or skip lr_find.")
+            raise ValueError(
+                f"lr_find sweeps one optimizer's learning rate, but configure_optimizers returned "
+                f"{len(trainer.optimizers)}. Tune each separately, or skip lr_find."
+            )
 
     def _window_edges(self, trainer: Trainer, batch_idx: int) -> tuple[bool, bool]:
         k = trainer.accumulate_grad_batches
@@ -136,8 +143,9 @@ class LRSweep(Callback):
                 group["lr"] = lr
             self._window = []
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):  # (None: training_step skipped the batch)
             self._window.append(float(loss.detach()))

@@ -7,6 +7,7 @@ validation, no profiling. Everything swapped, and the counters and metrics a fit
 afterwards, whether the sweep succeeded or raised. The module's weights are copied before and
 loaded back after, in memory: nothing is written to disk.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,9 +24,23 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 #: Trainer attributes a sweep may change; they are restored to the user's values after it.
-_KEPT = ("callbacks", "profiler", "max_steps", "max_epochs", "limit_train_batches", "limit_val_batches",
-         "limit_test_batches", "limit_predict_batches", "num_sanity_val_steps", "should_stop", "progress", "history",
-         "state", "ckpt_path", "val_check_interval")
+_KEPT = (
+    "callbacks",
+    "profiler",
+    "max_steps",
+    "max_epochs",
+    "limit_train_batches",
+    "limit_val_batches",
+    "limit_test_batches",
+    "limit_predict_batches",
+    "num_sanity_val_steps",
+    "should_stop",
+    "progress",
+    "history",
+    "state",
+    "ckpt_path",
+    "val_check_interval",
+)
 
 
 @contextmanager

@@ -7,6 +7,7 @@ strategy, devices, precision and accumulation as the real fit, and run in every 
 Trainer's settings, counters and metrics are as they were; only the chosen value is written to
 the module's (or datamodule's) attribute, as Lightning does.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,11 +38,22 @@ class Tuner:
     def __init__(self, trainer: Trainer) -> None:
         self._trainer = trainer
 
-    def lr_find(self, model: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
-                dataloaders: Any = None, datamodule: DataModule | None = None, method: str = "fit",
-                min_lr: float = 1e-8, max_lr: float = 1.0, num_training: int = 100, mode: str = "exponential",
-                early_stop_threshold: float | None = 4.0, update_attr: bool = True,
-                attr_name: str = "") -> LRFinder | None:
+    def lr_find(
+        self,
+        model: TrainModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        dataloaders: Any = None,
+        datamodule: DataModule | None = None,
+        method: str = "fit",
+        min_lr: float = 1e-8,
+        max_lr: float = 1.0,
+        num_training: int = 100,
+        mode: str = "exponential",
+        early_stop_threshold: float | None = 4.0,
+        update_attr: bool = True,
+        attr_name: str = "",
+    ) -> LRFinder | None:
         """Sweep the learning rate from ``min_lr`` to ``max_lr`` over ``num_training`` optimizer steps and
         suggest the rate where the loss falls fastest (see ``lr_finder.py``).
 
@@ -64,8 +76,10 @@ class Tuner:
         if method != "fit":
             raise ValueError(f"lr_find runs with method='fit' only (it trains), got method={method!r}.")
         if dataloaders is not None:
-            raise ValueError("lr_find trains: pass the training loaders as train_dataloaders, not dataloaders "
-                             "(which is for validate, test and predict).")
+            raise ValueError(
+                "lr_find trains: pass the training loaders as train_dataloaders, not dataloaders "
+                "(which is for validate, test and predict)."
+            )
         if mode not in ("exponential", "linear"):
             raise ValueError(f"mode must be 'exponential' or 'linear', got {mode!r}.")
         if not 0 < min_lr < max_lr:
@@ -83,13 +97,24 @@ class Tuner:
             places, name = _lr_holders(model, datamodule, attr_name)
         finder = LRFinder(mode, min_lr, max_lr, num_training)
         sweep = LRSweep(schedule(mode, min_lr, max_lr, num_training), early_stop_threshold)
-        with borrowed(trainer, model, sweep, max_steps=num_training, limit_val_batches=0, num_sanity_val_steps=0,
-                      should_stop=False):
+        with borrowed(
+            trainer,
+            model,
+            sweep,
+            max_steps=num_training,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            should_stop=False,
+        ):
             trainer.fit(model, train_dataloaders, val_dataloaders, datamodule)
         finder.results = {"lr": sweep.lrs, "loss": sweep.losses}
         if len(sweep.lrs) < num_training:
-            log.info("The learning rate finder stopped after %d of %d steps (the loss diverged, or the training "
-                     "batches ran out).", len(sweep.lrs), num_training)
+            log.info(
+                "The learning rate finder stopped after %d of %d steps (the loss diverged, or the training "
+                "batches ran out).",
+                len(sweep.lrs),
+                num_training,
+            )
         if update_attr:
             lr = finder.suggestion()
             if lr is not None:
@@ -97,10 +122,22 @@ class Tuner:
                 log.info("Learning rate set to %s", lr)
         return finder
 
-    def scale_batch_size(self, model: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
-                         dataloaders: Any = None, datamodule: DataModule | None = None, method: str = "fit",
-                         mode: str = "power", steps_per_trial: int = 3, init_val: int = 2, max_trials: int = 25,
-                         batch_arg_name: str = "batch_size", margin: float = 0.05, max_val: int = 8192) -> int | None:
+    def scale_batch_size(
+        self,
+        model: TrainModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        dataloaders: Any = None,
+        datamodule: DataModule | None = None,
+        method: str = "fit",
+        mode: str = "power",
+        steps_per_trial: int = 3,
+        init_val: int = 2,
+        max_trials: int = 25,
+        batch_arg_name: str = "batch_size",
+        margin: float = 0.05,
+        max_val: int = 8192,
+    ) -> int | None:
         """Find the largest batch size that fits in memory (see ``batch_size.py``), and set it on the
         module's or datamodule's ``batch_arg_name``.
 
@@ -127,8 +164,12 @@ class Tuner:
             raise ValueError(f"method must be one of {', '.join(map(repr, _METHODS))}, got {method!r}.")
         if mode not in ("power", "binsearch"):
             raise ValueError(f"mode must be 'power' or 'binsearch', got {mode!r}.")
-        for arg, value in (("steps_per_trial", steps_per_trial), ("init_val", init_val), ("max_trials", max_trials),
-                           ("max_val", max_val)):
+        for arg, value in (
+            ("steps_per_trial", steps_per_trial),
+            ("init_val", init_val),
+            ("max_trials", max_trials),
+            ("max_val", max_val),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}.")
         if not 0 <= margin < 1:
@@ -140,17 +181,25 @@ class Tuner:
         train_dataloaders, datamodule = _split_datamodule(train_dataloaders, datamodule)
         dataloaders, datamodule = _split_datamodule(dataloaders, datamodule)
         if any(x is not None for x in (train_dataloaders, val_dataloaders, dataloaders)):
-            raise ValueError("scale_batch_size changes the batch size the module or datamodule builds its loaders "
-                             f"with ({batch_arg_name!r}); loaders passed in ready-made cannot change it. Build them "
-                             "in train_dataloader() (and the others) from that attribute, or pass a datamodule.")
+            raise ValueError(
+                "scale_batch_size changes the batch size the module or datamodule builds its loaders "
+                f"with ({batch_arg_name!r}); loaders passed in ready-made cannot change it. Build them "
+                "in train_dataloader() (and the others) from that attribute, or pass a datamodule."
+            )
         places = holders(model, datamodule, batch_arg_name)
         if not places:
-            raise AttributeError(f"scale_batch_size found no {batch_arg_name!r} in the module, the datamodule or "
-                                 "their hparams. Add the attribute the loaders are built from, or name it with "
-                                 "batch_arg_name=.")
+            raise AttributeError(
+                f"scale_batch_size found no {batch_arg_name!r} in the module, the datamodule or "
+                "their hparams. Add the attribute the loaders are built from, or name it with "
+                "batch_arg_name=."
+            )
         start = get_attr(places, batch_arg_name)
-        limit = {"fit": "limit_train_batches", "validate": "limit_val_batches", "test": "limit_test_batches",
-                 "predict": "limit_predict_batches"}[method]
+        limit = {
+            "fit": "limit_train_batches",
+            "validate": "limit_val_batches",
+            "test": "limit_test_batches",
+            "predict": "limit_predict_batches",
+        }[method]
         settings: dict[str, Any] = {limit: steps_per_trial, "should_stop": False, "num_sanity_val_steps": 0}
         if method == "fit":  # the trial's training batches, and as many validation batches (as Lightning)
             settings.update(max_steps=steps_per_trial, limit_train_batches=1.0, limit_val_batches=steps_per_trial)
@@ -185,13 +234,17 @@ def _lr_holders(model: TrainModule, datamodule: DataModule | None, attr_name: st
     if attr_name:
         places = holders(model, datamodule, attr_name)
         if not places:
-            raise AttributeError(f"lr_find was told the learning rate is in {attr_name!r}, but neither the module, "
-                                 "the datamodule nor their hparams have it. Check the name, or pass update_attr=False.")
+            raise AttributeError(
+                f"lr_find was told the learning rate is in {attr_name!r}, but neither the module, "
+                "the datamodule nor their hparams have it. Check the name, or pass update_attr=False."
+            )
         return places, attr_name
     for name in ("lr", "learning_rate"):
         places = holders(model, datamodule, name)
         if places:
             return places, name
-    raise AttributeError("lr_find sets the suggested rate on the module's 'lr' or 'learning_rate' (an attribute or "
-                         "an hparams key), and found neither. Add one and read it in configure_optimizers, name "
-                         "yours with attr_name=, or pass update_attr=False.")
+    raise AttributeError(
+        "lr_find sets the suggested rate on the module's 'lr' or 'learning_rate' (an attribute or "
+        "an hparams key), and found neither. Add one and read it in configure_optimizers, name "
+        "yours with attr_name=, or pass update_attr=False."
+    )

@@ -1,4 +1,5 @@
 """User-facing helpers under Lightning's names (``lightning.pytorch.utilities``)."""
+
 from __future__ import annotations
 
 from ember.utilities.combined_loader import CombinedLoader

@@ -15,6 +15,7 @@ written mid-epoch continues every inner loader at its own next sample: ``state_d
 inner loader, the batches this pass took from it and its sampler's seed and epoch. Counted here,
 not by the samplers, because DataLoader workers fetch ahead of what the loop consumed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
@@ -164,9 +165,11 @@ class CombinedLoader(Iterable):
             ValueError: if it was written for another mode or number of loaders.
         """
         if state.get("mode") != self._mode or len(state.get("loaders", [])) not in (0, len(self._flattened)):
-            raise ValueError(f"This CombinedLoader state was written for mode {state.get('mode')!r} with "
-                             f"{len(state.get('loaders', []))} loaders; this one has mode {self._mode!r} and "
-                             f"{len(self._flattened)}. Resume with the loaders the checkpoint was written with.")
+            raise ValueError(
+                f"This CombinedLoader state was written for mode {state.get('mode')!r} with "
+                f"{len(state.get('loaders', []))} loaders; this one has mode {self._mode!r} and "
+                f"{len(self._flattened)}. Resume with the loaders the checkpoint was written with."
+            )
         self._pending = state if state.get("loaders") else None
 
 
@@ -261,7 +264,12 @@ class _Pass:
         # A sampler keeps its pass's seed and epoch until its next pass starts, and only a restart here
         # starts one (workers prefetch within a pass), so its state now is its current pass's.
         samplers = [_sampler(loader) for loader in self.loaders]
-        loaders = [{"taken": self.taken[i], "ran_out": self.ran_out[i],
-                    "sampler": samplers[i].state_dict() if samplers[i] is not None else None}
-                   for i in range(len(self.loaders))]
+        loaders = [
+            {
+                "taken": self.taken[i],
+                "ran_out": self.ran_out[i],
+                "sampler": samplers[i].state_dict() if samplers[i] is not None else None,
+            }
+            for i in range(len(self.loaders))
+        ]
         return {"mode": self.mode, "batch_idx": self.batch_idx, "current": self.current, "loaders": loaders}
