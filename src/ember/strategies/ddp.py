@@ -1,10 +1,10 @@
 """The ``ddp`` strategy: one process per device, gradients averaged by ember's DistributedDataParallel.
 
-How processes start is the launcher's business (``launcher.py``): under ``torchrun`` or SLURM
+How processes start is the launcher's business (``launchers/launcher.py``): under ``torchrun`` or SLURM
 this process joins the existing job; a plain ``python train.py`` re-runs the script for the other
 ranks (``start_method="popen"``, the ``"ddp"`` default); ``"ddp_spawn"`` starts workers with
-multiprocessing spawn (``spawn.py``) and copies rank 0's trained weights, metrics and progress
-back into the caller's module and Trainer (``worker_state.py``).
+multiprocessing spawn (``launchers/spawn.py``) and copies rank 0's trained weights, metrics and progress
+back into the caller's module and Trainer (``launchers/worker_state.py``).
 
 Data: every loader is rebuilt around :class:`~ember.strategies.sampler.ShardedSampler`. Training
 shards are padded to equal length (every rank takes the same number of steps, so the gradient
@@ -44,15 +44,15 @@ from ember.module import TrainModule
 from ember.parallel.all_gather import all_gather
 from ember.parallel.distributed import DistributedDataParallel
 from ember.rng import capture_rng
-from ember.strategies import launcher as launcher_module
-from ember.strategies.launcher import Launcher, PopenLauncher, World, detect_world
+from ember.strategies.launchers import launcher as launcher_module
+from ember.strategies.launchers.launcher import Launcher, PopenLauncher, World, detect_world
+from ember.strategies.launchers.spawn import SpawnLauncher
+from ember.strategies.launchers.worker_state import adopt_worker_state, dumps, loads, run_in_worker
 from ember.strategies.resumable import make_resumable, rebuild_with_sampler, resumable_sampler_of, why_not_swappable
 from ember.strategies.sampler import ShardedSampler
-from ember.strategies.spawn import SpawnLauncher
 from ember.strategies.strategy import Strategy
 from ember.strategies.verdicts import AFTER_BACKWARD, AFTER_STEP, BACKWARD, TRAINING_STEP
 from ember.strategies.watchdog import Beacon, CollectiveTimeout, Watchdog, exit_with_stacks, is_timeout
-from ember.strategies.worker_state import adopt_worker_state, dumps, loads, run_in_worker
 from ember.types import ReduceOp, Stage
 
 __all__ = ["DDPStrategy"]

@@ -64,7 +64,7 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from ember.strategies.launcher import FailureRecord
+from ember.strategies.launchers.launcher import FailureRecord
 from ember.strategies.verdicts import (
     abort_summary,
     behind,

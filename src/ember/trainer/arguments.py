@@ -16,7 +16,7 @@ import ember.callbacks as cbs
 from ember.callbacks.callback import Callback
 from ember.callbacks.logger import Logger
 from ember.profilers import PROFILERS, PassThroughProfiler, Profiler
-from ember.strategies.launcher import detect_world
+from ember.strategies.launchers.launcher import detect_world
 from ember.strategies.registry import get_strategy
 from ember.strategies.strategy import Strategy
 
