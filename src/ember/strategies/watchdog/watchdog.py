@@ -65,7 +65,7 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from ember.strategies.launchers.launcher import FailureRecord
-from ember.strategies.verdicts import (
+from ember.strategies.watchdog.verdicts import (
     abort_summary,
     behind,
     behind_summary,
