@@ -6,7 +6,7 @@ ranks (``start_method="popen"``, the ``"ddp"`` default); ``"ddp_spawn"`` starts 
 multiprocessing spawn (``launchers/spawn.py``) and copies rank 0's trained weights, metrics and progress
 back into the caller's module and Trainer (``launchers/worker_state.py``).
 
-Data: every loader is rebuilt around :class:`~ember.strategies.sampler.ShardedSampler`. Training
+Data: every loader is rebuilt around :class:`~ember.data.sampler.ShardedSampler`. Training
 shards are padded to equal length (every rank takes the same number of steps, so the gradient
 all-reduce never waits on a rank that ran out); evaluation shards repeat no sample inside a real
 batch, and epoch metrics are reduced once at the end, weighted by sample counts. A validation or
@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import RandomSampler
 
+from ember.data.resumable import make_resumable, rebuild_with_sampler, resumable_sampler_of, why_not_swappable
+from ember.data.sampler import ShardedSampler
 from ember.module import TrainModule
 from ember.parallel.all_gather import all_gather
 from ember.parallel.distributed import DistributedDataParallel
@@ -48,8 +50,6 @@ from ember.strategies.launchers import launcher as launcher_module
 from ember.strategies.launchers.launcher import Launcher, PopenLauncher, World, detect_world
 from ember.strategies.launchers.spawn import SpawnLauncher
 from ember.strategies.launchers.worker_state import adopt_worker_state, dumps, loads, run_in_worker
-from ember.strategies.resumable import make_resumable, rebuild_with_sampler, resumable_sampler_of, why_not_swappable
-from ember.strategies.sampler import ShardedSampler
 from ember.strategies.strategy import Strategy
 from ember.strategies.watchdog.verdicts import AFTER_BACKWARD, AFTER_STEP, BACKWARD, TRAINING_STEP
 from ember.strategies.watchdog.watchdog import Beacon, CollectiveTimeout, Watchdog, exit_with_stacks, is_timeout

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from ember.data.resumable import make_resumable
 from ember.module import takes_batch_idx
-from ember.strategies.resumable import make_resumable
 from ember.types import REDUCE_OPS, ReduceOp, Stage
 from ember.utils import move_to_device
 

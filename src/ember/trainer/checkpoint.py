@@ -71,8 +71,8 @@ from ember.checkpoint_io import (  # noqa: F401  (file-level API, re-exported he
     read_for_module,
     write_atomic,
 )
+from ember.data.resumable import resumable_sampler_of
 from ember.rng import apply_rng, capture_rng, rng_from_tensor, rng_to_tensor  # noqa: F401 (re-exported)
-from ember.strategies.resumable import resumable_sampler_of
 from ember.trainer import auto_resume
 from ember.version import __version__
 

@@ -13,8 +13,8 @@ from lightning_utilities.core.overrides import is_overridden
 from torch.utils.data import IterableDataset, SequentialSampler
 
 from ember.data import DataModule
+from ember.data.resumable import rebuild_with_sampler, shutdown_workers, why_not_swappable
 from ember.module import TrainModule
-from ember.strategies.resumable import rebuild_with_sampler, shutdown_workers, why_not_swappable
 from ember.utilities.combined_loader import CombinedLoader
 from ember.utils import defines_hook, move_to_device, sized_len
 
