@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.early_stopping import EarlyStopping
-from ember.callbacks.file_logger import FileLogger
-from ember.callbacks.logger import Logger
 from ember.callbacks.model_checkpoint import ModelCheckpoint
+from ember.loggers.file_logger import FileLogger
+from ember.loggers.logger import Logger
 from ember.module import TrainModule
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def as_logger_list(value: Any) -> list[Logger]:
     if loggers is None or not all(isinstance(lg, Logger) for lg in loggers):
         raise TypeError(
             f"trainer.logger / trainer.loggers take None, an ember Logger or a list of them, got "
-            f"{value!r}. Build one with ember.callbacks.CSVLogger(...) or TensorBoardLogger(...)."
+            f"{value!r}. Build one with ember.loggers.CSVLogger(...) or TensorBoardLogger(...)."
         )
     return loggers
 

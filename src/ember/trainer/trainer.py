@@ -15,9 +15,9 @@ from lightning_utilities.core.overrides import is_overridden
 
 from ember.callbacks.callback import Callback
 from ember.callbacks.fit_summary import print_fit_summary
-from ember.callbacks.logger import DummyLogger, Logger
 from ember.data import DataModule
 from ember.hparams import drop_unpicklable
+from ember.loggers.logger import DummyLogger, Logger
 from ember.module import TrainModule
 from ember.profilers import Profiler
 from ember.strategies.strategy import Strategy
