@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import ModelCheckpoint
-from ember.callbacks.fit_summary import fit_summary
 from ember.loggers import CSVLogger
+from ember.trainer.fit_summary import fit_summary
 from tests.helpers.models import OtherRank
 
 

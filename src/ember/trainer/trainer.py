@@ -14,7 +14,6 @@ import torch
 from lightning_utilities.core.overrides import is_overridden
 
 from ember.callbacks.callback import Callback
-from ember.callbacks.fit_summary import print_fit_summary
 from ember.data import DataModule
 from ember.hparams import drop_unpicklable
 from ember.loggers.logger import DummyLogger, Logger
@@ -24,6 +23,7 @@ from ember.strategies.strategy import Strategy
 from ember.trainer import arguments, checkpoint
 from ember.trainer.compile import is_compiled, unwrap_compiled
 from ember.trainer.evaluation import EvaluationLoop
+from ember.trainer.fit_summary import print_fit_summary
 from ember.trainer.hooks import Hooks
 from ember.trainer.loaders import FitData, eval_loaders
 from ember.trainer.log_writer import LogWriter
