@@ -28,14 +28,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
-from lightning_utilities.core.overrides import is_overridden
 
 from ember.data.resumable import resumable_sampler_of
 from ember.module import TrainModule, _restore_modes
 from ember.profilers.base import wrap
 from ember.trainer.loaders import batch_transfer
 from ember.trainer.lockstep import COUNT_REST_SECONDS
-from ember.utils import defines_hook, sized_len, to_floats
+from ember.utils import is_overridden, sized_len, to_floats
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -79,7 +78,7 @@ class EvaluationLoop:
         """``on_{hook}_model_eval``: remember each submodule's ``training`` flag, then the hook (default ``eval()``)."""
         module = self.module
         module.__dict__["_ember_saved_modes"] = [(m, m.training) for m in module.modules()]  # read by _restore_modes
-        if defines_hook(f"on_{hook}_model_eval", module, TrainModule):
+        if is_overridden(f"on_{hook}_model_eval", module, TrainModule):
             getattr(module, f"on_{hook}_model_eval")()
         else:
             module.eval()

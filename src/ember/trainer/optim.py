@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.module import TrainModule
-from ember.utils import closest
+from ember.utils import closest, is_overridden
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -122,7 +122,7 @@ def _scheduler_config(obj: Any, automatic: bool = True) -> SchedulerConfig:
 def check_scheduler_api(schedulers: list[SchedulerConfig], module: TrainModule) -> None:
     """As Lightning: in automatic optimization, a scheduler that is not one of torch's (its ``step`` may
     take other arguments) needs the module's ``lr_scheduler_step`` to say how to step it."""
-    if not module.automatic_optimization or type(module).lr_scheduler_step is not TrainModule.lr_scheduler_step:
+    if not module.automatic_optimization or is_overridden("lr_scheduler_step", module, TrainModule):
         return
     for cfg in schedulers:
         if not isinstance(
@@ -295,7 +295,7 @@ class OptimizerState:
         A module overriding ``lr_scheduler_step`` steps them itself.
         """
         module = self.module
-        custom = module is not None and type(module).lr_scheduler_step is not TrainModule.lr_scheduler_step
+        custom = is_overridden("lr_scheduler_step", module, TrainModule)
         for cfg in self.schedulers:
             if cfg.interval != interval or count % cfg.frequency:
                 continue
