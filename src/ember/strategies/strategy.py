@@ -182,8 +182,11 @@ class Strategy:
         """Within this context, backward does not synchronise gradients across replicas."""
         yield
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-        return optimizer.step(closure) if closure is not None else optimizer.step()
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """Step ``optimizer`` (with ``closure`` when given); ``kwargs`` go on to its ``step``, as Lightning's."""
+        return optimizer.step(closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
