@@ -59,7 +59,6 @@ import torch
 
 from ember.callbacks.callback import overrides
 from ember.callbacks.checkpoint_writer import writers_of
-from ember.callbacks.file_logger import FileLogger
 from ember.checkpoint_io import (  # noqa: F401  (file-level API, re-exported here)
     FORMAT,
     FORMAT_VERSION,
@@ -71,8 +70,9 @@ from ember.checkpoint_io import (  # noqa: F401  (file-level API, re-exported he
     read_for_module,
     write_atomic,
 )
+from ember.data.resumable import resumable_sampler_of
+from ember.loggers.file_logger import FileLogger
 from ember.rng import apply_rng, capture_rng, rng_from_tensor, rng_to_tensor  # noqa: F401 (re-exported)
-from ember.strategies.resumable import resumable_sampler_of
 from ember.trainer import auto_resume
 from ember.version import __version__
 

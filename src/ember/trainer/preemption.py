@@ -52,8 +52,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from ember.exceptions import Preempted, exit_code
-from ember.strategies.launcher import note_stop_signal
-from ember.strategies.watchdog import exit_with_stacks
+from ember.strategies.launchers.launcher import note_stop_signal
+from ember.strategies.watchdog.watchdog import exit_with_stacks
 from ember.trainer import checkpoint
 
 if TYPE_CHECKING:

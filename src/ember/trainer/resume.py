@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from ember.callbacks.callback import Callback, overrides
 from ember.checkpoint_io import CheckpointError, check_state_dict, load, match_compiled_keys
 from ember.data import DataModule
+from ember.data.resumable import SkipFirstBatches, resumable_sampler_of
 from ember.rng import apply_rng, capture_rng
-from ember.strategies.resumable import SkipFirstBatches, resumable_sampler_of
 from ember.trainer import checkpoint_check
 from ember.utils import sized_len
 
