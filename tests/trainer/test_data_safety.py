@@ -24,8 +24,8 @@ import torch
 
 import ember
 from ember.callbacks import ModelCheckpoint
-from ember.checkpoint_io import CheckpointError, remove_stale_temporaries, temporary_prefix, write_atomic
-from ember.trainer import checkpoint
+from ember import checkpoint
+from ember.checkpoint import CheckpointError, remove_stale_temporaries, temporary_prefix, write_atomic
 from tests.helpers.models import BoringModel, regression_loader
 
 _SCRIPT = textwrap.dedent("""

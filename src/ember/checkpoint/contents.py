@@ -1,4 +1,4 @@
-"""Checkpoint contents, saving, and resuming (files themselves: ``ember/checkpoint_io.py``).
+"""Checkpoint contents and saving (files themselves: ``io.py``; resuming: ``restore.py``).
 
 A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so it loads with
 ``torch.load(path, weights_only=True)`` and loading a file never runs code. Keys:
@@ -27,12 +27,15 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so it
 ``TrainModule.on_save_checkpoint`` and callbacks' ``on_save_checkpoint`` may add keys of their
 own, with the same plain-data rule (checked before anything is written).
 
-Writes are atomic and durable: the file is written under a temporary name in the same directory,
-flushed and fsynced, then renamed over the target, and the directory is fsynced. A crash at any
-moment leaves either the previous file or the new one under the checkpoint's name, never a
-truncated one. Only global rank zero writes; the others wait at a barrier. With
-``ModelCheckpoint(async_save=True)`` rank zero copies the state and a background thread writes the
-same file (``ember/callbacks/checkpoint_writer.py``); every other save waits for that write first.
+The fit's own state comes from ``trainer.fit_state`` (``ember/trainer/state.py``), each part through
+its ``state_dict``; the module's weights, the callbacks', the datamodule's and the RNG states from
+their owners. Writes are atomic and durable: the file is written under a temporary name in the same
+directory, flushed and fsynced, then renamed over the target, and the directory is fsynced. A crash
+at any moment leaves either the previous file or the new one under the checkpoint's name, never a
+truncated one. Only global rank zero writes, through the strategy's writer (``writer.py``); the
+others wait at a barrier. A save that passes a ``BackgroundSave`` (``ModelCheckpoint(async_save=True)``)
+is written by the strategy's background writer: rank zero copies the state and a thread writes the
+same file (``background.py``); every save waits for the write in flight first.
 
 A resume is exact from the points where ModelCheckpoint and preemption write: a step boundary
 (after the optimizer step, step-interval schedulers and any validation of that batch; callbacks get
@@ -48,35 +51,23 @@ exist in the saved run keep the stream ``seed_everything`` gave them.
 
 from __future__ import annotations
 
-import glob
 import os
-import re
 import warnings
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.callbacks.callback import overrides
-from ember.callbacks.checkpoint_writer import writers_of
-from ember.callbacks.file_logger import FileLogger
-from ember.checkpoint_io import (  # noqa: F401  (file-level API, re-exported here)
-    FORMAT,
-    FORMAT_VERSION,
-    CheckpointError,
-    CheckpointNotFoundError,
-    check_plain_data,
-    check_state_dict,
-    load,
-    read_for_module,
-    write_atomic,
-)
-from ember.rng import apply_rng, capture_rng, rng_from_tensor, rng_to_tensor  # noqa: F401 (re-exported)
-from ember.strategies.resumable import resumable_sampler_of
-from ember.trainer import auto_resume
+from ember.checkpoint import auto_resume
+from ember.checkpoint.io import FORMAT, FORMAT_VERSION, CheckpointError, check_plain_data
+from ember.checkpoint.writer import BackgroundSave
+from ember.rng import capture_rng, rng_from_tensor, rng_to_tensor
 from ember.version import __version__
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ember.strategies.strategy import Strategy
+    from ember.trainer.state import FitState
     from ember.trainer.trainer import Trainer
 
 
@@ -106,8 +97,24 @@ def _datamodule_hparams(datamodule: Any) -> dict[str, Any]:
     }
 
 
-def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
-    """Everything needed to resume ``trainer``'s fit (or only the weights). Runs on every rank."""
+def overrides(obj: Any, name: str) -> bool:
+    """Whether ``obj`` (a callback) runs hook ``name``: its class overrides the hook of the base that
+    declares it (the class highest in its MRO defining ``name``), or the instance was given its own
+    (``LambdaCallback``, or ``cb.on_save_checkpoint = fn``), as ``ember.callbacks.callback.overrides``
+    decides; this package sits below the callbacks and does not import their base."""
+    declaring = [k for k in type(obj).__mro__ if name in vars(k)]
+    own = name in getattr(obj, "__dict__", ())
+    return own or (bool(declaring) and getattr(type(obj), name) is not vars(declaring[-1])[name])
+
+
+def dump(trainer: Trainer, state: FitState, weights_only: bool = False) -> dict[str, Any]:
+    """Everything needed to resume ``trainer``'s fit (or only the weights). Runs on every rank.
+
+    Args:
+        trainer: the Trainer, with its module attached (its public attributes only are read).
+        state: the fit's state (``trainer.fit_state``).
+        weights_only: the weights and hyper-parameters only.
+    """
     module = trainer.module
     assert module is not None  # checkpoints are written during a run, with the module attached
     strategy = trainer.strategy
@@ -124,27 +131,20 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
         "hparams_name": getattr(module, "_hparams_name", None),
         **_datamodule_hparams(trainer.datamodule),
         "weights_only": weights_only,
-        "epoch": trainer.progress.current_epoch,
-        "global_step": trainer.progress.global_step,
+        "epoch": state.progress.current_epoch,
+        "global_step": state.progress.global_step,
         "strategy": {"name": strategy.strategy_name, "world_size": strategy.world_size},
         "job": auto_resume.job_key(),
     }
     if not weights_only:
-        ckpt["optimizer_states"] = [opt.state_dict() for opt in trainer._optim.optimizers]
-        ckpt["lr_schedulers"] = [cfg.scheduler.state_dict() for cfg in trainer._optim.schedulers]
-        ckpt["precision"] = trainer._precision.state_dict()
-        ckpt["progress"] = trainer.progress.state_dict()
-        if trainer.state == "fitting" and trainer._metrics.stage == "validate":  # inside a validation not yet counted
-            ckpt["progress"]["val_checks_in_epoch"] += 1
-        ckpt["sampler"] = _sampler_state(trainer)
-        ckpt["loader"] = _loader_state(trainer) if ckpt["sampler"] is None else None
+        fit = state.state_dict(fitting=trainer.state == "fitting")
+        for key in ("optimizer_states", "lr_schedulers", "precision", "progress", "sampler", "loader"):
+            ckpt[key] = fit[key]
         ckpt["callbacks"] = {cb.state_key: cb.state_dict() for cb in trainer.callbacks}
         if trainer.datamodule is not None:
             ckpt["datamodule"] = trainer.datamodule.state_dict()
-        ckpt["callback_metrics"] = {
-            k: (v.detach().to("cpu") if isinstance(v, torch.Tensor) else v) for k, v in trainer.callback_metrics.items()
-        }
-        ckpt["epoch_metrics"] = _train_accumulators(trainer)
+        ckpt["callback_metrics"] = fit["callback_metrics"]
+        ckpt["epoch_metrics"] = fit["epoch_metrics"]
         ckpt["rng"] = _gather_rng(strategy)
         for cb in trainer.callbacks:
             if overrides(cb, "on_save_checkpoint"):
@@ -154,91 +154,49 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
 
 
 def save(
-    trainer: Trainer, filepath: str, weights_only: bool = False, before_rename: Callable[[str], None] | None = None
+    trainer: Trainer,
+    state: FitState,
+    filepath: str | os.PathLike,
+    weights_only: bool = False,
+    storage_options: BackgroundSave | None = None,
+    before_rename: Callable[[str], None] | None = None,
 ) -> str:
     """Write ``trainer``'s checkpoint to ``filepath`` (rank zero writes, every rank returns the path).
 
-    Waits for a checkpoint being written in the background first (raising its error, if it failed).
-    The write itself is synchronous, unless the save is one a ``BackgroundWriter`` claimed (see
-    ``ember/callbacks/checkpoint_writer.py``): then rank zero copies the tensors and returns while a
-    thread writes them.
+    Waits for the write in flight on the strategy's background writer first (raising its error, if it
+    failed), so files land in the order the saves were made and the callbacks' lists of files (published
+    when their write completes) are those of the files on disk. The write itself is synchronous, unless
+    ``storage_options`` is a :class:`BackgroundSave`: then rank zero copies the tensors and returns while
+    a thread writes them (``background.py``).
+
+    Args:
+        trainer: the Trainer, with its module attached.
+        state: the fit's state (``trainer.fit_state``).
+        filepath: the file to write.
+        weights_only: the weights and hyper-parameters only.
+        storage_options: None, or a ``BackgroundSave`` (Lightning's argument for how to save to storage).
+        before_rename: passed to ``write_atomic`` (tests use it to stop at the worst moment).
     """
     if trainer.module is None:
         raise RuntimeError("save_checkpoint needs a module: call it during or after trainer.fit(...).")
+    if storage_options is not None and not isinstance(storage_options, BackgroundSave):
+        raise TypeError(
+            "Trainer.save_checkpoint(storage_options=...) takes None or an ember.checkpoint.BackgroundSave "
+            f"(write on a background thread), got {type(storage_options).__name__}. ember writes checkpoints "
+            "to the local filesystem only; pass storage_options=None."
+        )
     strategy = trainer.strategy
     filepath = strategy.broadcast(os.path.abspath(os.fspath(filepath)))
-    # A write in flight on a background thread (ModelCheckpoint(async_save=True)) completes, and a failure of
-    # it is raised, before this save reads the state: files land in the order the saves were made, and
-    # the callbacks' lists of files (published when their write completes) are those of the files on disk.
-    background = None
-    for pending in writers_of(trainer.callbacks):
-        pending.wait()
-        background = background or pending.take(filepath)
-    ckpt = dump(trainer, weights_only)
+    strategy.background_writer.wait()
+    ckpt = dump(trainer, state, weights_only)
     check_plain_data(ckpt)
-
-    def writer(obj: dict[str, Any], path: str) -> None:
-        if background is not None:  # the callback that asked for this save writes it in the background
-            background(obj, path, before_rename)
-        else:
-            write_atomic(obj, path, before_rename)
-
-    strategy.save_checkpoint(ckpt, filepath, writer)
+    strategy.save_checkpoint(ckpt, filepath, storage_options, before_rename)
     strategy.barrier("save_checkpoint")
     return filepath
 
 
-def _sampler_state(trainer: Trainer) -> dict[str, Any] | None:
-    loader = trainer._data.train_loader
-    sampler = resumable_sampler_of(loader)
-    if sampler is None:
-        return None
-    state = dict(sampler.state_dict())
-    # Batches the loop consumed, not what the sampler handed out: workers prefetch ahead.
-    batch_size = getattr(loader, "batch_size", None) or 1
-    consumed = trainer.progress.batch_in_epoch * batch_size * trainer.strategy.world_size
-    offset = trainer._position_offset
-    if offset is not None and offset[0] == trainer.progress.current_epoch:
-        consumed += offset[1]  # this epoch was resumed from a checkpoint of another number of ranks
-    total = _dataset_len(loader)
-    state["position"] = min(consumed, total) if total is not None else consumed
-    state["epoch"] = trainer.progress.current_epoch
-    state["batch_size"] = batch_size
-    return state
-
-
-def _loader_state(trainer: Trainer) -> dict[str, Any] | None:
-    """The state of a train loader that keeps its own position (a ``CombinedLoader``: each inner loader's),
-    when it has a length: then the loop takes exactly the batches it yields (no look-ahead), so its
-    count is the loop's."""
-    loader = trainer._data.train_loader
-    if not callable(getattr(loader, "state_dict", None)) or not callable(getattr(loader, "load_state_dict", None)):
-        return None
-    try:
-        len(loader)
-    except TypeError:
-        return None
-    return loader.state_dict()
-
-
-def _train_accumulators(trainer: Trainer) -> list[dict[str, Any]]:
-    """The running sums of this epoch's ``on_epoch`` training metrics, mid-epoch only. Single-process
-    only: other ranks' sums are not gathered."""
-    p = trainer.progress
-    if trainer.strategy.world_size != 1 or not p.batch_in_epoch or p.epoch_finished:
-        return []
-    return trainer._metrics.state_dict()
-
-
-def _dataset_len(loader: Any) -> int | None:
-    try:
-        return len(loader.dataset)
-    except (AttributeError, TypeError):
-        return None
-
-
 # ---------------------------------------------------------------------------------------------- RNG
-def _gather_rng(strategy: Any) -> dict[str, Any]:
+def _gather_rng(strategy: Strategy) -> dict[str, Any]:
     mine = capture_rng()
     world = strategy.world_size
     if world == 1:
@@ -247,158 +205,3 @@ def _gather_rng(strategy: Any) -> dict[str, Any]:
     flat = rng_to_tensor(mine)
     gathered = strategy.gather_per_rank(flat.to(strategy.root_device)).to("cpu")
     return {"world_size": world, "per_rank": [rng_from_tensor(gathered[r], mine) for r in range(world)]}
-
-
-# ---------------------------------------------------------------------------------------------- resuming
-def _checkpoint_callbacks(trainer: Trainer) -> list[Any]:
-    return [cb for cb in trainer.callbacks if hasattr(cb, "best_model_path") and hasattr(cb, "dirpath")]
-
-
-def _default_dirs(trainer: Trainer) -> list[str]:
-    """Where a ModelCheckpoint without a ``dirpath`` writes: ``<log dir>/checkpoints``, for every run
-    directory of the first logger when its version is not chosen yet."""
-    if not trainer.loggers:
-        return [os.path.join(trainer.default_root_dir, "checkpoints")]
-    first = trainer.loggers[0]  # as ModelCheckpoint._resolve_dirpath
-    if isinstance(first, FileLogger):
-        return [os.path.join(d, "checkpoints") for d in first.run_dirs(trainer.default_root_dir)]
-    return [os.path.join(first.log_dir or first.run_dir(trainer.default_root_dir), "checkpoints")]
-
-
-def default_dir(trainer: Trainer) -> str:
-    return os.path.join(trainer.default_root_dir, "checkpoints")
-
-
-def search_dirs(trainer: Trainer) -> list[str]:
-    """Where this Trainer's checkpoints go (with the default logger: every run directory of
-    ``default_root_dir``), absolute, without repeats."""
-    dirs: list[str] = []
-    for cb in _checkpoint_callbacks(trainer):
-        for d in _dirs_of(trainer, cb):
-            if os.path.abspath(d) not in dirs:
-                dirs.append(os.path.abspath(d))
-    for d in _default_dirs(trainer) + [default_dir(trainer)]:
-        if os.path.abspath(d) not in dirs:
-            dirs.append(os.path.abspath(d))
-    return dirs
-
-
-def _dirs_of(trainer: Trainer, callback: Any) -> list[str]:
-    given = getattr(callback, "_dirpath_given", True) and callback.dirpath
-    return [callback.dirpath] if given else _default_dirs(trainer)
-
-
-def search_patterns(trainer: Trainer) -> list[str]:
-    """Glob patterns of this Trainer's checkpoint files: ``*.ckpt`` in each of :func:`search_dirs`, and
-    in the sub-folders a ModelCheckpoint's ``filename`` names (``"sub/{epoch}"``, ``"{epoch}/w"``)."""
-    patterns = [os.path.join(glob.escape(d), "*.ckpt") for d in search_dirs(trainer)]
-    for cb in _checkpoint_callbacks(trainer):
-        folder = os.path.dirname(str(getattr(cb, "filename", None) or ""))
-        if folder:
-            sub = re.sub(r"\{[^{}]*\}", "*", glob.escape(folder))  # each {field} may be anything
-            patterns += [os.path.join(glob.escape(os.path.abspath(d)), sub, "*.ckpt") for d in _dirs_of(trainer, cb)]
-    return list(dict.fromkeys(patterns))
-
-
-def find_last(trainer: Trainer) -> tuple[str | None, list[str]]:
-    """The most recently written ``last*.ckpt`` where this Trainer's checkpoints go, and the
-    directories searched (with the default logger: every ``version_N`` of ``default_root_dir``)."""
-    dirs = search_dirs(trainer)
-    callbacks = _checkpoint_callbacks(trainer)
-    found = [p for d in dirs for p in glob.glob(os.path.join(glob.escape(d), "last*.ckpt"))]
-    broken = [p for p in found if not os.path.exists(p)]  # symbolic links to removed files (save_last="link")
-    found = [p for p in found if p not in broken]
-    for p in broken:
-        why = f"a symbolic link to {os.readlink(p)!r}, which does not exist (the checkpoint it pointed to was removed)"
-        if not found:
-            raise CheckpointNotFoundError(
-                f"ckpt_path='last': {p} is {why}, and there is no other last checkpoint. "
-                "Pass the path of a checkpoint to resume from, or remove the link to start "
-                "from scratch."
-            )
-        warnings.warn(f"ckpt_path='last' skips {p}, {why}.", UserWarning, stacklevel=4)
-    if not found:
-        # Say where a checkpoint would have been found, run directories that do not exist yet included.
-        first = trainer.loggers[0] if trainer.loggers else None
-        if isinstance(first, FileLogger) and not any(
-            cb.dirpath and getattr(cb, "_dirpath_given", False) for cb in callbacks
-        ):
-            runs = os.path.abspath(first.runs_root(trainer.default_root_dir))
-            dirs = [os.path.join(runs, "*", "checkpoints")] + [d for d in dirs if not d.startswith(runs + os.sep)]
-        return None, dirs
-    return max(found, key=os.path.getmtime), dirs
-
-
-def _continue_run(trainer: Trainer, path: str) -> None:
-    """Loggers whose version is not chosen continue the run ``path`` belongs to
-    (``<root>/<version>/checkpoints/last.ckpt``), so its curves and checkpoints carry on there."""
-    checkpoints = os.path.dirname(os.path.abspath(path))
-    while os.path.basename(checkpoints) != "checkpoints":  # from a filename folder (``"sub/{epoch}"``) up
-        parent = os.path.dirname(checkpoints)
-        if parent == checkpoints:
-            return
-        checkpoints = parent
-    for lg in trainer.loggers:
-        if isinstance(lg, FileLogger):
-            lg.continue_run(os.path.dirname(checkpoints), trainer.default_root_dir)
-
-
-def resolve(trainer: Trainer, ckpt_path: str | os.PathLike | None, continue_run: bool = False) -> str | None:
-    """Turn ``"last"``, ``"best"``, ``"auto"`` or a path into a file path (None: start fresh).
-
-    With ``continue_run`` (fit), a restarted job resumes from its own latest checkpoint whatever
-    ``ckpt_path`` says (``auto_resume.py``), and a checkpoint found in a logger's run directory
-    makes the loggers whose version is not chosen write into that run directory again. Call before
-    the loggers' setup.
-    """
-    strategy = trainer.strategy
-    if continue_run and auto_resume.applies(ckpt_path):  # fit: a restarted job, or "auto" (auto_resume.py)
-        chosen, found_here = (
-            auto_resume.choose(trainer, ckpt_path, search_patterns(trainer))
-            if strategy.is_global_zero
-            else (None, False)
-        )
-        chosen, found_here = strategy.broadcast((chosen, found_here))
-        if found_here:
-            if chosen is not None:
-                _continue_run(trainer, chosen)
-            return chosen
-    elif ckpt_path == auto_resume.AUTO:
-        raise ValueError(
-            "ckpt_path='auto' applies to fit (resume when a checkpoint exists); for validate, "
-            "test and predict pass 'last', 'best' or a path."
-        )
-    if ckpt_path is None:
-        return None
-    if ckpt_path == "last":
-        found: str | None = None
-        dirs: list[str] = []
-        problem: str | None = None
-        if strategy.is_global_zero:
-            try:
-                found, dirs = find_last(trainer)
-            except CheckpointError as err:
-                problem = str(err)
-        found, problem = strategy.broadcast((found, problem))
-        if problem is not None:  # on every rank
-            raise CheckpointNotFoundError(problem)
-        if found is None:
-            if strategy.is_global_zero:
-                warnings.warn(
-                    f"ckpt_path='last' found no checkpoint (searched {dirs}); starting from scratch.",
-                    UserWarning,
-                    stacklevel=5,
-                )
-            return None
-        if continue_run:
-            _continue_run(trainer, found)
-        return found
-    if ckpt_path == "best":
-        best = [cb.best_model_path for cb in _checkpoint_callbacks(trainer) if cb.best_model_path]
-        if not best:
-            raise CheckpointError(
-                "ckpt_path='best' but no ModelCheckpoint of this Trainer has saved a best "
-                "checkpoint yet. Pass a path, or 'last'."
-            )
-        return best[0]
-    return os.fspath(ckpt_path)

@@ -1,9 +1,9 @@
 """Checkpoint files: atomic durable writes and validated loading.
 
-Kept apart from ``trainer/checkpoint.py`` (what a checkpoint contains and how a run resumes from
-one): this module only knows files, and imports nothing of ember, so that every layer may use it
-(``TrainModule.load_from_checkpoint`` reads through ``read_for_module`` here, not through the
-trainer). ``write_atomic`` writes under a temporary name in the same
+Kept apart from ``contents.py`` and ``restore.py`` (what a checkpoint contains and how a run resumes
+from one): this module only knows files, and imports nothing of ember but ``hparams``, so that every
+layer may use it (``TrainModule.load_from_checkpoint`` reads through ``read_for_module`` here, not
+through the trainer). ``write_atomic`` writes under a temporary name in the same
 directory, flushes and fsyncs, renames over the target and fsyncs the directory, so a crash
 leaves either the previous file or the new one, never a truncated one. ``load`` refuses, with an
 explanation, every kind of file it cannot use, before anything is changed.
