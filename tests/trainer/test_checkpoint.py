@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from ember.callbacks import Callback, ModelCheckpoint
 from ember import checkpoint, rng
+from ember.callbacks import Callback, ModelCheckpoint
 from ember.checkpoint import CheckpointError, CheckpointNotFoundError
 
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import ember
-from ember.callbacks import ModelCheckpoint
 from ember import checkpoint
+from ember.callbacks import ModelCheckpoint
 from ember.checkpoint import CheckpointError, remove_stale_temporaries, temporary_prefix, write_atomic
 from tests.helpers.models import BoringModel, regression_loader
 

@@ -275,7 +275,9 @@ class Trainer(TrainerProperties):
         # Each fit / validate / test / predict starts from empty metrics, as in Lightning.
         self.fit_state.start_run()
         self.logged_metrics = {}
-        module._log_sink = self._metrics
+        # The module's one slot for the Trainer: a private name, so that it takes no name from the user's
+        # namespace (a TrainModule subclass may call anything ``log_sink``); read on every self.log.
+        module._log_sink = self._metrics  # noqa: SLF001
         extra = list(module.configure_callbacks() or [])
         if extra:
             types = {type(c) for c in extra}
