@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import torch
 
+from ember.checkpoint import contents as checkpoint
 from ember.rng import capture_rng, rng_from_tensor, rng_to_tensor
-from ember.trainer import checkpoint
 
 
 def with_gpus(state: dict, seed: int, count: int = 2) -> dict:

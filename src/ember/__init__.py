@@ -35,7 +35,7 @@ _logger.addHandler(_UnconfiguredHandler())
 
 if TYPE_CHECKING:
     from ember import callbacks, loggers, profilers, strategies, tuner
-    from ember.checkpoint_io import load_lightning_checkpoint
+    from ember.checkpoint import load_lightning_checkpoint
     from ember.data import DataModule
     from ember.module import TrainModule
     from ember.seed import seed_everything
@@ -65,7 +65,7 @@ _WHERE = {
     "loggers": "ember.loggers",
     "profilers": "ember.profilers",
     "tuner": "ember.tuner",
-    "load_lightning_checkpoint": "ember.checkpoint_io",
+    "load_lightning_checkpoint": "ember.checkpoint",
 }
 
 

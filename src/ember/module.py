@@ -14,7 +14,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from ember import export
-from ember.checkpoint_io import read_for_module
+from ember.checkpoint.io import read_for_module
 from ember.hparams import AttributeDict as AttributeDict  # re-exported: ember.module.AttributeDict
 from ember.hparams import HyperparametersMixin
 from ember.types import REDUCE_OPS, parse_reduce_fx
@@ -294,12 +294,12 @@ class TrainModule(HyperparametersMixin, nn.Module):
     # ------------------------------------------------------------------ optimizers
     def optimizers(self) -> Any:
         """The optimizers from ``configure_optimizers`` (one, or a list), for manual optimization."""
-        opts = self.trainer._optim.wrapped_optimizers
+        opts = self.trainer.fit_state.optim.wrapped_optimizers
         return opts[0] if len(opts) == 1 else opts
 
     def lr_schedulers(self) -> Any:
         """The LR schedulers (one, a list, or None)."""
-        scheds = [c.scheduler for c in self.trainer._optim.schedulers]
+        scheds = [c.scheduler for c in self.trainer.lr_scheduler_configs]
         if not scheds:
             return None
         return scheds[0] if len(scheds) == 1 else scheds

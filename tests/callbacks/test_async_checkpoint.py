@@ -18,9 +18,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from ember.callbacks import Callback, ModelCheckpoint, checkpoint_writer
-from ember.callbacks.checkpoint_writer import BackgroundWriter
-from ember.trainer import checkpoint as trainer_checkpoint
+from ember.callbacks import Callback, ModelCheckpoint
+from ember.checkpoint import background as checkpoint_writer
+from ember.checkpoint import writer as trainer_checkpoint
+from ember.checkpoint.background import BackgroundWriter
 from tests.helpers.models import OtherRank
 
 WRITER = "ember-checkpoint-writer"
@@ -483,7 +484,8 @@ CRASHING = textwrap.dedent("""
     import os, sys, time, torch
     from torch.utils.data import DataLoader, TensorDataset
     import ember
-    from ember.callbacks import ModelCheckpoint, checkpoint_writer
+    from ember.callbacks import ModelCheckpoint
+    from ember.checkpoint import background as checkpoint_writer
 
     root = sys.argv[1]
     original = checkpoint_writer.write_atomic
@@ -538,6 +540,6 @@ def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     names = os.listdir(root)
     temporaries = [n for n in names if n.endswith(".tmp")]
     assert sorted(set(names) - set(temporaries)) == ["epoch=0-step=1.ckpt", "last.ckpt"] and temporaries
-    assert ember.checkpoint_io.load(str(root / "last.ckpt"))["global_step"] == 1
+    assert ember.checkpoint.load(str(root / "last.ckpt"))["global_step"] == 1
     # The next run in the directory (ModelCheckpoint.setup) removes the dead writer's temporary file.
-    assert sorted(ember.checkpoint_io.remove_stale_temporaries(str(root))) == sorted(temporaries)
+    assert sorted(ember.checkpoint.remove_stale_temporaries(str(root))) == sorted(temporaries)

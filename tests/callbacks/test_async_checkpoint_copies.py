@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import Callback, ModelCheckpoint
-from ember.callbacks.checkpoint_writer import BackgroundWriter
+from ember.checkpoint.background import BackgroundWriter
 from tests.callbacks.test_async_checkpoint import Gate, records, writer_threads
 
 

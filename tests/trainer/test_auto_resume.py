@@ -16,9 +16,8 @@ import torch
 
 import ember
 from ember.callbacks import ModelCheckpoint
-from ember.checkpoint_io import CheckpointNotFoundError
+from ember.checkpoint import CheckpointNotFoundError, auto_resume
 from ember.exceptions import Preempted
-from ember.trainer import auto_resume
 from ember.trainer.preemption import requeue_slurm_job
 from tests.helpers.models import BoringModel, regression_loader
 

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
+from ember import checkpoint, rng
 from ember.callbacks import Callback, ModelCheckpoint
-from ember.trainer import checkpoint
-from ember.trainer.checkpoint import CheckpointError, CheckpointNotFoundError
+from ember.checkpoint import CheckpointError, CheckpointNotFoundError
 
 
 class Net(ember.TrainModule):
@@ -149,14 +149,14 @@ def test_non_plain_user_key_is_refused_before_writing(tmp_path):
 
 
 def test_rng_capture_and_apply_round_trip():
-    state = checkpoint.capture_rng()
+    state = rng.capture_rng()
     a = (torch.rand(3), random.random(), np.random.rand())
-    checkpoint.apply_rng(state)
+    rng.apply_rng(state)
     b = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
-    flat = checkpoint.rng_to_tensor(state)  # the form ranks exchange through all_gather
-    back = checkpoint.rng_from_tensor(flat, state)
-    checkpoint.apply_rng(back)
+    flat = rng.rng_to_tensor(state)  # the form ranks exchange through all_gather
+    back = rng.rng_from_tensor(flat, state)
+    rng.apply_rng(back)
     assert torch.equal(torch.rand(3), a[0]) and random.random() == a[1] and np.random.rand() == a[2]
 
 
@@ -214,7 +214,7 @@ def test_failed_write_keeps_the_previous_file(tmp_path):
 _CRASH_SCRIPT = textwrap.dedent("""
     import os, signal, sys, torch, ember
     from torch.utils.data import DataLoader, TensorDataset
-    from ember.trainer import checkpoint
+    from ember.checkpoint import writer as checkpoint
     sys.path.insert(0, sys.argv[2])
     from test_checkpoint import Net, loader
 

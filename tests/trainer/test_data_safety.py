@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import ember
+from ember import checkpoint
 from ember.callbacks import ModelCheckpoint
-from ember.checkpoint_io import CheckpointError, remove_stale_temporaries, temporary_prefix, write_atomic
-from ember.trainer import checkpoint
+from ember.checkpoint import CheckpointError, remove_stale_temporaries, temporary_prefix, write_atomic
 from tests.helpers.models import BoringModel, regression_loader
 
 _SCRIPT = textwrap.dedent("""

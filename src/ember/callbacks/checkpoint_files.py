@@ -1,11 +1,13 @@
 """How ModelCheckpoint puts files in place beside ``trainer.save_checkpoint``: the save point's file,
 ``last`` as a hard or symbolic link to the file just written (each made atomically), the removal of
-files that left the top k (``CheckpointFiles``), all of it on a background thread with
-``async_save``; and the checkpoints written when fit raises (``save_on_exception``,
-``OnExceptionCheckpoint``)."""
+files that left the top k (``CheckpointFiles``), all of it on the strategy's background writer with
+``async_save`` (the save passes a ``BackgroundSave`` saying what to do once the file exists); and the
+checkpoints written when fit raises (``save_on_exception``, ``OnExceptionCheckpoint``). The file
+operations themselves are ``ember.checkpoint.files``."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import warnings
@@ -15,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.callback import Callback
-from ember.callbacks.checkpoint_writer import BackgroundWriter
-from ember.checkpoint_io import fsync_dir, temporary_prefix
+from ember.checkpoint.files import inside, link_atomic, remove_checkpoint
+from ember.checkpoint.writer import BackgroundSave
 from ember.exceptions import Preempted
 
 if TYPE_CHECKING:
@@ -24,35 +26,6 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 FILE_EXTENSION = ".ckpt"
-
-
-def link_atomic(src: str, dst: str, symbolic: bool = False) -> bool:
-    """Make ``dst`` another name of ``src`` atomically (link + rename); False where links are unsupported.
-
-    A hard link is a second name of the same file; a symbolic one (``symbolic=True``) holds the path
-    of ``src`` relative to ``dst``'s directory, so the directory can be moved as a whole.
-    """
-    tmp = os.path.join(os.path.dirname(dst), temporary_prefix(dst) + "link.tmp")
-    try:
-        if symbolic:
-            os.symlink(os.path.relpath(src, os.path.dirname(os.path.abspath(dst))), tmp)
-        else:
-            os.link(src, tmp)
-        os.replace(tmp, dst)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        return False
-    fsync_dir(os.path.dirname(os.path.abspath(dst)))
-    return True
-
-
-def inside(path: str, directory: str) -> bool:
-    """Whether ``path`` names something inside ``directory`` (at any depth), by their names."""
-    path, directory = os.path.abspath(path), os.path.abspath(directory)
-    return path != directory and os.path.commonpath([path, directory]) == directory
 
 
 def check_template(what: str, template: str, field: re.Pattern[str]) -> None:
@@ -82,20 +55,6 @@ def check_inside(path: str, dirpath: str | None, template: str) -> str:
     return path
 
 
-def remove_checkpoint(path: str, dirpath: str | None, protected: set[str]) -> None:
-    """Delete ``path`` unless it is outside ``dirpath`` (never delete another run's file; its sub-folders,
-    which ``filename="sub/{epoch}"`` writes into, are inside) or ``protected``."""
-    if not path:
-        return
-    path = os.path.abspath(path)
-    if dirpath is None or not inside(path, dirpath) or path in protected:
-        return
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
 # What names ModelCheckpoint's files: with async_save, the values after a save are published once its
 # files exist (until then, those of the previous save point).
 _LISTING = (
@@ -112,8 +71,8 @@ _LISTING = (
 
 class CheckpointFiles:
     """ModelCheckpoint's file operations (a mixin): write a save point's top-k file and ``last``, then
-    remove the previous ``last`` and the files that left the top k; with a ``background_writer``, all
-    of that on its thread, in that order, after one copy of the state."""
+    remove the previous ``last`` and the files that left the top k; with ``async_save``, all of that on
+    the strategy's background writer, in that order, after one copy of the state."""
 
     # Set by ModelCheckpoint.
     dirpath: str | None
@@ -126,7 +85,7 @@ class CheckpointFiles:
     last_model_path: str
     _last_checkpoint_saved: str
     _replaced: list[str]
-    background_writer: BackgroundWriter | None
+    async_save: bool
 
     def _listing(self) -> dict[str, Any]:
         state = {name: getattr(self, name) for name in _LISTING}
@@ -160,8 +119,7 @@ class CheckpointFiles:
             elif written is not None:
                 link = (written, False)
         primary = written if written is not None else (last if link is None else None)
-        writer = self.background_writer
-        if writer is None or primary is None:  # (only a link to make: nothing to write in the background)
+        if not self.async_save or primary is None:  # (only a link to make: nothing to write in the background)
             self._put_files_now(trainer, written, previous_last)
             return
         # Decided here, with this save's lists; done on the background thread once ``primary`` is complete,
@@ -186,9 +144,13 @@ class CheckpointFiles:
             for path in dict.fromkeys(p for p in (primary, last) if p is not None):
                 self._say(trainer, path, epoch, step)
 
-        with writer.claim(primary, after, on_done):
-            trainer.save_checkpoint(primary, weights_only=self.save_weights_only)
-        if writer.pending:  # rank zero: until the write completes, the lists name the files that exist
+        background = BackgroundSave(after, on_done)
+        if not _takes_storage_options(trainer):
+            raise RuntimeError(_BYPASSED.format(path=primary, cls=type(trainer).__name__))
+        trainer.save_checkpoint(primary, weights_only=self.save_weights_only, storage_options=background)
+        if trainer.is_global_zero and not background.submitted:
+            raise RuntimeError(_BYPASSED.format(path=primary, cls=type(trainer).__name__))
+        if trainer.strategy.background_writer.pending:  # until the write completes, the lists name the files that exist
             self._restore(before)
 
     def _put_files_now(self, trainer: Trainer, written: str | None, previous_last: str) -> None:
@@ -219,6 +181,21 @@ class CheckpointFiles:
     def _remove(self, trainer: Trainer, path: str) -> None:
         if trainer.is_global_zero:
             remove_checkpoint(path, self.dirpath, self._protected(trainer))
+
+
+_BYPASSED = (
+    "ModelCheckpoint(async_save=True): the save of {path} did not go through ember's Trainer.save_checkpoint "
+    "({cls}.save_checkpoint is overridden and does not pass storage_options on to it), so it was not written "
+    "in the background and last.ckpt and top-k rotation could not follow it. Keep Trainer.save_checkpoint "
+    "(or pass storage_options to super().save_checkpoint), or use async_save=False."
+)
+
+
+def _takes_storage_options(trainer: Trainer) -> bool:
+    try:
+        return "storage_options" in inspect.signature(trainer.save_checkpoint).parameters
+    except (TypeError, ValueError):  # no signature to read: let the call say what is wrong
+        return True
 
 
 def save_on_exception(trainer: Trainer, dirpath: str, name: str, exception: BaseException) -> None:

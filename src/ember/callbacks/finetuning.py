@@ -134,7 +134,8 @@ class BaseFinetuning(Callback):
             candidates: Iterable[Module] = found
         else:
             candidates = modules.modules()
-        return [m for m in candidates if not list(m.children()) or m._parameters]
+        # Leaves, and modules holding parameters of their own beside their children (Lightning: ``m._parameters``).
+        return [m for m in candidates if not list(m.children()) or next(m.parameters(recurse=False), None) is not None]
 
     @staticmethod
     def filter_params(

@@ -1,6 +1,6 @@
 """ModelCheckpoint: save the training state on a cadence, keep the best k, keep ``last.ckpt``.
 
-Every write is atomic (see ``ember.trainer.checkpoint``), and checkpoints are written only where
+Every write is atomic (see ``ember.checkpoint``), and checkpoints are written only where
 a resume continues exactly: at a step boundary (after the optimizer step, the step-interval LR
 schedulers and any validation of that batch), at the end of a validation, or at the end of a
 training epoch. A resumed fit does not repeat a validation or an epoch end that already ran.
@@ -45,8 +45,7 @@ from ember.callbacks.checkpoint_files import (
     check_template,
     save_on_exception,
 )
-from ember.callbacks.checkpoint_writer import BackgroundWriter
-from ember.checkpoint_io import DirectoryLock, remove_stale_temporaries, unwritable
+from ember.checkpoint.io import DirectoryLock, remove_stale_temporaries, unwritable
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -179,9 +178,8 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         self.save_on_train_epoch_end = save_on_train_epoch_end
         self.save_on_exception = save_on_exception
         self.enable_version_counter = enable_version_counter
+        #: Write this callback's files on the strategy's ``background_writer`` (``BackgroundSave``).
         self.async_save = async_save
-        #: Writes this callback's files when ``async_save``; ``trainer.save_checkpoint`` waits for it.
-        self.background_writer = BackgroundWriter() if async_save else None
 
         self.best_k_models: dict[str, torch.Tensor] = {}  # path -> score, tensors as Lightning's
         self.kth_best_model_path = ""
@@ -197,6 +195,12 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         self._last_time = time.monotonic()
         self._validation_ran = False
         self._warned_missing = False
+
+    @property
+    def dirpath_given(self) -> bool:
+        """Whether ``dirpath`` was given when the callback was made; else it is resolved from the first
+        logger (or ``default_root_dir``) at every fit, and ``ckpt_path="last"`` looks in every run's."""
+        return self._dirpath_given
 
     # ------------------------------------------------------------------ identity and state
     def _state_key_args(self) -> dict[str, Any]:
@@ -297,8 +301,8 @@ class ModelCheckpoint(CheckpointFiles, Callback):
 
     def teardown(self, trainer: Trainer, module: TrainModule, stage: Stage) -> None:
         try:
-            if self.background_writer is not None:  # no thread outlives the fit, and the buffers are freed
-                self._warn_failed(self.background_writer.close())
+            if self.async_save:  # no thread outlives the fit, and the buffers are freed
+                self._warn_failed(trainer.strategy.background_writer.close())
         finally:
             if self._lock is not None:
                 self._lock.release()
@@ -308,8 +312,8 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         self._last_time = time.monotonic()
 
     def on_train_step_boundary(self, trainer: Trainer, module: TrainModule) -> None:
-        if self.background_writer is not None:
-            self.background_writer.collect()  # publish a finished write's files, or raise its error
+        if self.async_save:
+            trainer.strategy.background_writer.collect()  # publish a finished write's files, or raise its error
         step = trainer.global_step
         if step == self._last_global_step_saved:
             return
@@ -337,23 +341,23 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         # still leaves a ``last`` checkpoint of its final state.
         if self.save_last and not self._saved_in_fit and trainer.global_step != self._last_global_step_saved:
             self._save_last_only(trainer)
-        if self.background_writer is not None:
-            self._finish_write()  # what fit wrote is on disk (or its failure raised) when fit returns,
+        if self.async_save:
+            self._finish_write(trainer)  # what fit wrote is on disk (or its failure raised) when fit returns,
             trainer.strategy.barrier("async checkpoint")  # on every rank, as after a synchronous save
 
     def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
-        self._finish_write()
+        self._finish_write(trainer)
 
     def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
-        if self.background_writer is not None:  # the exception is what fit raises; a failed write is a warning
-            self._warn_failed(self.background_writer.wait(raise_errors=False))
+        if self.async_save:  # the exception is what fit raises; a failed write is a warning
+            self._warn_failed(trainer.strategy.background_writer.wait(raise_errors=False))
         if self.save_on_exception:
             save_on_exception(trainer, self.dirpath or self._resolve_dirpath(trainer), "on_exception", exception)
 
-    def _finish_write(self) -> None:
+    def _finish_write(self, trainer: Trainer) -> None:
         """Wait for the background write in flight (if any), publish its files, raise its error."""
-        if self.background_writer is not None:
-            self.background_writer.wait()
+        if self.async_save:
+            trainer.strategy.background_writer.wait()
 
     def _warn_failed(self, error: BaseException | None) -> None:
         if error is not None:
@@ -397,7 +401,7 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         # This callback's state is updated *before* each write: the checkpoint holds it, and must
         # already list the file it is written to (or a resumed run would orphan that file). With
         # async_save, the previous write completes first, so these decisions see its files.
-        self._finish_write()
+        self._finish_write(trainer)
         before = self._listing()
         metrics = self._candidates(trainer)
         self._last_global_step_saved = trainer.global_step
@@ -411,7 +415,7 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         self._put_files(trainer, written, previous_last, before)
 
     def _save_last_only(self, trainer: Trainer) -> None:
-        self._finish_write()
+        self._finish_write(trainer)
         before = self._listing()
         metrics = self._candidates(trainer)
         self._last_global_step_saved = trainer.global_step
@@ -423,7 +427,7 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         """The path this callback's next ``last`` checkpoint gets now: ``CHECKPOINT_NAME_LAST`` formatted,
         with ``-v1``... beside an earlier run's file of that name (for a checkpoint written outside the
         callback, such as on preemption). Every process must call it (rank zero's answer is broadcast)."""
-        self._finish_write()  # a last.ckpt still being written is this run's own, not an earlier run's
+        self._finish_write(trainer)  # a last.ckpt still being written is this run's own, not an earlier run's
         return self._versioned(trainer, self._candidates(trainer), self.CHECKPOINT_NAME_LAST, keep=self.last_model_path)
 
     def _next_last(self, trainer: Trainer, metrics: dict[str, Any]) -> str:

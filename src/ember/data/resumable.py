@@ -76,7 +76,8 @@ class _ResumableDataLoader(DataLoader):
         iterator = self._iterator
         self._iterator = None
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()  # torch's own shutdown (no public name; Lightning calls it too)
+            # torch's own shutdown: no public name (Lightning calls it too), and del would leave it to the collector.
+            iterator._shutdown_workers()  # noqa: SLF001
 
 
 def shutdown_workers(loader: Any) -> None:

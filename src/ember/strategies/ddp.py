@@ -296,10 +296,11 @@ class DDPStrategy(Strategy):
     def _job_store(self) -> dist.Store | None:
         if self._launcher is not None and self._launcher.store is not None:
             return self._launcher.store
-        if launcher_module._job_store is not None:
-            return launcher_module._job_store
+        if launcher_module.job_store() is not None:
+            return launcher_module.job_store()
         try:  # a group the user made: its store (a private helper of torch, hence the guard)
-            return dist.distributed_c10d._get_default_store()
+            # torch has no public way to reach the default group's store; the watchdog needs it to publish.
+            return dist.distributed_c10d._get_default_store()  # noqa: SLF001
         except Exception:
             return None
 

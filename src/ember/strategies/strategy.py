@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from ember.checkpoint.background import BackgroundWriter
+from ember.checkpoint.writer import BackgroundSave, CheckpointWriter
 from ember.data.resumable import make_resumable
 from ember.module import takes_batch_idx
 from ember.types import REDUCE_OPS, ReduceOp, Stage
@@ -40,6 +42,10 @@ class Strategy:
 
     #: The registry name; set by ``register_strategy``.
     strategy_name: str = "base"
+    #: Writes checkpoints on global rank zero, at once (``ember.checkpoint.writer``). Stateless, so one
+    #: instance may serve every strategy; a strategy writing elsewhere sets its own.
+    checkpoint_writer: CheckpointWriter = CheckpointWriter()
+    _background_writer: BackgroundWriter | None = None
 
     def __init__(self, accelerator: str | None = None, devices: list[torch.device] | None = None) -> None:
         self.accelerator = accelerator
@@ -225,10 +231,33 @@ class Strategy:
         return decision
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str, writer: Callable[[dict, str], None]) -> None:
-        """Write ``checkpoint`` to ``path`` with ``writer`` on global rank zero only."""
-        if self.is_global_zero:
-            writer(checkpoint, path)
+    @property
+    def background_writer(self) -> BackgroundWriter:
+        """The writer of the saves that ask to be written on a thread (``BackgroundSave``; made on first
+        use, kept for the copy buffers it reuses). Every save waits for its write in flight first."""
+        if self._background_writer is None:
+            self._background_writer = BackgroundWriter()
+        return self._background_writer
+
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        path: str,
+        storage_options: BackgroundSave | None = None,
+        before_rename: Callable[[str], None] | None = None,
+    ) -> None:
+        """Write ``checkpoint`` to ``path`` on global rank zero only: with :attr:`checkpoint_writer`, or
+        with :attr:`background_writer` when ``storage_options`` is a ``BackgroundSave`` (then with its
+        ``after`` and ``on_done``, and marked ``submitted``)."""
+        if not self.is_global_zero:
+            return
+        if storage_options is None:
+            self.checkpoint_writer.write(checkpoint, path, before_rename)
+            return
+        storage_options.submitted = True
+        self.background_writer.write(
+            checkpoint, path, before_rename, after=storage_options.after, on_done=storage_options.on_done
+        )
 
     def model_state_dict(self) -> dict[str, Any]:
         """The state dict of the user's module (unwrapped)."""

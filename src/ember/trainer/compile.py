@@ -30,12 +30,17 @@ def _optimized_module_class() -> Any:
     return OptimizedModule
 
 
+def _original(model: Any) -> Any:
+    """The module a ``torch.compile`` result wraps."""
+    return model._orig_mod  # noqa: SLF001  (torch's public way in: torch.compile documents _orig_mod)
+
+
 def from_compiled(model: Any) -> TrainModule:
     """The TrainModule inside ``torch.compile(module)``, with its forward and steps compiled."""
     optimized = _optimized_module_class()
     if optimized is None or not isinstance(model, optimized):
         raise TypeError(f"Expected the result of torch.compile(module), got {type(model).__name__}.")
-    module = model._orig_mod  # noqa: SLF001  (torch's public way in: torch.compile documents _orig_mod)
+    module = _original(model)
     if not isinstance(module, TrainModule):
         raise TypeError(
             f"torch.compile wrapped a {type(module).__name__}, not an ember.TrainModule. Compile the "
@@ -54,7 +59,7 @@ def to_uncompiled(model: Any) -> TrainModule:
     """The module with its original (uncompiled) forward and steps back; ``model`` may be the
     ``torch.compile`` result or a module ``from_compiled`` returned."""
     optimized = _optimized_module_class()
-    module = model._orig_mod if optimized is not None and isinstance(model, optimized) else model  # noqa: SLF001
+    module = _original(model) if optimized is not None and isinstance(model, optimized) else model
     saved = vars(module).pop(_CTX, None)
     if saved is None:
         return module

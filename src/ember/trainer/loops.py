@@ -40,6 +40,7 @@ from ember.utils import sized_len
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from ember.checkpoint.restore import Resume
     from ember.trainer.evaluation import EvaluationLoop
     from ember.trainer.hooks import Hooks
     from ember.trainer.loaders import FitData
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
     from ember.trainer.metrics import MetricCollector
     from ember.trainer.optim import OptimizerState
     from ember.trainer.preemption import PreemptionHandler
-    from ember.trainer.resume import Resume
     from ember.trainer.step import TrainingStep
     from ember.trainer.trainer import Trainer
 

@@ -288,6 +288,27 @@ class OptimizerState:
         assert self.precision is not None and self.strategy is not None  # set for every fit
         return self.precision.optimizer_step(optimizer, self.strategy, closure, **kwargs)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizers' and LR schedulers' states, under the checkpoint's keys."""
+        return {
+            "optimizer_states": [opt.state_dict() for opt in self.optimizers],
+            "lr_schedulers": [cfg.scheduler.state_dict() for cfg in self.schedulers],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], stepped: bool = False) -> None:
+        """Load ``state_dict()``'s entries into this fit's optimizers and schedulers, in order (checked
+        beforehand by ``ember.checkpoint.validation``). ``stepped``: the optimizers have stepped in the
+        run that saved them."""
+        for opt, saved in zip(self.optimizers, state["optimizer_states"]):
+            opt.load_state_dict(saved)
+            if stepped:
+                # Keeps torch's "scheduler stepped before the optimizer" warning quiet when a resumed epoch
+                # end steps a scheduler first. torch reads this flag of its own and offers no public way to
+                # set it (an optimizer step would change the weights).
+                opt._opt_called = True  # type: ignore[attr-defined]  # noqa: SLF001
+        for cfg, saved in zip(self.schedulers, state["lr_schedulers"]):
+            cfg.scheduler.load_state_dict(saved)
+
     def step_schedulers(self, interval: str, count: int, metrics: dict[str, Any], plateau: bool | None = None) -> None:
         """Step schedulers of ``interval`` whose frequency divides ``count`` (steps or epochs done).
 

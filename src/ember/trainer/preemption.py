@@ -51,10 +51,10 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from ember.checkpoint import contents, locate
 from ember.exceptions import Preempted, exit_code
 from ember.strategies.launchers.launcher import note_stop_signal
 from ember.strategies.watchdog.watchdog import exit_with_stacks
-from ember.trainer import checkpoint
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -164,7 +164,7 @@ class PreemptionHandler:
             # directory is never overwritten (this one gets last-v1.ckpt), this run's own is.
             target = first.next_last_path(t)
         else:
-            target = os.path.join(first.dirpath if first is not None else checkpoint.default_dir(t), "last.ckpt")
+            target = os.path.join(first.dirpath if first is not None else locate.default_dir(t), "last.ckpt")
         # Named before the write, so the checkpoint's own callback state says it is this run's last: a
         # resume from it keeps writing last.ckpt, not a second last-v1.ckpt beside it.
         for cb in callbacks:
@@ -172,7 +172,7 @@ class PreemptionHandler:
                 cb.dirpath or ""
             ):
                 cb.last_model_path = os.path.abspath(target)
-        path = checkpoint.save(t, target)
+        path = contents.save(t, t.fit_state, target)
         signum = self.received if self.received is not None else signal.SIGTERM
         requeued = None
         if signum == getattr(signal, "SIGUSR1", None) and os.environ.get("SLURM_JOB_ID"):

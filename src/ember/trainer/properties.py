@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from ember.trainer.loops import FitLoop
     from ember.trainer.metrics import MetricCollector
     from ember.trainer.optim import OptimizerState
+    from ember.trainer.precision import Precision
     from ember.trainer.progress import FitProgress
+    from ember.trainer.state import FitState
     from ember.types import TrainerState
 
 
@@ -47,7 +49,7 @@ class TrainerProperties:
     """Public state of the Trainer (a base class of ``Trainer``; it holds no state of its own)."""
 
     if TYPE_CHECKING:
-        progress: FitProgress
+        fit_state: FitState
         strategy: Strategy
         state: TrainerState
         sanity_checking: bool
@@ -59,13 +61,31 @@ class TrainerProperties:
         max_steps: int
         _loggers: list[Logger]
         _logged_metrics: dict[str, Any]
-        _metrics: MetricCollector
-        _optim: OptimizerState
-        _data: FitData
         _loop: FitLoop | None
         _eval_batches: dict[str, list[float]]
         _eval_loaders: dict[str, list[Any]]
         _precision_name: str
+
+    # The parts of ``fit_state`` (``state.py``), by the names the trainer package reads them by.
+    @property
+    def progress(self) -> FitProgress:
+        return self.fit_state.progress
+
+    @property
+    def _metrics(self) -> MetricCollector:
+        return self.fit_state.metrics
+
+    @property
+    def _optim(self) -> OptimizerState:
+        return self.fit_state.optim
+
+    @property
+    def _data(self) -> FitData:
+        return self.fit_state.data
+
+    @property
+    def _precision(self) -> Precision:
+        return self.fit_state.precision
 
     @property
     def current_epoch(self) -> int:

@@ -13,13 +13,16 @@ from typing import Any
 import torch
 
 from ember.callbacks.callback import Callback
+from ember.checkpoint import contents, locate
+from ember.checkpoint.restore import Resume, restore_for_evaluation
+from ember.checkpoint.writer import BackgroundSave
 from ember.data import DataModule
 from ember.hparams import drop_unpicklable
 from ember.loggers.logger import DummyLogger, Logger
 from ember.module import TrainModule
 from ember.profilers import Profiler
 from ember.strategies.strategy import Strategy
-from ember.trainer import arguments, checkpoint
+from ember.trainer import arguments
 from ember.trainer.compile import is_compiled, unwrap_compiled
 from ember.trainer.evaluation import EvaluationLoop
 from ember.trainer.fit_summary import print_fit_summary
@@ -27,14 +30,13 @@ from ember.trainer.hooks import Hooks
 from ember.trainer.loaders import FitData, eval_loaders
 from ember.trainer.log_writer import LogWriter
 from ember.trainer.loops import FitLoop
-from ember.trainer.metrics import MetricCollector
 from ember.trainer.optim import NO_OPTIMIZER_WARNING, NoOptimizer, OptimizerState, check_scheduler_api, parse_optimizers
 from ember.trainer.precision import Precision, normalize_precision
 from ember.trainer.preemption import preemption
 from ember.trainer.progress import FitProgress
 from ember.trainer.properties import TrainerProperties
 from ember.trainer.results_table import print_results
-from ember.trainer.resume import Resume, restore_for_evaluation
+from ember.trainer.state import FitState
 from ember.trainer.step import TrainingStep
 from ember.types import PrecisionInput, Stage, TrainerState
 from ember.utils import is_overridden
@@ -202,8 +204,11 @@ class Trainer(TrainerProperties):
         self._precision_name = normalize_precision(precision)
         accelerator_name, device_list = arguments.resolve_devices(accelerator, devices)
         self.strategy = arguments.resolve_strategy(self, strategy, accelerator_name, device_list)
-        self._precision = Precision(self._precision_name, self.strategy.root_device.type)
-        self._input_dtype = self._precision.input_dtype
+        precision_plugin = Precision(self._precision_name, self.strategy.root_device.type)
+        self._input_dtype = precision_plugin.input_dtype
+        #: What a fit carries (progress, optimizers and schedulers, precision, metric accumulators, data
+        #: position), each part with ``state_dict`` / ``load_state_dict``: what checkpoints save and restore.
+        self.fit_state = FitState(self.strategy, precision_plugin, FitData(self, None, None))
 
         self.callbacks: list[Callback] = arguments.build_callbacks(
             self, callbacks, enable_progress_bar, enable_checkpointing, enable_model_summary, max_time
@@ -213,24 +218,17 @@ class Trainer(TrainerProperties):
         self.loggers = [DummyLogger()] if dummy_logger else arguments.build_loggers(self, logger)  # (callbacks too)
         self.callbacks = arguments.checkpoints_last(self.callbacks)
 
-        self.progress = FitProgress()
         self.should_stop = False
         self.sanity_checking = False
         self.state: TrainerState = "initializing"
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
-        self._metrics = MetricCollector(self.strategy)
         self._hooks = Hooks(self, self.callbacks, None, self._metrics)
         self._logs = LogWriter(self, self._metrics)
         self._logged_metrics: dict[str, Any] = {}
         #: Epoch-level metrics of the last fit, one dict per epoch.
         self.history: list[dict[str, float]] = []
-        self._optim = OptimizerState([], [])
-        self._data = FitData(self, None, None)
         self._loop: FitLoop | None = None
-        #: ``(epoch, samples)``: where a resume on another number of ranks left the global position
-        #: of that epoch relative to ``batch_in_epoch * batch_size * world_size`` (see checkpoint.py).
-        self._position_offset: tuple[int, int] | None = None
         #: Batches per loader of the current validate / test / predict run, and of the sanity check.
         self._eval_batches: dict[str, list[float]] = {}
         self._eval_loaders: dict[str, list[Any]] = {}  # (trainer.test_dataloaders, ...)
@@ -275,9 +273,11 @@ class Trainer(TrainerProperties):
         if datamodule is not None:
             datamodule.trainer = self
         # Each fit / validate / test / predict starts from empty metrics, as in Lightning.
-        self._metrics = MetricCollector(self.strategy)
+        self.fit_state.start_run()
         self.logged_metrics = {}
-        module._log_sink = self._metrics
+        # The module's one slot for the Trainer: a private name, so that it takes no name from the user's
+        # namespace (a TrainModule subclass may call anything ``log_sink``); read on every self.log.
+        module._log_sink = self._metrics  # noqa: SLF001
         extra = list(module.configure_callbacks() or [])
         if extra:
             types = {type(c) for c in extra}
@@ -298,9 +298,9 @@ class Trainer(TrainerProperties):
         # "last" is resolved before the loggers' and callbacks' setup: a fit continuing a run's
         # last.ckpt continues writing into that run's directory.
         path = (
-            checkpoint.resolve(self, ckpt_path, continue_run=True)
+            locate.resolve(self, ckpt_path, continue_run=True)
             if stage == "fit"
-            else checkpoint.resolve(self, ckpt_path)
+            else locate.resolve(self, ckpt_path)
             if ckpt_path is not None
             else None
         )
@@ -321,12 +321,12 @@ class Trainer(TrainerProperties):
                 "accumulate_grad_batches and gradient_clip_val apply to automatic optimization only; "
                 "with automatic_optimization=False, accumulate and clip in training_step yourself."
             )
-        self._data = FitData(self, *loaders)
+        self.fit_state.start_fit(FitData(self, *loaders))
         self._data.warn_validation_step_without_data()
         self._precision.convert_module(module)
         # Resuming, in Lightning's order (resume.py): the weights, the datamodule's and the callbacks' state
         # now, before configure_optimizers; the training state and the data position in FitLoop.run.
-        resume = Resume(self, path) if path is not None else None
+        resume = Resume(self, self.fit_state, path) if path is not None else None
         if resume is not None:
             resume.modules_and_callbacks()
         self.strategy.setup(self, module)
@@ -344,12 +344,12 @@ class Trainer(TrainerProperties):
                 "needs exactly one. For several, set self.automatic_optimization = False and step "
                 "them in training_step."
             )
-        self._optim = OptimizerState(
+        self.fit_state.optim = OptimizerState(
             optimizers, schedulers, module=module, precision=self._precision, strategy=self.strategy, hooks=self._hooks
         )
         self.should_stop = False
         self.history = []
-        self.progress = FitProgress()
+        self.fit_state.progress = FitProgress()
         step = TrainingStep(
             strategy=self.strategy,
             module=module,
@@ -405,7 +405,7 @@ class Trainer(TrainerProperties):
         self._precision.convert_module(module)
         self.strategy.setup(self, module)
         if path is not None:
-            restore_for_evaluation(self, path)
+            restore_for_evaluation(self, self.fit_state, path)
         evaluation = EvaluationLoop(self, module, self._hooks, self._metrics, self._precision, self._input_dtype)
         if stage == "predict":
             outputs = evaluation.predict(loaders, limits, keep=self._return_predictions)
@@ -462,12 +462,22 @@ class Trainer(TrainerProperties):
                 self.strategy.teardown()
                 self.state = "finished"
 
-    def save_checkpoint(self, filepath: str, weights_only: bool = False) -> None:
+    def save_checkpoint(
+        self, filepath: str | os.PathLike, weights_only: bool = False, storage_options: BackgroundSave | None = None
+    ) -> None:
         """Save the full training state (or only the weights) to ``filepath``, atomically, on rank zero.
 
         A checkpoint being written in the background (``ModelCheckpoint(async_save=True)``) is waited for
-        first; if that write failed, its error is raised here."""
-        checkpoint.save(self, filepath, weights_only=weights_only)
+        first; if that write failed, its error is raised here.
+
+        Args:
+            filepath: the file to write.
+            weights_only: the module's weights and hyper-parameters only (cannot resume a fit).
+            storage_options: as Lightning's argument: None (write now), or an
+                ``ember.checkpoint.BackgroundSave``, which writes on the strategy's background writer after
+                one copy of the state (what ``ModelCheckpoint(async_save=True)`` passes).
+        """
+        contents.save(self, self.fit_state, filepath, weights_only=weights_only, storage_options=storage_options)
 
     # ------------------------------------------------------------------ entry points
     def fit(

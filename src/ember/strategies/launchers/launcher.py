@@ -66,6 +66,13 @@ __all__ = [
 ]
 
 _job_store: dist.Store | None = None  # this process's job store, once it has joined a job
+
+
+def job_store() -> dist.Store | None:
+    """This process's job store, once it has joined a job ember launched (None before)."""
+    return _job_store
+
+
 PARENT_ENV = "EMBER_DDP_PARENT_PID"  # set in processes ember starts: they die with that parent
 HOSTED_ENV = "EMBER_DDP_STORE_HOSTED"  # the store lives in the spawning process, not in rank 0
 _STOP_GRACE_S = 2.0

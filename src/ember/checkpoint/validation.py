@@ -1,6 +1,6 @@
 """Validating a checkpoint's entries against the run that resumes from it, before anything changes.
 
-A fit resume (``resume.py``) is transactional: it first checks every entry it will apply (progress,
+A fit resume (``restore.py``) is transactional: it first checks every entry it will apply (progress,
 optimizers, schedulers, precision, callbacks, metrics, sampler position, RNG states, weights),
 and only then changes the module, the optimizers and the callbacks. A malformed or mismatched
 entry raises a ``CheckpointError`` that names the entry and says what is wrong, with nothing
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.checkpoint_io import CheckpointError
+from ember.checkpoint.io import CheckpointError
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -117,7 +117,7 @@ def _position(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
 
 
 def _optimizers(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
-    opts, scheds = trainer._optim.optimizers, trainer._optim.schedulers
+    opts, scheds = trainer.optimizers, trainer.lr_scheduler_configs
     saved = _list(value, "optimizer_states")
     saved_scheds = ckpt.get("lr_schedulers")
     n_scheds = len(saved_scheds) if isinstance(saved_scheds, (list, tuple)) else "?"

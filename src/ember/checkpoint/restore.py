@@ -8,28 +8,29 @@ Three parts, each where Lightning does it:
    schedulers, precision, progress, metrics and the training epoch's running sums.
 3. ``data_position`` (once the train loader exists): where the sampler continues, and the RNG states.
 
-Each part first validates the entries it applies (``checkpoint_check``), and a failure in any
-part puts back everything the earlier parts changed, so a bad file leaves the run as it was.
+Each part first validates the entries it applies (``validation.py``), and a failure in any
+part puts back everything the earlier parts changed, so a bad file leaves the run as it was. The
+fit's own state is loaded through ``trainer.fit_state``'s parts (``ember/trainer/state.py``), each
+with its ``load_state_dict``; the module, the datamodule and the callbacks through their hooks.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import math
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ember.callbacks.callback import Callback, overrides
-from ember.checkpoint_io import CheckpointError, check_state_dict, load, match_compiled_keys
-from ember.data import DataModule
-from ember.data.resumable import SkipFirstBatches, resumable_sampler_of
+from ember.checkpoint import validation
+from ember.checkpoint.contents import overrides
+from ember.checkpoint.io import CheckpointError, check_state_dict, load, match_compiled_keys
 from ember.rng import apply_rng, capture_rng
-from ember.trainer import checkpoint_check
-from ember.utils import sized_len
 
 if TYPE_CHECKING:
+    from ember.callbacks.callback import Callback
+    from ember.data import DataModule
+    from ember.trainer.state import FitState
     from ember.trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,12 @@ class Resume:
 
     Args:
         trainer: the resuming Trainer, with its module (and datamodule) attached.
+        state: the fit's state (``trainer.fit_state``), which the training and data parts load.
         path: the checkpoint file (``"last"`` / ``"best"`` already resolved).
     """
 
-    def __init__(self, trainer: Trainer, path: str) -> None:
-        self.trainer, self.path = trainer, path
+    def __init__(self, trainer: Trainer, state: FitState, path: str) -> None:
+        self.trainer, self.state, self.path = trainer, state, path
         self.ckpt: dict[str, Any] = {}
         self._undo: list[Callable[[], None]] = []  # one per part applied, in order
 
@@ -54,7 +56,7 @@ class Resume:
 
     def _validate(self, part: str) -> None:
         try:
-            checkpoint_check.validate(self.trainer, self.ckpt, self.path, part)
+            validation.validate(self.trainer, self.ckpt, self.path, part)
         except BaseException:
             self._rollback()
             raise
@@ -122,63 +124,34 @@ class Resume:
             raise
 
     def training_state(self) -> None:
-        trainer, ckpt = self.trainer, self.ckpt
+        state, ckpt = self.state, self.ckpt
         self._validate("training")
-        optim, metrics = trainer._optim, trainer._metrics
         # At the start of a fit the optimizers hold no state yet, so these copies are small.
-        optimizers = [(opt, copy.deepcopy(opt.state_dict())) for opt in optim.optimizers]
-        schedulers = [(cfg.scheduler, copy.deepcopy(cfg.scheduler.state_dict())) for cfg in optim.schedulers]
-        precision = copy.deepcopy(trainer._precision.state_dict())
-        progress = trainer.progress.state_dict()
-        callback_metrics, stages = dict(metrics.callback_metrics), dict(metrics._stages)
-
-        def undo() -> None:
-            for opt, state in optimizers:
-                opt.load_state_dict(state)
-            for sched, state in schedulers:
-                sched.load_state_dict(state)
-            trainer._precision.load_state_dict(precision)
-            trainer.progress.load_state_dict(progress)
-            metrics.callback_metrics, metrics._stages = callback_metrics, stages
-
-        self._undo.append(undo)
+        before = state.snapshot_training()
+        self._undo.append(lambda: state.restore_training(before))
         try:
-            for opt, state in zip(optim.optimizers, ckpt["optimizer_states"]):
-                opt.load_state_dict(state)
-                if ckpt["progress"].get("global_step", 0) > 0:
-                    # The optimizer has stepped in the saved run: keep torch's "scheduler stepped before the
-                    # optimizer" warning quiet when a resumed epoch end steps a scheduler first.
-                    opt._opt_called = True  # type: ignore[attr-defined]
-            for cfg, state in zip(optim.schedulers, ckpt["lr_schedulers"]):
-                cfg.scheduler.load_state_dict(state)
-            trainer._precision.load_state_dict(ckpt.get("precision") or {})
-            trainer.progress.load_state_dict(ckpt["progress"])
-            metrics.callback_metrics.update(ckpt.get("callback_metrics") or {})
-            if ckpt.get("epoch_metrics") and trainer.strategy.world_size == 1:
-                metrics.load_state_dict(ckpt["epoch_metrics"], trainer.strategy.root_device)
+            state.optim.load_state_dict(ckpt, stepped=ckpt["progress"].get("global_step", 0) > 0)
+            state.precision.load_state_dict(ckpt.get("precision") or {})
+            state.progress.load_state_dict(ckpt["progress"])
+            state.metric_state.load_state_dict(ckpt)
         except BaseException:
             self._rollback()
             raise
 
     def data_position(self) -> None:
-        trainer, ckpt = self.trainer, self.ckpt
+        trainer, state, ckpt = self.trainer, self.state, self.ckpt
         self._validate("data")
-        data = trainer._data
-        loader, offset, progress = data.train_loader, trainer._position_offset, trainer.progress.state_dict()
-        sampler = resumable_sampler_of(loader)
-        sampler_state = sampler.state_dict() if sampler is not None else None
-        rng = capture_rng()
+        position, progress, rng = state.position.snapshot(), state.progress.state_dict(), capture_rng()
 
         def undo() -> None:
-            data.train_loader, trainer._position_offset = loader, offset
-            trainer.progress.load_state_dict(progress)
-            if sampler is not None:
-                sampler.load_state_dict(sampler_state)
+            state.position.restore(position)
+            state.progress.load_state_dict(progress)
             apply_rng(rng)
 
         self._undo.append(undo)
         try:
-            _restore_data_position(trainer, ckpt, self.path)
+            saved_world = int(ckpt.get("strategy", {}).get("world_size", 1))
+            state.position.load_state_dict(ckpt, saved_world_size=saved_world, source=self.path)
             _restore_rng(trainer, ckpt)
         except BaseException:
             self._rollback()
@@ -186,7 +159,7 @@ class Resume:
         self._undo.clear()  # done: nothing to put back any more
         trainer.ckpt_path = self.path
         if trainer.is_global_zero:  # as Lightning, which names the file (ember adds where the run continues)
-            p = trainer.progress
+            p = state.progress
             log.info(
                 "Restored all states from the checkpoint at %s (epoch %d, global step %d%s)",
                 self.path,
@@ -196,63 +169,12 @@ class Resume:
             )
 
 
-def restore_for_evaluation(trainer: Trainer, path: str) -> None:
+def restore_for_evaluation(trainer: Trainer, state: FitState, path: str) -> None:
     """validate / test / predict with ``ckpt_path``, as Lightning: the module's ``on_load_checkpoint`` and
     weights, the datamodule's state, the callbacks' ``on_load_checkpoint`` and state (all or nothing)."""
-    Resume(trainer, path).modules_and_callbacks(fit=False)
+    Resume(trainer, state, path).modules_and_callbacks(fit=False)
     if trainer.is_global_zero:
         log.info("Loaded model weights from the checkpoint at %s", path)
-
-
-def _restore_data_position(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
-    progress = trainer.progress
-    saved = ckpt.get("sampler")
-    saved_world = int(ckpt.get("strategy", {}).get("world_size", 1))
-    world = trainer.strategy.world_size
-    loader = trainer._data.train_loader
-    sampler = resumable_sampler_of(loader)
-    new_world = saved is not None and saved_world != world and progress.batch_in_epoch and not progress.epoch_finished
-    if new_world and saved is not None:
-        # Continue from the next unseen sample of the global order, counted in this run's batches.
-        batch_size = getattr(loader, "batch_size", None) or saved.get("batch_size", 1)
-        progress.batch_in_epoch = math.ceil(saved["position"] / (batch_size * world))
-    if sampler is not None:
-        if saved is not None:
-            full = _len_or_none(loader)
-            # An epoch whose end already ran continues with the next epoch, from its first sample.
-            position = 0 if progress.epoch_finished else saved["position"]
-            sampler.load_state_dict({"seed": saved["seed"], "epoch": saved["epoch"], "position": position})
-            left = _len_or_none(loader)
-            if new_world:
-                if full is not None and left is not None:
-                    # What is left of the epoch is padded to a multiple of this run's ranks (see
-                    # ShardedSampler._end): count as done what this run's epoch length leaves over,
-                    # so the loop runs exactly the batches the sampler still yields on every rank.
-                    progress.batch_in_epoch = max(0, full - left)
-                # How far that count is from the global position, so checkpoints written later in
-                # this epoch record where it really is.
-                trainer._position_offset = (
-                    progress.current_epoch,
-                    saved["position"] - progress.batch_in_epoch * batch_size * world,
-                )
-        return
-    saved_loader = ckpt.get("loader")
-    if saved_loader is not None and callable(getattr(loader, "load_state_dict", None)):
-        if progress.batch_in_epoch and not progress.epoch_finished:
-            loader.load_state_dict(saved_loader)  # continues each inner loader where it was (CombinedLoader)
-        return
-    if progress.batch_in_epoch and not progress.epoch_finished:
-        warnings.warn(
-            f"Resuming mid-epoch from {path!r} with a train loader ember cannot resume at the sampler level: "
-            f"the first {progress.batch_in_epoch} batches of the epoch are loaded again and skipped, and the "
-            "order matches the interrupted run only if the loader's order is deterministic. Use a plain "
-            "DataLoader (map-style dataset, default sampler) for an exact resume.",
-            UserWarning,
-        )
-        trainer._data.train_loader = SkipFirstBatches(loader, progress.batch_in_epoch)
-
-
-_len_or_none = sized_len
 
 
 def _restore_rng(trainer: Trainer, ckpt: dict[str, Any]) -> None:

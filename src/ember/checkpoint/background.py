@@ -1,8 +1,9 @@
 """Checkpoints written on a background thread (``ModelCheckpoint(async_save=True)``).
 
 At the save point the checkpoint dict is made as for a synchronous save; :meth:`BackgroundWriter.submit`
-then copies it off the live state and returns: training continues while a thread writes the copy with
-``checkpoint_io.write_atomic`` (temporary file, fsync, rename) and then runs the caller's ``after`` step
+(the strategy's ``background_writer``, which a save asks for with a ``BackgroundSave``, see
+``writer.py``) then copies it off the live state and returns: training continues while a thread writes the copy with
+``io.write_atomic`` (temporary file, fsync, rename) and then runs the caller's ``after`` step
 (links, rotation). A crash at any moment leaves the previous file under the checkpoint's name, as for
 a synchronous write. The thread writes through a Python file object: torch's writer for a path holds
 the GIL while it copies each tensor's bytes, which would stop the training thread for most of the write.
@@ -37,9 +38,9 @@ Rules that keep it exact and bounded:
 - The caller's ``on_done`` runs in the training thread once the write is complete, never in the
   background thread: the state that names the new files (best, last) is published only when they
   exist.
-- Every synchronous save waits for the write in flight first (``trainer.checkpoint.save`` calls
-  :func:`writers_of` and :meth:`BackgroundWriter.wait`), so files are written in the order the saves
-  were made.
+- Every save waits for the write in flight first (``ember.checkpoint.contents.save`` calls the
+  strategy's ``background_writer.wait()`` before it reads the state), so files are written in the
+  order the saves were made.
 
 Tensors are copied storage by storage, keeping their offsets, sizes and strides, so that views of
 one storage stay views of one storage; containers are copied with their attributes (a module's
@@ -50,20 +51,16 @@ CPU unless a ``map_location`` says otherwise (ember's own loading always maps to
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ember.checkpoint_io import write_atomic
-
-#: ``after(write)`` runs on the background thread once the checkpoint is complete on disk; ``write(path)``
-#: writes the same checkpoint atomically to another path.
-After = Callable[[Callable[[str], None]], None]
+from ember.checkpoint.io import write_atomic
+from ember.checkpoint.writer import After, CheckpointWriter
 
 
 class _Job:
@@ -100,7 +97,7 @@ class _Job:
             self.obj, self.sources = None, []  # the copy buffers stay with the writer, for the next save
 
 
-class BackgroundWriter:
+class BackgroundWriter(CheckpointWriter):
     """Writes one checkpoint at a time on a background thread; see the module's docstring."""
 
     def __init__(self) -> None:
@@ -108,43 +105,23 @@ class BackgroundWriter:
         self._thread: threading.Thread | None = None
         self._buffers: list[torch.UntypedStorage] = []
         self._pin_failed = False  # pinned memory refused once: pageable buffers are reused, not retried
-        self._claim: tuple[str, After | None, Callable[[], None] | None] | None = None
-
-    # ------------------------------------------------------------------ routing a save here
-    @contextlib.contextmanager
-    def claim(self, path: str, after: After | None = None, on_done: Callable[[], None] | None = None) -> Iterator[None]:
-        """Within this block, the save of ``path`` (``trainer.save_checkpoint``) is written by this writer,
-        with ``after`` and ``on_done`` as for :meth:`submit`. Raises if the block saved without asking
-        ``trainer.checkpoint.save`` (every rank asks, rank zero submits)."""
-        self._claim = (os.path.abspath(path), after, on_done)
-        try:
-            yield
-            if self._claim is not None:
-                raise RuntimeError(
-                    f"ModelCheckpoint(async_save=True): the save of {path} did not go through ember's "
-                    "Trainer.save_checkpoint (is it overridden?), so it was written synchronously and last.ckpt "
-                    "and top-k rotation were not updated. Keep Trainer.save_checkpoint, or use async_save=False."
-                )
-        finally:
-            self._claim = None
-
-    def take(self, path: str) -> Callable[..., None] | None:
-        """The submit function for a save of ``path`` claimed with :meth:`claim`, or None when none is."""
-        if self._claim is None or self._claim[0] != os.path.abspath(path):
-            return None
-        _, after, on_done = self._claim
-        self._claim = None
-
-        def submit(obj: Any, target: str, before_rename: Callable[[str], None] | None = None) -> None:
-            self.submit(obj, target, before_rename=before_rename, after=after, on_done=on_done)
-
-        return submit
 
     # ------------------------------------------------------------------ writing
     @property
     def pending(self) -> bool:
         """Whether a write was submitted whose outcome the training thread has not collected yet."""
         return self._job is not None
+
+    def write(
+        self,
+        obj: Any,
+        path: str,
+        before_rename: Callable[[str], None] | None = None,
+        after: After | None = None,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        """The writer interface (``writer.py``): :meth:`submit`."""
+        self.submit(obj, path, before_rename=before_rename, after=after, on_done=on_done)
 
     def submit(
         self,
@@ -300,12 +277,8 @@ def _copy_tensor(
     if t.is_conj():
         out = out.conj()
     if t.is_neg():
-        out = out._neg_view()
+        # torch has no public name for a negative view (torch.save keeps the bit the same way).
+        out = out._neg_view()  # noqa: SLF001
     if type(t) is torch.nn.Parameter:
         return torch.nn.Parameter(out, requires_grad=t.requires_grad)
     return out.requires_grad_(t.requires_grad)
-
-
-def writers_of(callbacks: Iterable[Any]) -> list[BackgroundWriter]:
-    """The background writers of ``callbacks`` (their ``background_writer`` attribute)."""
-    return [w for cb in callbacks if isinstance(w := getattr(cb, "background_writer", None), BackgroundWriter)]

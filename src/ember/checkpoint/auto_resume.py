@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.checkpoint_io import FORMAT, CheckpointError, verify
+from ember.checkpoint.io import FORMAT, CheckpointError, verify
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
