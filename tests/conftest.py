@@ -83,3 +83,21 @@ def _processes_are_marked(request, monkeypatch):
             "`@pytest.mark.processes` (with a `pytest.mark.timeout` of its own if 120 s is too "
             "short), so it runs in the multi-process tier"
         )
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Modules whose tests may run longest go first (by their largest ``timeout`` mark), each
+    module's tests kept together and in their order.
+
+    Under pytest-xdist (``--dist worksteal``, README's test command) a 60 s job test that starts
+    last would leave the other workers idle while it runs; started first, it overlaps the short
+    tests. Keeping a module together keeps its module-scoped fixtures (one multi-rank run shared by
+    several tests) set up once per worker.
+    """
+    budget: dict[object, float] = {}
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        seconds = float(marker.args[0]) if marker is not None and marker.args else 0.0
+        budget[item.parent] = max(budget.get(item.parent, 0.0), seconds)
+    items.sort(key=lambda item: -budget[item.parent])

@@ -95,3 +95,11 @@ def plain_cuda_loop(
 def assert_close_modules(a: torch.nn.Module, b: torch.nn.Module, atol: float = 1e-6) -> None:
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(p.float().cpu(), q.float().cpu(), atol=atol, rtol=0, msg=name)
+
+
+def assert_same_grads(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        # A gradient that is identically zero may come back as zeros on one side, None on the other.
+        pg = p.grad if p.grad is not None else torch.zeros_like(p)
+        qg = q.grad if q.grad is not None else torch.zeros_like(q)
+        torch.testing.assert_close(pg, qg, msg=name, rtol=1e-5, atol=1e-6)

@@ -6,15 +6,27 @@ replica on GPU 0, which ember's DataParallel supports; tests that need two GPUs 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ember.parallel import DataParallel
 from ember.parallel.replicate import _copy_to, replicate
 from ember.parallel.scatter_gather import _background_stream, gather, scatter
 from ember.strategies.dp import DataParallelStrategy
-from tests.cuda.cuda_helpers import MLP, assert_close_modules, loader, needs_cuda, plain_cuda_loop, trainer
+from tests.cuda.cuda_helpers import (
+    MLP,
+    assert_close_modules,
+    assert_same_grads,
+    loader,
+    needs_cuda,
+    needs_two_gpus,
+    plain_cuda_loop,
+    trainer,
+)
 
 pytestmark = [needs_cuda, pytest.mark.timeout(120)]
 CUDA0 = torch.device("cuda", 0)
@@ -155,3 +167,28 @@ def test_dp_with_two_replicas_on_gpu_0_matches_one_device():
 def test_parallel_backward_on_cuda_is_refused():
     with pytest.raises(ValueError, match="would deadlock"):
         trainer(strategy=DataParallelStrategy(devices=[CUDA0, CUDA0], parallel_backward=True)).fit(MLP(), loader())
+
+
+# ---------------------------------------------------------------------- DataParallel from CPU inputs, against torch's
+def small_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+@needs_two_gpus
+def test_matches_torch_dataparallel_on_two_gpus():
+    module = small_mlp().cuda()
+    reference = copy.deepcopy(module)
+    x, y = torch.randn(9, 5), torch.randint(0, 3, (9,)).cuda()
+    F.cross_entropy(DataParallel(module, [0, 1])(x), y).backward()
+    F.cross_entropy(torch.nn.DataParallel(reference, [0, 1])(x), y).backward()
+    assert_same_grads(module, reference)
+
+
+def test_cpu_inputs_reach_a_gpu_replica_and_gradients_come_back():
+    module = small_mlp().cuda()
+    x = torch.randn(6, 5, requires_grad=True)
+    model = DataParallel(module, [0, 0] if torch.cuda.device_count() < 2 else [0, 1])
+    out = model(x)
+    assert out.device == torch.device("cuda", 0)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.device.type == "cpu"

@@ -8,6 +8,11 @@ traceback attached; if a rank dies or the run exceeds ``timeout``, a ``RuntimeEr
 ``TimeoutError`` names the ranks. Whatever happens, every process is joined (killed if needed),
 each rank destroys its process group, and the store is closed.
 
+Ranks are forked from a forkserver that has imported torch once (per test process), not spawned:
+a spawned rank spends most of its start-up importing torch again, and the suite starts hundreds of
+ranks. Each rank is still a fresh process (forked from a server that imported torch and ran
+nothing), with the caller's current environment and working directory, as under spawn.
+
 ``count_collectives()`` counts calls to ``torch.distributed`` collectives in the current process.
 """
 
@@ -56,6 +61,21 @@ class RemoteTraceback(Exception):
         return self.args[0]
 
 
+# What the forkserver imports once; only installed packages, so that the server's working directory
+# (wherever the first test that starts ranks runs) cannot change which ember or tests a rank imports.
+_PRELOAD = ["torch", "torch.distributed"]
+
+
+def _context() -> Any:
+    """Forkserver on Linux (fork from a process that has imported torch); spawn elsewhere, or when
+    ``EMBER_TEST_START_METHOD=spawn`` asks for it (to rule the forkserver out when chasing a failure)."""
+    if sys.platform.startswith("linux") and os.environ.get("EMBER_TEST_START_METHOD", "forkserver") == "forkserver":
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
 def _entry(
     rank: int,
     world_size: int,
@@ -65,7 +85,12 @@ def _entry(
     args: tuple,
     kwargs: dict,
     results: Any,
+    environ: dict[str, str],
 ) -> None:
+    # A forked rank inherits the forkserver's environment (from when it started); spawn would give
+    # the caller's current one, which is what tests set up.
+    os.environ.clear()
+    os.environ.update(environ)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo's sockets on loopback
     torch.set_num_threads(1)
@@ -110,7 +135,7 @@ def run_ranks(
         Exception: The first failing rank's exception (same type when picklable).
         TimeoutError: If some rank had not finished after ``timeout`` seconds.
     """
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     # A socket bound to 127.0.0.1 handed to the store: TCPStore's own port 0 would listen on
     # every interface.
     listener = socket.socket()
@@ -132,7 +157,7 @@ def run_ranks(
             target=_entry,
             name=f"rank{rank}",
             daemon=True,
-            args=(rank, world_size, port, timeout, fn, args, kwargs, results),
+            args=(rank, world_size, port, timeout, fn, args, kwargs, results, dict(os.environ)),
         )
         for rank in range(world_size)
     ]

@@ -200,3 +200,35 @@ def value_loader(values: list[float], batch_size: int = 4) -> DataLoader:
     """Batches of ``(v, v)`` where v is one float per sample, so the logged batch mean is known."""
     t = torch.tensor(values).unsqueeze(1)
     return DataLoader(TensorDataset(t, t), batch_size=batch_size)
+
+
+class BatchCounter(Callback):
+    """Records training batches as (epoch, batch_idx), validations as (epoch, batches so far), and counts
+    sanity-check, test and predict batches."""
+
+    def __init__(self) -> None:
+        self.train: list[tuple[int, int]] = []
+        self.val_runs: list[tuple[int, int]] = []
+        self.val_batches = 0
+        self.sanity_batches = 0
+        self.test_batches = 0
+        self.predict_batches = 0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.train.append((trainer.current_epoch, batch_idx))
+
+    def on_validation_start(self, trainer, module):
+        if not trainer.sanity_checking:
+            self.val_runs.append((trainer.current_epoch, trainer.progress.batch_in_epoch))
+
+    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+        if trainer.sanity_checking:
+            self.sanity_batches += 1
+        else:
+            self.val_batches += 1
+
+    def on_test_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.test_batches += 1
+
+    def on_predict_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.predict_batches += 1

@@ -314,27 +314,6 @@ def test_functional_data_parallel():
     torch.testing.assert_close(data_parallel(module, x, ["cpu", "cpu"]), module(x))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_matches_torch_dataparallel_on_two_gpus():
-    module = mlp().cuda()
-    reference = copy.deepcopy(module)
-    x, y = torch.randn(9, 5), torch.randint(0, 3, (9,)).cuda()
-    F.cross_entropy(DataParallel(module, [0, 1])(x), y).backward()
-    F.cross_entropy(torch.nn.DataParallel(reference, [0, 1])(x), y).backward()
-    assert_same_grads(module, reference)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cpu_inputs_reach_a_gpu_replica_and_gradients_come_back():
-    module = mlp().cuda()
-    x = torch.randn(6, 5, requires_grad=True)
-    model = DataParallel(module, [0, 0] if torch.cuda.device_count() < 2 else [0, 1])
-    out = model(x)
-    assert out.device == torch.device("cuda", 0)
-    out.sum().backward()
-    assert x.grad is not None and x.grad.device.type == "cpu"
-
-
 def test_parallel_backward_on_cuda_is_refused_at_construction():
     model = mlp()
     with pytest.raises(

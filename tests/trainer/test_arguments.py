@@ -1,15 +1,23 @@
-"""One test (or a few) per Trainer argument: what it changes in a real fit."""
+"""Trainer arguments that decide how long a fit runs and what it runs: max/min epochs and steps,
+should_stop, accumulate_grad_batches, validation cadence, limit_*_batches, overfit_batches,
+num_sanity_val_steps, fast_dev_run, max_time. One test (or a few) per argument: what it changes in a
+real fit. Where a comment says "Lightning 2.6.6", the expected value was observed on Lightning first
+with the same module and data (32 samples, batches of 8: 4 per epoch).
+"""
 
 from __future__ import annotations
 
-import os
+import logging
+import time
+import warnings
 
 import pytest
-import torch
+from torch.utils.data import DataLoader
 
 import ember
-from ember.callbacks import Callback
+from ember.callbacks import Callback, EarlyStopping, Timer
 from tests.helpers.models import (
+    BatchCounter,
     BoringModel,
     RecordingCallback,
     RecordingLogger,
@@ -20,39 +28,8 @@ from tests.helpers.models import (
 )
 
 
-class Counter(Callback):
-    """Records training batches as (epoch, batch_idx), validations as (epoch, batches so far), sanity checks."""
-
-    def __init__(self) -> None:
-        self.train: list[tuple[int, int]] = []
-        self.val_runs: list[tuple[int, int]] = []
-        self.val_batches = 0
-        self.sanity_batches = 0
-        self.test_batches = 0
-        self.predict_batches = 0
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.train.append((trainer.current_epoch, batch_idx))
-
-    def on_validation_start(self, trainer, module):
-        if not trainer.sanity_checking:
-            self.val_runs.append((trainer.current_epoch, trainer.progress.batch_in_epoch))
-
-    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
-        if trainer.sanity_checking:
-            self.sanity_batches += 1
-        else:
-            self.val_batches += 1
-
-    def on_test_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
-        self.test_batches += 1
-
-    def on_predict_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
-        self.predict_batches += 1
-
-
 def fit(n_train: int = 32, n_val: int = 32, batch_size: int = 8, module=None, **kwargs):
-    counter = Counter()
+    counter = BatchCounter()
     kwargs.setdefault("num_sanity_val_steps", 0)
     trainer = fast_trainer(callbacks=[counter, *kwargs.pop("callbacks", [])], **kwargs)
     val = regression_loader(n=n_val, batch_size=batch_size) if n_val else None
@@ -131,6 +108,125 @@ def test_min_epochs_with_should_stop_at_epoch_end():
     assert trainer.current_epoch == 4 and len(c.train) == 16
 
 
+class StopAtStep(Callback):
+    """Sets ``should_stop`` once ``global_step`` reaches ``at``; records (epoch, batch_idx, global_step)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.seen: list[tuple[int, int, int]] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.seen.append((trainer.current_epoch, batch_idx, trainer.global_step))
+        if trainer.global_step == self.at:
+            trainer.should_stop = True
+
+
+def fit_stopping(at: int, **kwargs):
+    stopper = StopAtStep(at)
+    trainer = fast_trainer(callbacks=[stopper], **kwargs)
+    trainer.fit(TrainOnlyModel(), regression_loader())
+    return trainer, stopper
+
+
+# ---------------------------------------------------------------------- min_steps / min_epochs / should_stop
+@pytest.mark.parametrize(
+    ("kwargs", "steps", "epochs", "last"),
+    [
+        # Lightning 2.6.6, should_stop set at global_step 2, max_epochs=5:
+        ({}, 2, 1, (0, 1, 2)),  # stops at once
+        ({"min_steps": 6}, 6, 2, (1, 1, 6)),  # mid-epoch, as soon as 6 steps are taken
+        ({"min_steps": 7}, 7, 2, (1, 2, 7)),
+        ({"min_steps": 3}, 4, 1, (0, 3, 4)),  # min_steps alone implies min_epochs=1
+        ({"min_steps": 0}, 4, 1, (0, 3, 4)),
+        ({"min_epochs": 2}, 8, 2, (1, 3, 8)),  # at the end of epoch 1
+        ({"min_epochs": 2, "min_steps": 3}, 8, 2, (1, 3, 8)),
+        ({"min_epochs": 1, "min_steps": 10}, 10, 3, (2, 1, 10)),
+    ],
+)
+def test_should_stop_waits_for_min_epochs_and_min_steps(kwargs, steps, epochs, last):
+    trainer, stopper = fit_stopping(2, max_epochs=5, **kwargs)
+    assert (trainer.global_step, trainer.current_epoch, stopper.seen[-1]) == (steps, epochs, last)
+    assert trainer.should_stop
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "steps", "epochs"),
+    [
+        # Lightning 2.6.6, no stop requested: max_epochs and max_steps still win over the minimums.
+        ({"max_epochs": 1, "min_steps": 10}, 4, 1),
+        ({"max_epochs": 2, "min_epochs": 3}, 8, 2),
+        ({"max_epochs": 5, "max_steps": 3, "min_steps": 6}, 3, 1),
+    ],
+)
+def test_max_limits_win_over_the_minimums(kwargs, steps, epochs):
+    trainer, _ = fit_stopping(99, **kwargs)
+    assert (trainer.global_step, trainer.current_epoch, trainer.should_stop) == (steps, epochs, False)
+
+
+def test_the_continue_message_is_logged_once(caplog):
+    # Lightning 2.6.6 prints once: "Trainer was signaled to stop but the required `min_epochs=1` or
+    # `min_steps=6` has not been met. Training will continue..."
+    with caplog.at_level(logging.INFO, logger="ember.trainer.loops"):
+        fit_stopping(2, max_epochs=5, min_steps=6)
+    lines = [r.getMessage() for r in caplog.records if "signaled to stop" in r.getMessage()]
+    assert lines == [
+        "Trainer was signaled to stop but the required min_epochs=1 or min_steps=6 has not been met. "
+        "Training will continue..."
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "steps", "epochs", "stopped_epoch", "wait"),
+    [
+        # Lightning 2.6.6: EarlyStopping("v", patience=0) on a rising "v" stops after epoch 1; min_epochs=3 runs
+        # epoch 2 whole; min_steps=10 stops at step 10, mid-epoch 2; EarlyStopping keeps counting meanwhile.
+        ({}, 8, 2, 1, 1),
+        ({"min_epochs": 3}, 12, 3, 2, 2),
+        ({"min_steps": 10}, 10, 3, 2, 2),
+    ],
+)
+def test_early_stopping_waits_for_min_epochs_and_min_steps(kwargs, steps, epochs, stopped_epoch, wait):
+    class Rising(BoringModel):
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            self.log("v", float(self.current_epoch))
+
+    es = EarlyStopping("v", patience=0, mode="min")
+    trainer = fast_trainer(callbacks=[es], max_epochs=10, num_sanity_val_steps=0, **kwargs)
+    trainer.fit(Rising(), regression_loader(), regression_loader())
+    assert (trainer.global_step, trainer.current_epoch, es.stopped_epoch, es.wait_count) == (
+        steps,
+        epochs,
+        stopped_epoch,
+        wait,
+    )
+
+
+class StopAtTrainStart(Callback):
+    def on_train_start(self, trainer, module):
+        trainer.should_stop = True
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "steps", "epochs"),
+    [
+        ({}, 0, 0),
+        ({"min_epochs": 1}, 4, 1),
+        ({"min_steps": 1}, 4, 1),  # Lightning 2.6.6, max_epochs=3
+    ],
+)
+def test_should_stop_before_the_first_epoch(kwargs, steps, epochs):
+    trainer = fast_trainer(callbacks=[StopAtTrainStart()], max_epochs=3, **kwargs)
+    trainer.fit(TrainOnlyModel(), regression_loader())
+    assert (trainer.global_step, trainer.current_epoch) == (steps, epochs)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_min_steps_must_be_a_non_negative_int(value):
+    # Lightning 2.6.6 accepts -1 and 1.5 silently; ember says what it takes.
+    with pytest.raises(ValueError, match=r"min_steps must be a non-negative int or None"):
+        fast_trainer(min_steps=value)
+
+
 # ---------------------------------------------------------------------- accumulate_grad_batches
 @pytest.mark.parametrize("k,steps", [(1, 4), (2, 2), (3, 2), (4, 1), (8, 1)])
 def test_accumulate_grad_batches_global_step(k, steps):
@@ -203,7 +299,7 @@ def test_limit_val_batches(limit, expected):
 
 @pytest.mark.parametrize("limit,expected", [(0.5, 2), (3, 3), (1.0, 4)])
 def test_limit_test_and_predict_batches(limit, expected):
-    counter = Counter()
+    counter = BatchCounter()
     trainer = fast_trainer(callbacks=[counter], limit_test_batches=limit, limit_predict_batches=limit)
     trainer.test(BoringModel(), regression_loader())
     out = trainer.predict(BoringModel(), regression_loader())
@@ -214,7 +310,7 @@ def test_limit_test_and_predict_batches(limit, expected):
 def test_int_limit_larger_than_a_stream_without_length():
     # The stream has 5 batches, the limit allows 10: the epoch still ends (and validates, and closes its
     # accumulation window) when the stream runs out.
-    counter = Counter()
+    counter = BatchCounter()
     trainer = fast_trainer(
         callbacks=[counter], max_epochs=2, accumulate_grad_batches=2, limit_train_batches=10, num_sanity_val_steps=0
     )
@@ -225,7 +321,7 @@ def test_int_limit_larger_than_a_stream_without_length():
 
 
 def test_int_limit_shorter_than_a_stream_without_length():
-    counter = Counter()
+    counter = BatchCounter()
     trainer = fast_trainer(callbacks=[counter], max_epochs=2, limit_train_batches=3, num_sanity_val_steps=0)
     trainer.fit(BoringModel(), UnsizedBatches(n=40), regression_loader(n=8))
     assert counter.train == [(e, b) for e in range(2) for b in range(3)]
@@ -236,6 +332,128 @@ def test_int_limit_shorter_than_a_stream_without_length():
 def test_limit_bad_values(bad):
     with pytest.raises(ValueError, match=r"limit_train_batches.*(fraction|int)"):
         fast_trainer(limit_train_batches=bad)
+
+
+# ---------------------------------------------------------------------- limit_train_batches=0
+class Hooks(Callback):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def on_fit_start(self, trainer, module):
+        self.calls.append("fit_start")
+
+    def on_sanity_check_start(self, trainer, module):
+        self.calls.append("sanity_start")
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        self.calls.append("val_batch")
+
+    def on_train_start(self, trainer, module):
+        self.calls.append("train_start")
+
+    def on_train_epoch_start(self, trainer, module):
+        self.calls.append("train_epoch_start")
+
+    def on_train_end(self, trainer, module):
+        self.calls.append("train_end")
+
+    def on_fit_end(self, trainer, module):
+        self.calls.append("fit_end")
+
+
+class Requests(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.requested: list[str] = []
+
+    def train_dataloader(self):
+        self.requested.append("train")
+        return regression_loader()
+
+    def val_dataloader(self):
+        self.requested.append("val")
+        return regression_loader()
+
+
+@pytest.mark.parametrize(
+    ("sanity", "calls", "requested"),
+    [
+        # Lightning 2.6.6: the sanity check runs, the train loader is never requested, no train hook runs.
+        (2, ["fit_start", "sanity_start", "val_batch", "val_batch", "fit_end"], ["val"]),
+        (0, ["fit_start", "fit_end"], []),
+    ],
+)
+def test_limit_train_batches_zero_skips_training(sanity, calls, requested):
+    hooks, module = Hooks(), Requests()
+    trainer = fast_trainer(callbacks=[hooks], limit_train_batches=0, max_epochs=2, num_sanity_val_steps=sanity)
+    trainer.fit(module)
+    assert hooks.calls == calls
+    assert module.requested == requested
+    assert (trainer.global_step, trainer.current_epoch) == (0, 0)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_epochs": 0}, {"max_steps": 0, "max_epochs": 3}])
+def test_nothing_to_train_runs_no_train_hook(kwargs):
+    """Lightning 2.6.6: max_epochs=0 or max_steps=0 -> the sanity check runs and both loaders are requested,
+    but neither on_train_start nor on_train_end."""
+    hooks, module = Hooks(), Requests()
+    fast_trainer(callbacks=[hooks], **kwargs).fit(module)
+    assert hooks.calls == ["fit_start", "sanity_start", "val_batch", "val_batch", "fit_end"]
+    assert module.requested == ["val", "train"]
+
+
+# ---------------------------------------------------------------------- overfit_batches
+class Seen(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_x: list[tuple[int, float]] = []
+        self.val_batches = 0
+        self.sanity_batches = 0
+
+    def training_step(self, batch, batch_idx):
+        self.train_x.append((self.current_epoch, round(float(batch[0][0, 0]), 3)))
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        if self.trainer.sanity_checking:
+            self.sanity_batches += 1
+        else:
+            self.val_batches += 1
+        super().validation_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(("overfit", "per_epoch"), [(2, 2), (0.5, 2), (1, 1)])
+def test_overfit_batches_replaces_both_limits_and_turns_shuffling_off(overfit, per_epoch):
+    """Lightning 2.6.6, max_epochs=2, shuffled loaders of 4 batches: limits become overfit_batches;
+    training sees the first batches of the unshuffled data (x[0,0] = -1.126, -0.614) in both epochs;
+    validation runs per_epoch batches per epoch, the sanity check min(2, per_epoch); both loaders warn."""
+    data = regression_loader().dataset
+    train, val = DataLoader(data, batch_size=8, shuffle=True), DataLoader(data, batch_size=8, shuffle=True)
+    module = Seen()
+    trainer = fast_trainer(overfit_batches=overfit, max_epochs=2)
+    with pytest.warns(UserWarning) as record:
+        trainer.fit(module, train, val)
+    messages = [str(w.message) for w in record if "overfit" in str(w.message)]
+    assert messages == [
+        f"You requested to overfit but enabled {k} dataloader shuffling. We are turning off the {k} "
+        "dataloader shuffling for you."
+        for k in ("val", "train")
+    ]  # Lightning 2.6.6's words
+    assert trainer.limit_train_batches == trainer.limit_val_batches == overfit
+    assert (trainer.num_training_batches, trainer.num_val_batches) == (per_epoch, [per_epoch])
+    firsts = [-1.126, -0.614][:per_epoch]
+    assert module.train_x == [(e, x) for e in (0, 1) for x in firsts]
+    assert (module.sanity_batches, module.val_batches) == (min(2, per_epoch), 2 * per_epoch)
+
+
+def test_overfit_batches_leaves_test_and_predict_limits_and_unshuffled_loaders_alone():
+    trainer = fast_trainer(overfit_batches=2, limit_train_batches=3, limit_val_batches=1)
+    assert (trainer.limit_train_batches, trainer.limit_val_batches) == (2, 2)  # Lightning 2.6.6: 2 2
+    assert (trainer.limit_test_batches, trainer.limit_predict_batches) == (1.0, 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.fit(TrainOnlyModel(), regression_loader())
+    assert trainer.global_step == 2
 
 
 # ---------------------------------------------------------------------- num_sanity_val_steps
@@ -271,47 +489,10 @@ def test_num_sanity_val_steps_bad_value():
         fast_trainer(num_sanity_val_steps=-2)
 
 
-# ---------------------------------------------------------------------- log_every_n_steps
-def test_log_every_n_steps_with_a_recording_logger():
-    logger = RecordingLogger()
-    trainer = fast_trainer(logger=logger, log_every_n_steps=2, max_epochs=2)
-    trainer.fit(TrainOnlyModel(), regression_loader(n=64, batch_size=8))
-    # As Lightning: a step's metrics are written at the step's index (0, 1, ...), and only when the step count
-    # after the step is a multiple of log_every_n_steps: 16 steps, every 2nd written at 1, 3, ..., 15.
-    assert logger.steps_with("train_loss") == [1, 3, 5, 7, 9, 11, 13, 15]
-    step, metrics = logger.records[0]
-    assert step == 1
-    assert metrics["epoch"] == 0.0 and isinstance(metrics["train_loss"], float)
-    assert logger.status == "success"
-
-
-def test_log_every_n_steps_is_kept_across_epoch_ends():
-    # 5 steps per epoch, every 2nd step logged: the 2nd, 4th, ... 10th step, written (as Lightning) at their
-    # indices 1, 3, 5, 7, 9 (no extra write at an epoch's last step).
-    logger = RecordingLogger()
-    trainer = fast_trainer(logger=logger, log_every_n_steps=2, max_epochs=2)
-    trainer.fit(TrainOnlyModel(), regression_loader(n=40, batch_size=8))
-    assert logger.steps_with("train_loss") == [1, 3, 5, 7, 9]
-
-
-def test_log_every_n_steps_counts_optimizer_steps():
-    logger = RecordingLogger()
-    trainer = fast_trainer(logger=logger, log_every_n_steps=2, accumulate_grad_batches=2)
-    trainer.fit(TrainOnlyModel(), regression_loader(n=64, batch_size=8))
-    # 8 batches, 4 optimizer steps; the 2nd and 4th are written, at their indices 1 and 3 (as Lightning).
-    assert logger.steps_with("train_loss") == [1, 3]
-
-
-@pytest.mark.parametrize("bad", [0, -1, 1.5])
-def test_log_every_n_steps_bad_value(bad):
-    with pytest.raises(ValueError, match="log_every_n_steps must be a positive int"):
-        fast_trainer(log_every_n_steps=bad)
-
-
 # ---------------------------------------------------------------------- fast_dev_run
 def test_fast_dev_run_true_runs_one_batch_of_each_without_loggers():
     logger = RecordingLogger()
-    counter = Counter()
+    counter = BatchCounter()
     trainer = ember.Trainer(
         fast_dev_run=True,
         logger=logger,
@@ -332,7 +513,7 @@ def test_fast_dev_run_true_runs_one_batch_of_each_without_loggers():
 
 
 def test_fast_dev_run_int_runs_n_batches():
-    counter = Counter()
+    counter = BatchCounter()
     trainer = ember.Trainer(fast_dev_run=3, callbacks=[counter], enable_progress_bar=False)
     trainer.fit(BoringModel(), regression_loader(n=64), regression_loader(n=64))
     assert counter.train == [(0, 0), (0, 1), (0, 2)]
@@ -346,210 +527,37 @@ def test_fast_dev_run_bad_values(bad):
         ember.Trainer(fast_dev_run=bad, enable_progress_bar=False, logger=False)
 
 
-# ---------------------------------------------------------------------- deterministic
-@pytest.fixture
-def restore_determinism():
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    yield
-    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+# ---------------------------------------------------------------------- max_time
+def test_max_time_adds_a_step_timer_and_lifts_the_epoch_default():
+    """Lightning 2.6.6: Trainer(max_time=...) adds Timer(duration, interval="step"); with no max_epochs /
+    max_steps the fit has no epoch limit (max_epochs -1); an explicit max_epochs is kept."""
+    trainer = fast_trainer(max_time={"seconds": 5}, max_epochs=None)
+    timers = [c for c in trainer.callbacks if isinstance(c, Timer)]
+    assert len(timers) == 1 and timers[0].duration.total_seconds() == 5 and timers[0].interval == "step"
+    assert trainer.max_epochs == -1
+    assert fast_trainer(max_time="00:00:00:05", max_epochs=3).max_epochs == 3
+    assert fast_trainer(callbacks=[Timer(duration=7)], max_epochs=None).max_epochs == -1
+    assert fast_trainer(max_epochs=None).max_epochs == 1000
 
 
-@pytest.mark.usefixtures("restore_determinism")
-def test_deterministic_true_and_warn():
-    fast_trainer(deterministic=True)
-    assert torch.are_deterministic_algorithms_enabled()
-    assert not torch.is_deterministic_algorithms_warn_only_enabled()
-    fast_trainer(deterministic="warn")
-    assert torch.are_deterministic_algorithms_enabled()
-    assert torch.is_deterministic_algorithms_warn_only_enabled()
-    fast_trainer(deterministic=False)
-    assert not torch.are_deterministic_algorithms_enabled()
+def test_max_time_with_a_timer_in_the_callbacks_keeps_that_timer(caplog):
+    # Lightning 2.6.6: "Ignoring `Trainer(max_time=...)`, callbacks list already contains a Timer."
+    mine = Timer(duration=7)
+    with caplog.at_level(logging.INFO, logger="ember.trainer.arguments"):
+        trainer = fast_trainer(callbacks=[mine], max_time=5)
+    assert [c for c in trainer.callbacks if isinstance(c, Timer)] == [mine]
+    assert any("Ignoring Trainer(max_time=...)" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.usefixtures("restore_determinism")
-def test_deterministic_runs_give_identical_weights():
-    weights = []
-    for _ in range(2):
-        ember.seed_everything(3)
-        module = BoringModel()
-        fast_trainer(deterministic=True, max_epochs=2).fit(module, regression_loader(shuffle=True))
-        weights.append(module.layer.weight.detach().clone())
-    assert torch.equal(weights[0], weights[1])
-
-
-@pytest.mark.usefixtures("restore_determinism")
-def test_deterministic_bad_value():
-    with pytest.raises(ValueError, match="deterministic must be True, False or 'warn'"):
-        fast_trainer(deterministic="yes")
-
-
-# ---------------------------------------------------------------------- default_root_dir
-def test_default_root_dir(tmp_path, monkeypatch):
-    trainer = fast_trainer(default_root_dir=tmp_path)
-    assert trainer.default_root_dir == str(tmp_path)
-    assert trainer.log_dir == str(tmp_path)  # no logger: the root dir
-    monkeypatch.chdir(tmp_path)
-    assert fast_trainer().default_root_dir == os.getcwd()
-
-
-# ---------------------------------------------------------------------- callbacks
-def test_callbacks_accepts_one_callback_or_a_list():
-    cb = Counter()
-    assert cb in fast_trainer(callbacks=cb).callbacks
-    a, b = Counter(), Counter()
-    trainer = fast_trainer(callbacks=[a, b])
-    assert trainer.callbacks.index(a) < trainer.callbacks.index(b)
-    trainer.fit(BoringModel(), regression_loader())
-    assert len(a.train) == len(b.train) == 4
-
-
-def test_callbacks_rejects_non_callbacks():
-    with pytest.raises(TypeError, match="callbacks must be ember.callbacks.Callback instances, got function"):
-        fast_trainer(callbacks=[lambda *a: None])
-
-
-def test_module_configure_callbacks_are_added():
-    counter = Counter()
-
-    class WithCallbacks(BoringModel):
-        def configure_callbacks(self):
-            return [counter]
-
-    trainer = fast_trainer()
-    trainer.fit(WithCallbacks(), regression_loader())
-    assert counter in trainer.callbacks and len(counter.train) == 4
-
-
-# ---------------------------------------------------------------------- enable_checkpointing
-def test_enable_checkpointing_adds_a_default_model_checkpoint(tmp_path):
-    from ember.callbacks import ModelCheckpoint
-
-    trainer = fast_trainer(enable_checkpointing=True, default_root_dir=tmp_path)
-    assert sum(isinstance(c, ModelCheckpoint) for c in trainer.callbacks) == 1
-    trainer.fit(BoringModel(), regression_loader())
-    assert list((tmp_path / "checkpoints").glob("*.ckpt"))
-    assert not any(isinstance(c, ModelCheckpoint) for c in fast_trainer(enable_checkpointing=False).callbacks)
-
-
-def test_enable_checkpointing_keeps_the_users_checkpoint(tmp_path):
-    from ember.callbacks import ModelCheckpoint
-
-    mine = ModelCheckpoint(dirpath=tmp_path)
-    trainer = fast_trainer(enable_checkpointing=True, callbacks=[mine])
-    assert [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)] == [mine]
-
-
-def test_enable_checkpointing_false_with_a_model_checkpoint_is_an_error(tmp_path):
-    from ember.callbacks import ModelCheckpoint
-
-    message = r"enable_checkpointing=False but a ModelCheckpoint is in callbacks; remove one"
-    with pytest.raises(ValueError, match=message):
-        fast_trainer(enable_checkpointing=False, callbacks=[ModelCheckpoint(dirpath=tmp_path)])
-
-
-# ---------------------------------------------------------------------- enable_progress_bar
-def test_enable_progress_bar(capsys):
-    from ember.callbacks import ProgressBar
-
-    trainer = fast_trainer(enable_progress_bar=True)
-    assert any(isinstance(c, ProgressBar) for c in trainer.callbacks)
-    trainer.fit(BoringModel(), regression_loader(), regression_loader())
-    out = capsys.readouterr().out
-    # One line per epoch off a terminal, the validation folded in: a 1-epoch fit reads "Epoch 0/0 done".
-    assert "Epoch 0/0 done" in out and "Validation" not in out
-    assert not any(isinstance(c, ProgressBar) for c in fast_trainer(enable_progress_bar=False).callbacks)
-
-
-def test_enable_progress_bar_keeps_a_user_progress_bar():
-    from ember.callbacks import ProgressBar
-
-    mine = ProgressBar(refresh_rate=0)
-    trainer = fast_trainer(enable_progress_bar=True, callbacks=[mine])
-    assert [c for c in trainer.callbacks if isinstance(c, ProgressBar)] == [mine]
-
-
-# ---------------------------------------------------------------------- logger
-def test_logger_false_and_none_mean_no_logger():
-    assert fast_trainer(logger=False).loggers == []
-    assert fast_trainer(logger=None).loggers == []
-    assert fast_trainer(logger=False).logger is None
-
-
-def test_logger_instance_and_list():
-    lg = RecordingLogger()
-    trainer = fast_trainer(logger=lg)
-    assert trainer.loggers == [lg] and trainer.logger is lg and lg in trainer.callbacks
-    a, b = RecordingLogger(), RecordingLogger()
-    trainer = fast_trainer(logger=[a, b], log_every_n_steps=1)
-    trainer.fit(TrainOnlyModel(), regression_loader())
-    assert a.records == b.records and a.steps_with("train_loss") == [0, 1, 2, 3]  # as Lightning: step indices
-
-
-def test_logger_true_uses_the_default_logger(tmp_path):
-    trainer = fast_trainer(logger=True, default_root_dir=tmp_path)
-    assert all(isinstance(lg, ember.loggers.Logger) for lg in trainer.loggers)
-    trainer.fit(BoringModel(), regression_loader())
-
-
-def test_logger_bad_type():
-    with pytest.raises(TypeError, match="logger must be a bool or ember Logger instances, got str"):
-        fast_trainer(logger=["tensorboard"])
-
-
-def test_logger_is_finalized_with_failed_on_error():
-    lg = RecordingLogger()
-
-    class Boom(TrainOnlyModel):
+def test_max_time_stops_training_mid_epoch():
+    # Lightning 2.6.6 with max_time 1 s and 20 ms steps: 42 steps, stopped mid-epoch (epoch 11), after ~1.0 s.
+    class Slow(TrainOnlyModel):
         def training_step(self, batch, batch_idx):
-            raise RuntimeError("boom")
+            time.sleep(0.02)
+            return super().training_step(batch, batch_idx)
 
-    with pytest.raises(RuntimeError, match="boom"):
-        fast_trainer(logger=lg).fit(Boom(), regression_loader())
-    assert lg.status == "failed"
-
-
-# ---------------------------------------------------------------------- strategy / accelerator / devices
-def test_strategy_names_and_instances():
-    from ember.strategies import SingleDeviceStrategy
-
-    assert isinstance(fast_trainer(strategy="single").strategy, SingleDeviceStrategy)
-    assert isinstance(fast_trainer(strategy="auto", accelerator="cpu", devices=1).strategy, SingleDeviceStrategy)
-    mine = SingleDeviceStrategy()
-    trainer = fast_trainer(strategy=mine)
-    assert trainer.strategy is mine and mine.trainer is trainer
-    trainer.fit(BoringModel(), regression_loader())
-
-
-def test_strategy_bad_type():
-    with pytest.raises(TypeError, match="strategy must be a name or a Strategy instance, got int"):
-        fast_trainer(strategy=3)
-
-
-def test_single_strategy_with_several_devices_is_an_error():
-    with pytest.raises(ValueError, match=r"strategy='single' runs on one device but devices=2.*'dp' or 'ddp'"):
-        fast_trainer(strategy="single", accelerator="cpu", devices=2)
-
-
-@pytest.mark.parametrize("accelerator", ["cpu", "auto"])
-@pytest.mark.parametrize("devices", [1, "auto", [0]])
-def test_cpu_accelerator_and_devices(accelerator, devices, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    trainer = fast_trainer(accelerator=accelerator, devices=devices)
-    assert trainer.strategy.root_device == torch.device("cpu")
-    assert trainer.world_size == 1
-
-
-@pytest.mark.parametrize("bad", [0, -2, "two", 1.5, True, [], [0, 0], [-1]])
-def test_devices_bad_values(bad):
-    with pytest.raises(ValueError, match="devices"):
-        fast_trainer(accelerator="cpu", devices=bad)
-
-
-def test_gpu_is_an_alias_of_cuda_and_devices_picks_indices(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    trainer = fast_trainer(accelerator="gpu", devices=[1])
-    assert trainer.strategy.root_device == torch.device("cuda", 1)
-    assert fast_trainer(accelerator="auto", devices=1).strategy.root_device == torch.device("cuda", 0)
-    with pytest.raises(ValueError, match=r"strategy='single' runs on one device but devices=2"):
-        fast_trainer(accelerator="cuda", devices=-1, strategy="single")
+    trainer = fast_trainer(max_time={"seconds": 0.5}, max_epochs=None)
+    start = time.monotonic()
+    trainer.fit(Slow(), regression_loader())
+    assert 0.5 <= time.monotonic() - start < 5
+    assert trainer.should_stop and trainer.global_step >= 20

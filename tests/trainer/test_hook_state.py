@@ -1,20 +1,19 @@
-"""Four points of order and counting where ember was believed to differ from Lightning.
+"""The trainer's state when hooks run, where ember was believed to differ from Lightning.
 
 Every expectation below was observed by running PyTorch Lightning 2.6.6 on the same small module,
 callback and datamodule (recorded in the format of tests/helpers/hook_recorder.py: ``C.`` callback,
-``M.`` module, ``D.`` datamodule). Where ember does not match yet, the test is marked
-``xfail(strict=True)`` with what differs: it starts passing, and then fails as XPASS, once ember is fixed.
+``M.`` module, ``D.`` datamodule). Where ember does not match yet, a test is marked with ``xfail``
+below (strict, with what differs): it then fails as XPASS once ember is fixed.
 
 1. when the loaders are requested relative to the sanity check;
 2. where callbacks', the datamodule's and the optimizers' states are restored when a fit resumes;
-3. ``trainer.global_step`` in the batch hooks, and the step loggers get;
-4. an overridden ``optimizer_step`` with a closure optimizer (LBFGS), and an overridden ``backward``
-   under ``strategy="ddp"``.
+3. ``trainer.global_step`` in the batch hooks, and the step loggers get.
+
+(Overridden ``optimizer_step`` with LBFGS and ``backward`` under ddp: test_hook_overrides.py.)
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -24,7 +23,6 @@ from torch.utils.data import DataLoader
 import ember
 from ember.callbacks import Callback
 from ember.loggers import Logger
-from tests.helpers.dist import run_ranks
 from tests.helpers.hook_recorder import HookCallback, RecordingHookModule, _fmt, _loader, trainer
 
 
@@ -67,6 +65,8 @@ CLIP = (
     "M.configure_gradient_clipping(gradient_clip_val=,gradient_clip_algorithm=) "
     "M.clip_gradients(gradient_clip_val=,gradient_clip_algorithm=)"
 )
+
+
 VALIDATION = """
     M.on_validation_model_eval C.on_validation_start M.on_validation_start
     C.on_validation_epoch_start M.on_validation_epoch_start
@@ -76,6 +76,8 @@ VALIDATION = """
     C.on_validation_epoch_end M.on_validation_epoch_end C.on_validation_end M.on_validation_end
     M.on_validation_model_train
 """
+
+
 TRAINING = f"""
     C.on_train_start M.on_train_start C.on_train_epoch_start M.on_train_epoch_start
     M.on_before_batch_transfer(0) M.transfer_batch_to_device(0) M.on_after_batch_transfer(0)
@@ -94,16 +96,25 @@ TRAINING = f"""
     M.on_validation_model_zero_grad {VALIDATION}
     C.on_train_epoch_end M.on_train_epoch_end C.on_train_end M.on_train_end C.on_fit_end M.on_fit_end
 """
+
+
 START = """
     M.configure_callbacks M.prepare_data C.setup(stage='fit') M.setup(stage='fit') M.configure_model
     M.configure_optimizers C.on_fit_start M.on_fit_start
 """
+
+
 START_DATA = """
     M.configure_callbacks D.prepare_data M.prepare_data D.setup(stage='fit') C.setup(stage='fit') M.setup(stage='fit')
     M.configure_model M.configure_optimizers C.on_fit_start M.on_fit_start
 """
+
+
 END = "C.teardown(stage='fit') M.teardown(stage='fit')"
+
+
 END_DATA = "D.teardown(stage='fit') C.teardown(stage='fit') M.teardown(stage='fit')"  # the datamodule's first
+
 
 # Lightning 2.6.6 with a sanity check: val_dataloader is requested inside it (after on_sanity_check_start),
 # train_dataloader after it (after on_sanity_check_end, before on_train_start).
@@ -123,6 +134,8 @@ WITH_SANITY = {
     + TRAINING
     + END_DATA,
 }
+
+
 # Lightning 2.6.6 without one: train_dataloader then val_dataloader, both after on_fit_start and before on_train_start.
 WITHOUT_SANITY = {
     "module": START + "M.train_dataloader M.val_dataloader" + TRAINING + END,
@@ -270,6 +283,8 @@ RESUME_RESTORE = """
     C.on_fit_start[opt=empty,step=0,epoch=0,w=ckpt]
     M.on_fit_start[opt=empty,step=0,epoch=0,w=ckpt]
 """
+
+
 RESUME_LOADERS = """
     D.train_dataloader[opt=loaded,step=2,epoch=1,w=ckpt]
     D.val_dataloader[opt=loaded,step=2,epoch=1,w=ckpt]
@@ -522,166 +537,6 @@ def test_logged_values_match_lightnings_apart_from_the_step():
     for accumulate in (1, 2):
         _, logger, _ = step_fit(accumulate, max_epochs=2, n_val=2)
         assert [m for _, m in logger.records] == [m for _, m in LOGGED[accumulate]]
-
-
-# ------------------------------------------------------------------------------------ 4. optimizer_step, backward
-class LBFGSModule(ember.TrainModule):
-    def __init__(self, seen: list[str]) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(2, 1)
-        self.seen = seen
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        self.seen.append(f"training_step({batch_idx}):{self.trainer.global_step}")
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        self.seen.append(f"on_before_optimizer_step:{self.trainer.global_step}")
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.seen.append(f"on_train_batch_end({batch_idx})")  # global_step here is point 3
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
-
-    def train_dataloader(self) -> DataLoader:
-        return _loader(4)
-
-
-class LBFGSOverride(LBFGSModule):
-    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        self.seen.append(f"optimizer_step({epoch},{batch_idx}):{self.trainer.global_step}")
-        optimizer.step(closure=optimizer_closure)
-        self.seen.append(f"optimizer_step_done({batch_idx}):{self.trainer.global_step}")
-
-
-def lbfgs_fit(cls: type[LBFGSModule]) -> tuple[list[str], LBFGSModule, ember.Trainer]:
-    seen: list[str] = []
-    torch.manual_seed(0)
-    module = cls(seen)
-    t = ember.Trainer(
-        max_epochs=1,
-        limit_train_batches=2,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        accelerator="cpu",
-    )
-    t.fit(module)
-    return seen, module, t
-
-
-# Lightning 2.6.6, LBFGS(max_iter=3), 2 batches: LBFGS calls the closure 3 times per batch, each running
-# training_step and (after backward) on_before_optimizer_step; global_step counts one step per batch.
-LBFGS_DEFAULT = """
-    training_step(0):0 on_before_optimizer_step:0 training_step(0):0 on_before_optimizer_step:0
-    training_step(0):0 on_before_optimizer_step:0 on_train_batch_end(0)
-    training_step(1):1 on_before_optimizer_step:1 training_step(1):1 on_before_optimizer_step:1
-    training_step(1):1 on_before_optimizer_step:1 on_train_batch_end(1)
-"""
-# ... and an overridden optimizer_step is called once per batch, the closure calls inside its optimizer.step.
-LBFGS_OVERRIDE = """
-    optimizer_step(0,0):0
-    training_step(0):0 on_before_optimizer_step:0 training_step(0):0 on_before_optimizer_step:0
-    training_step(0):0 on_before_optimizer_step:0
-    optimizer_step_done(0):0 on_train_batch_end(0)
-    optimizer_step(0,1):1
-    training_step(1):1 on_before_optimizer_step:1 training_step(1):1 on_before_optimizer_step:1
-    training_step(1):1 on_before_optimizer_step:1
-    optimizer_step_done(1):1 on_train_batch_end(1)
-"""
-
-
-def test_lbfgs_calls_training_step_per_closure_and_counts_one_step_per_batch():
-    seen, _, t = lbfgs_fit(LBFGSModule)
-    assert seen == lines(LBFGS_DEFAULT)
-    assert t.global_step == 2
-
-
-def test_lbfgs_with_an_overridden_optimizer_step():
-    seen, module, t = lbfgs_fit(LBFGSOverride)
-    _, plain, _ = lbfgs_fit(LBFGSModule)
-    assert seen == lines(LBFGS_OVERRIDE)
-    assert t.global_step == 2
-    assert torch.equal(module.layer.weight, plain.layer.weight)  # the override only forwards the closure
-
-
-class BackwardModule(ember.TrainModule):
-    """Records each call of its overridden ``backward`` (as Lightning calls it in automatic optimization)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(2, 1)
-        self.seen: list[str] = []
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
-
-    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        self.seen.append(f"backward(step={self.trainer.global_step},args={len(args)},kwargs={sorted(kwargs)})")
-        loss.backward()
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self) -> DataLoader:
-        return _loader(8)
-
-
-def _backward_rank(rank: int, world: int) -> list[str]:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
-    torch.manual_seed(0)
-    module = BackwardModule()
-    ember.Trainer(
-        max_epochs=1,
-        limit_train_batches=2,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        accelerator="cpu",
-        strategy="ddp",
-        devices=world,
-    ).fit(module)
-    return module.seen
-
-
-# Lightning 2.6.6 (strategy="ddp" and "ddp_spawn", devices=2 on CPU): the override is called on every rank, once per
-# batch, with the loss alone.
-BACKWARD_DDP = ["backward(step=0,args=0,kwargs=[])", "backward(step=1,args=0,kwargs=[])"]
-
-
-def test_backward_override_without_ddp():
-    module = BackwardModule()
-    ember.Trainer(
-        max_epochs=1,
-        limit_train_batches=2,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        accelerator="cpu",
-    ).fit(module)
-    assert module.seen == BACKWARD_DDP
-
-
-@pytest.mark.processes
-@pytest.mark.timeout(60)
-def test_backward_override_under_ddp():
-    assert run_ranks(_backward_rank, 2, timeout=50) == [BACKWARD_DDP, BACKWARD_DDP]
 
 
 def test_a_stop_requested_in_on_fit_start_skips_training():
