@@ -1,0 +1,81 @@
+"""What validate / test return per loader, and what ``trainer.logged_metrics`` holds, as Lightning's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.models import BoringModel, RecordingLogger, fast_trainer, regression_loader, value_loader
+
+
+class PerLoader(BoringModel):
+    """Logs, from each of several test loaders, a shared name, a name of its own without the loader index,
+    a value kept from the loggers, and step values; and one value in each epoch hook."""
+
+    def on_test_epoch_start(self) -> None:
+        self.log("at_start", 5.0)
+
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.log("shared", float(dataloader_idx + 1))
+        self.log(f"own_{dataloader_idx}", 10.0 * (dataloader_idx + 1), add_dataloader_idx=False)
+        self.log("not_logged", 1.0, logger=False)
+        self.log("step_only", 2.0, on_step=True, on_epoch=False)
+        self.log("both", 3.0, on_step=True, on_epoch=True)
+
+    def on_test_epoch_end(self) -> None:
+        self.log("at_end", 6.0)
+
+
+@pytest.mark.parametrize("logger", [False, True])
+def test_each_loader_result_holds_its_own_logger_bound_epoch_values_and_the_epoch_hooks_values(logger):
+    trainer = fast_trainer(logger=RecordingLogger() if logger else False)
+    results = trainer.test(PerLoader(), [value_loader([1.0, 2.0]), value_loader([3.0])], verbose=False)
+    common = {"at_start": 5.0, "at_end": 6.0}
+    assert results == [
+        {"shared/dataloader_idx_0": 1.0, "own_0": 10.0, "both_epoch/dataloader_idx_0": 3.0, **common},
+        {"shared/dataloader_idx_1": 2.0, "own_1": 20.0, "both_epoch/dataloader_idx_1": 3.0, **common},
+    ]
+    # logger=False values are for callbacks only: not returned, not in logged_metrics.
+    assert trainer.callback_metrics["not_logged/dataloader_idx_1"] == 1.0
+    assert not any(k.startswith("not_logged") for k in trainer.logged_metrics)
+    # The step values are in logged_metrics with or without a logger, as in Lightning.
+    assert trainer.logged_metrics["step_only/dataloader_idx_0"] == 2.0
+    assert trainer.logged_metrics["both_step/dataloader_idx_1"] == 3.0
+    assert set(trainer.logged_metrics) == {
+        *(k for r in results for k in r),
+        "step_only/dataloader_idx_0",
+        "step_only/dataloader_idx_1",
+        "both_step/dataloader_idx_0",
+        "both_step/dataloader_idx_1",
+    }
+    if logger:
+        written = {k for _, m in trainer.logger.records for k in m}
+        assert not any(k.startswith("not_logged") for k in written)
+        assert "step_only/dataloader_idx_1" in written and "own_1" in written
+
+
+def test_one_loader_result_leaves_out_values_logged_with_logger_false():
+    class Model(BoringModel):
+        def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self.log("kept", 1.0)
+            self.log("for_callbacks", torch.tensor(2.0), logger=False, prog_bar=True)
+
+    trainer = fast_trainer()
+    results = trainer.validate(Model(), regression_loader(n=8), verbose=False)
+    assert results == [{"kept": 1.0}]
+    assert trainer.callback_metrics["for_callbacks"] == 2.0
+    assert "for_callbacks" not in trainer.logged_metrics
+
+
+def test_validation_step_values_are_in_logged_metrics_without_a_logger():
+    class Model(BoringModel):
+        def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self.log("val_step", float(batch_idx), on_step=True, on_epoch=False)
+
+    trainer = fast_trainer(num_sanity_val_steps=0, limit_train_batches=1)
+    trainer.fit(Model(), regression_loader(n=8), regression_loader(n=24))
+    assert trainer.logged_metrics["val_step"] == 2.0  # the last of the three validation batches
+    trainer.validate(trainer.model, regression_loader(n=16), verbose=False)
+    assert trainer.logged_metrics == {"val_step": 1.0}
