@@ -106,6 +106,21 @@ def _datamodule_hparams(datamodule: Any) -> dict[str, Any]:
     }
 
 
+def _put_datamodule_state(ckpt: dict[str, Any], datamodule: Any) -> None:
+    """As Lightning: a datamodule's non-empty ``state_dict()`` under its class's ``__qualname__``."""
+    state = datamodule.state_dict()
+    if not state:
+        return
+    key = type(datamodule).__qualname__
+    if key in ckpt:
+        raise ValueError(
+            f"{key}.state_dict() would be saved under the checkpoint key {key!r} (a datamodule's state is saved "
+            "under its class name, as in Lightning), which the checkpoint already uses for its own entry. Rename "
+            "the datamodule class."
+        )
+    ckpt[key] = state
+
+
 def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
     """Everything needed to resume ``trainer``'s fit (or only the weights). Runs on every rank."""
     module = trainer.module
@@ -140,7 +155,7 @@ def dump(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
         ckpt["loader"] = _loader_state(trainer) if ckpt["sampler"] is None else None
         ckpt["callbacks"] = {cb.state_key: cb.state_dict() for cb in trainer.callbacks}
         if trainer.datamodule is not None:
-            ckpt["datamodule"] = trainer.datamodule.state_dict()
+            _put_datamodule_state(ckpt, trainer.datamodule)
         ckpt["callback_metrics"] = {
             k: (v.detach().to("cpu") if isinstance(v, torch.Tensor) else v) for k, v in trainer.callback_metrics.items()
         }

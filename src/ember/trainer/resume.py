@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback, overrides
 from ember.checkpoint_io import CheckpointError, check_state_dict, load, match_compiled_keys
-from ember.data import DataModule
+from ember.data import DataModule, saved_state
 from ember.rng import apply_rng, capture_rng
 from ember.strategies.resumable import SkipFirstBatches, resumable_sampler_of
 from ember.trainer import checkpoint_check
@@ -106,9 +106,10 @@ class Resume:
             if not fit:
                 trainer.ckpt_path = path
             dm = trainer.datamodule
-            if dm is not None and ckpt.get("datamodule"):
+            dm_state = None if dm is None else saved_state(ckpt, dm)
+            if dm_state:
                 touch(dm)
-                dm.load_state_dict(ckpt["datamodule"])
+                dm.load_state_dict(dm_state)
             for cb in trainer.callbacks:
                 if overrides(cb, "on_load_checkpoint"):
                     touch(cb)
