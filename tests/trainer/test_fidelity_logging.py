@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+from ember.callbacks import Callback
 from tests.helpers.models import BoringModel, RecordingLogger, fast_trainer, regression_loader, value_loader
 
 
@@ -79,3 +80,53 @@ def test_validation_step_values_are_in_logged_metrics_without_a_logger():
     assert trainer.logged_metrics["val_step"] == 2.0  # the last of the three validation batches
     trainer.validate(trainer.model, regression_loader(n=16), verbose=False)
     assert trainer.logged_metrics == {"val_step": 1.0}
+
+
+class EvalLogs(Callback):
+    """Logs from evaluation hooks with the callback's own ``self.log`` / ``self.log_dict``."""
+
+    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.log("val_batch", float(batch_idx))
+
+    def on_validation_epoch_end(self, trainer, module):
+        self.log("val_end", 2.0)
+
+    def on_train_epoch_end(self, trainer, module):
+        self.log("train_end", 3.0, prog_bar=True)
+
+    def on_test_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.log_dict({"test_batch": float(batch_idx)}, on_step=True)
+
+
+def test_a_callback_logs_from_evaluation_hooks_with_the_hooks_defaults():
+    # Lightning 2.6.6 (limit_val_batches=3, limit_test_batches=2): callback_metrics and logged_metrics
+    # {'train_end': 3, 'val_batch': 1, 'val_end': 2}, progress bar ['train_end'] (plus the module's own);
+    # test returns [{'test_batch_epoch': 0.5}] and logged_metrics gains test_batch_step 1.
+    trainer = fast_trainer(limit_train_batches=2, limit_val_batches=3, num_sanity_val_steps=0, callbacks=[EvalLogs()])
+    module = BoringModel()
+    trainer.fit(module, regression_loader(n=16, batch_size=4), regression_loader(n=16, batch_size=4))
+    mine = {"train_end": 3.0, "val_batch": 1.0, "val_end": 2.0}
+    assert {k: v for k, v in trainer.callback_metrics.items() if k in mine} == mine
+    assert {k: v for k, v in trainer.logged_metrics.items() if k in mine} == mine
+    assert "train_end" in trainer.progress_bar_metrics and "val_end" not in trainer.progress_bar_metrics
+    results = trainer.test(module, regression_loader(n=8, batch_size=4), verbose=False)
+    assert results == [{"test_loss": results[0]["test_loss"], "test_batch_epoch": 0.5}]
+    assert trainer.logged_metrics["test_batch_step"] == 1.0
+
+
+def test_a_callback_that_defines_its_own_log_keeps_it():
+    # Lightning 2.6.6 replaces it with the module's log, so a callback's own log(msg) raises a TypeError
+    # there (a missing 'value'); ember gives the module's log only to callbacks without one.
+    class OwnLog(Callback):
+        def __init__(self) -> None:
+            self.messages: list[str] = []
+
+        def log(self, message: str) -> None:
+            self.messages.append(message)
+
+        def on_train_start(self, trainer, module):
+            self.log("started")
+
+    cb = OwnLog()
+    fast_trainer(max_steps=1, callbacks=[cb]).fit(BoringModel(), regression_loader(n=8))
+    assert cb.messages == ["started"]

@@ -88,7 +88,9 @@ def _plain_hparams(module: Any) -> dict[str, Any]:
         except CheckpointError:
             warnings.warn(
                 f"Hyper-parameter {k!r} ({type(v).__name__}) is not plain data and is left out of the "
-                f"checkpoint. Pass ignore=[{k!r}] to save_hyperparameters to silence this.",
+                "checkpoint (ember's checkpoints load with torch.load(weights_only=True)); load_from_checkpoint "
+                f"then uses the constructor's default unless given {k}=... . Pass ignore=[{k!r}] to "
+                "save_hyperparameters to silence this.",
                 UserWarning,
             )
             continue
