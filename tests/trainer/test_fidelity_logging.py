@@ -130,3 +130,19 @@ def test_a_callback_that_defines_its_own_log_keeps_it():
     cb = OwnLog()
     fast_trainer(max_steps=1, callbacks=[cb]).fit(BoringModel(), regression_loader(n=8))
     assert cb.messages == ["started"]
+
+
+def test_the_loggers_get_the_epoch_and_logged_metrics_does_not_unless_the_module_logs_it():
+    logger = RecordingLogger()
+    trainer = fast_trainer(logger=logger, log_every_n_steps=1, max_epochs=2, num_sanity_val_steps=0)
+    trainer.fit(BoringModel(), regression_loader(n=8), regression_loader(n=8))
+    assert [m["epoch"] for _, m in logger.records if "val_loss" in m] == [0.0, 1.0]
+    assert "epoch" not in trainer.logged_metrics and "val_loss" in trainer.logged_metrics
+
+    class LogsEpoch(BoringModel):
+        def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self.log("epoch", 7.0)
+
+    trainer = fast_trainer(logger=RecordingLogger(), num_sanity_val_steps=0)
+    trainer.fit(LogsEpoch(), regression_loader(n=8), regression_loader(n=8))
+    assert trainer.logged_metrics["epoch"] == 7.0
