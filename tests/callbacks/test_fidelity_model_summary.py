@@ -37,7 +37,18 @@ class Example(ember.TrainModule):
 
 def test_columns_flops_and_shapes_of_an_example_input():
     data = dict(summary_data(Example()))
-    assert list(data) == [" ", "Name", "Type", "Params", "Mode", "FLOPs", "In sizes", "Out sizes", "Trainable", "Frozen"]
+    assert list(data) == [
+        " ",
+        "Name",
+        "Type",
+        "Params",
+        "Mode",
+        "FLOPs",
+        "In sizes",
+        "Out sizes",
+        "Trainable",
+        "Frozen",
+    ]
     assert data["Name"] == ["enc", "head", "other params"]  # the module's own parameters: a row of their own
     assert data["Params"] == ["205", "6", "3"]
     # A linear layer's forward is 2 * batch * in * out FLOPs: 2*4*4*20 + 2*4*20*5 = 1440, 2*4*5*1 = 40.
@@ -80,4 +91,3 @@ def test_a_custom_summarize_gets_the_columns_in_lightnings_positions_and_the_tot
     assert call["data"][4][1][:2] == ["train", "train"]
     assert call["total"] == 214 and call["modes"] == {"train": 5, "eval": 0}
     assert call["total_flops"] == 1480
-

@@ -35,7 +35,11 @@ def test_csv_flush_uses_the_row_number_when_no_step_is_given(tmp_path):
         logger.log_metrics({"a": value})
     assert not os.path.exists(logger.metrics_file)
     logger.log_metrics({"a": 3.0})  # row 2: (2 + 1) % 3 == 0
-    assert [(r["step"], r["a"]) for r in read_rows(logger.metrics_file)[1]] == [("0", "1.0"), ("1", "2.0"), ("2", "3.0")]
+    assert [(r["step"], r["a"]) for r in read_rows(logger.metrics_file)[1]] == [
+        ("0", "1.0"),
+        ("1", "2.0"),
+        ("2", "3.0"),
+    ]
 
 
 def test_csv_columns_that_appear_later_are_in_the_header_as_soon_as_their_row_is_written(tmp_path):

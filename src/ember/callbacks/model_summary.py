@@ -67,10 +67,11 @@ def _run_example(
         return None
     from torch.utils.flop_counter import FlopCounterMode  # imported where used: only with an example input
 
-    if hasattr(module, "transfer_batch_to_device"):  # a TrainModule: the batch hooks, as a real batch
-        sample = module.on_before_batch_transfer(sample, 0)
-        sample = module.transfer_batch_to_device(sample, module.device, 0)
-        sample = module.on_after_batch_transfer(sample, 0)
+    hooks: Any = module
+    if hasattr(hooks, "transfer_batch_to_device"):  # a TrainModule: the batch hooks, as a real batch
+        sample = hooks.on_before_batch_transfer(sample, 0)
+        sample = hooks.transfer_batch_to_device(sample, hooks.device, 0)
+        sample = hooks.on_after_batch_transfer(sample, 0)
     sizes: dict[str, tuple[Any, Any]] = {}
     handles = []
     for name, sub in listed:

@@ -107,7 +107,7 @@ class Resume:
                 trainer.ckpt_path = path
             dm = trainer.datamodule
             dm_state = None if dm is None else saved_state(ckpt, dm)
-            if dm_state:
+            if dm is not None and dm_state:
                 touch(dm)
                 dm.load_state_dict(dm_state)
             for cb in trainer.callbacks:
