@@ -114,3 +114,21 @@ def test_tensorboard_prefix_is_joined_with_a_dash(tmp_path):
     events.Reload()
     assert events.Tags()["scalars"] == ["train-loss"]
     assert [(e.step, e.value) for e in events.Scalars("train-loss")] == [(3, 1.0)]
+
+
+def test_csv_experiment_offers_lightnings_writer_names(tmp_path):
+    logger = CSVLogger(tmp_path, name="test", version=0, flush_logs_every_n_steps=2)
+    experiment = logger.experiment
+    assert experiment.metrics_file_path == os.path.join(logger.log_dir, "metrics.csv") == logger.metrics_file
+    assert experiment.log_dir == logger.log_dir
+    experiment.log_metrics({"test": 1}, step=0)
+    assert experiment.metrics == [{"step": 0, "test": 1}]  # buffered
+    logger.log_metrics({"test": 2}, step=1)  # (1 + 1) % 2 == 0: written
+    assert experiment.metrics == []
+    experiment.log_metrics({"a": 1, "c": 3})
+    experiment.save()
+    with open(experiment.metrics_file_path) as fh:
+        assert len(fh.readlines()) == 4  # the header and three rows
+    experiment.log_hparams({"lr": 0.1})
+    assert experiment.hparams == {"lr": 0.1}
+    assert os.path.isfile(os.path.join(logger.log_dir, "hparams.yaml"))

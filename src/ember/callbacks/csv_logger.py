@@ -57,6 +57,12 @@ class CSVLogger(FileLogger):
     def metrics_file(self) -> str:
         return os.path.join(self.log_dir, self.METRICS_FILE)
 
+    @property
+    def experiment(self) -> CSVExperiment:
+        """What Lightning's ``CSVLogger.experiment`` offers (its experiment writer): ``metrics_file_path``,
+        ``log_dir``, the rows not written yet (``metrics``), ``log_metrics``, ``log_hparams``, ``save``."""
+        return CSVExperiment(self)
+
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Add ``metrics`` (numbers or scalar tensors) to the row of ``step``; without a step, a new row numbered
         by the rows this logger has added so far (0, 1, ...)."""
@@ -74,6 +80,10 @@ class CSVLogger(FileLogger):
             self._append(step, row)
         if (step + 1) % self.flush_logs_every_n_steps == 0:
             self.save()
+
+    def pending_rows(self) -> list[dict[str, Any]]:
+        """The rows logged and not yet written to the file, as dicts with their ``step``."""
+        return [dict(row) for row in self._rows]
 
     def _append(self, step: int, row: dict[str, Any]) -> None:
         self._rows.append({"step": step, **row})
@@ -119,6 +129,46 @@ class CSVLogger(FileLogger):
 
     def finalize(self, status: str) -> None:
         self.save()
+
+
+class CSVExperiment:
+    """A view of a ``CSVLogger`` under the names of Lightning's experiment writer, for code that reaches
+    ``logger.experiment``. Every call goes to the logger.
+
+    Args:
+        logger: the logger it shows.
+    """
+
+    NAME_METRICS_FILE = CSVLogger.METRICS_FILE
+
+    def __init__(self, logger: CSVLogger) -> None:
+        self._logger = logger
+
+    @property
+    def log_dir(self) -> str:
+        return self._logger.log_dir
+
+    @property
+    def metrics_file_path(self) -> str:
+        return self._logger.metrics_file
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """The rows logged and not yet written to the file (each with its ``step``)."""
+        return self._logger.pending_rows()
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        return self._logger.hparams
+
+    def log_metrics(self, metrics_dict: dict[str, Any], step: int | None = None) -> None:
+        self._logger.log_metrics(metrics_dict, step)
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        self._logger.log_hyperparams(params)
+
+    def save(self) -> None:
+        self._logger.save()
 
 
 def _write_rows(fh: BinaryIO, header: list[str], rows: list[dict[str, Any]], start: int) -> int:
