@@ -123,14 +123,14 @@ def test_a_second_fit_appends_to_the_same_file_and_widens_it(tmp_path):
 
 
 def test_same_step_merges_only_without_conflict(tmp_path):
-    logger = CSVLogger(save_dir=tmp_path, prefix="p/")
+    logger = CSVLogger(save_dir=tmp_path, prefix="p")
     logger.log_metrics({"x": 1.0, "epoch": 0.0}, 5)
     logger.log_metrics({"y": 2.0, "epoch": 0.0}, 5)
     logger.log_metrics({"x": 3.0}, 5)  # the same key again at the same step: a new row
     logger.finalize("success")
     header, rows = read_rows(logger.metrics_file)
-    assert header == ["step", "p/x", "p/epoch", "p/y"]
-    assert [(r["p/x"], r["p/y"]) for r in rows] == [("1.0", "2.0"), ("3.0", "")]
+    assert header == ["step", "p-x", "p-epoch", "p-y"]  # the prefix joined with "-", as Lightning
+    assert [(r["p-x"], r["p-y"]) for r in rows] == [("1.0", "2.0"), ("3.0", "")]
 
 
 def test_flush_setting_is_checked():

@@ -35,13 +35,14 @@ class Net(ember.TrainModule):
 def test_table_counts_and_size():
     text = summarize(Net())
     lines = text.splitlines()
-    assert lines[0] == "  | Name    | Type        | Params | Trainable | Frozen | Mode"
+    # Lightning's columns in its order (FLOPs are 0 without an example input), then ember's two.
+    assert lines[0] == "  | Name    | Type        | Params | Mode  | FLOPs | Trainable | Frozen"
     assert set(lines[1]) == {"-"} and lines[5] == lines[1]
     rows = {cells[1]: cells[2:] for cells in ([c.strip() for c in ln.split("|")] for ln in lines[2:5])}
     # encoder: 10*20+20 frozen, 20*5+5 trainable; norm: 5+5; head: 5+1
-    assert rows["encoder"] == ["Sequential", "325", "105", "220", "train"]
-    assert rows["norm"] == ["BatchNorm1d", "10", "10", "0", "train"]
-    assert rows["head"] == ["Linear", "6", "6", "0", "train"]
+    assert rows["encoder"] == ["Sequential", "325", "train", "0", "105", "220"]
+    assert rows["norm"] == ["BatchNorm1d", "10", "train", "0", "10", "0"]
+    assert rows["head"] == ["Linear", "6", "train", "0", "6", "0"]
     assert "121        Trainable params" in text
     assert "220        Non-trainable params" in text
     assert "341        Total params" in text

@@ -360,7 +360,7 @@ def test_datamodule_loaders_are_requested_in_lightnings_order_and_its_state_is_s
     assert calls == ["train_dataloader", "val_dataloader"]
     path = str(tmp_path / "x.ckpt")
     t.save_checkpoint(path)
-    assert torch.load(path, weights_only=True)["datamodule"] == {"seen": 7}
+    assert torch.load(path, weights_only=True)[Data.__qualname__] == {"seen": 7}  # Lightning's key
 
 
 def test_reload_dataloaders_every_n_epochs():

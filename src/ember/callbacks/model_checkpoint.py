@@ -183,7 +183,8 @@ class ModelCheckpoint(CheckpointFiles, Callback):
 
         self.best_k_models: dict[str, torch.Tensor] = {}  # path -> score, tensors as Lightning's
         self.kth_best_model_path = ""
-        self.kth_value: torch.Tensor | None = None
+        # As Lightning: the worst score of a full top k, +-inf (the worst possible) until k are kept.
+        self.kth_value: torch.Tensor | None = torch.tensor(math.inf if mode == "min" else -math.inf)
         self.best_model_path = ""
         self.best_model_score: torch.Tensor | None = None
         self.current_score: torch.Tensor | None = None
@@ -216,13 +217,14 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         return {
             "monitor": self.monitor,
             "dirpath": self.dirpath,
-            "best_k_models": {k: float(v) for k, v in self.best_k_models.items()},
+            # As Lightning: the scores are tensors (the logged values themselves: a float32 tensor compares
+            # equal to the number logged).
+            "best_k_models": {k: _cpu(v) for k, v in self.best_k_models.items()},
             "kth_best_model_path": self.kth_best_model_path,
-            "kth_value": None if self.kth_value is None else float(self.kth_value),
+            "kth_value": _cpu(self.kth_value),
             "best_model_path": self.best_model_path,
-            "best_model_score": None if self.best_model_score is None else float(self.best_model_score),
-            # As Lightning: the logged value itself (a float32 tensor compares equal to the number logged).
-            "current_score": None if self.current_score is None else self.current_score.detach().to("cpu").clone(),
+            "best_model_score": _cpu(self.best_model_score),
+            "current_score": _cpu(self.current_score),
             "last_model_path": self.last_model_path,
             "last_global_step_saved": self._last_global_step_saved,
         }
@@ -241,7 +243,7 @@ class ModelCheckpoint(CheckpointFiles, Callback):
             self.best_model_path = state.get("best_model_path", "")
             return
         score = state.get("best_model_score")
-        self.best_model_score = None if score is None else torch.tensor(score)
+        self.best_model_score = None if score is None else torch.as_tensor(score)
         self.best_model_path = state.get("best_model_path", "")
         self.best_k_models = {k: torch.as_tensor(v) for k, v in state.get("best_k_models", {}).items()}
         self.kth_best_model_path = state.get("kth_best_model_path", "")
@@ -478,8 +480,9 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
             dropped = self._worst()
             del self.best_k_models[dropped]
-        worst = self._worst()
-        self.kth_best_model_path, self.kth_value = worst, self.best_k_models[worst]
+        if self.save_top_k == -1 or len(self.best_k_models) == self.save_top_k:  # as Lightning: once k are kept
+            worst = self._worst()
+            self.kth_best_model_path, self.kth_value = worst, self.best_k_models[worst]
         pick = min if self.mode == "min" else max
         best = pick(self.best_k_models, key=lambda k: float(self.best_k_models[k]))
         self.best_model_path = best
@@ -544,3 +547,8 @@ class ModelCheckpoint(CheckpointFiles, Callback):
                 path = self.format_checkpoint_name(metrics, filename, ver=version)
                 version += 1
         return trainer.strategy.broadcast(path)
+
+
+def _cpu(score: torch.Tensor | None) -> torch.Tensor | None:
+    """A score as a checkpoint holds it: a tensor of its own on the CPU (None stays None)."""
+    return None if score is None else torch.as_tensor(score).detach().to("cpu").clone()

@@ -18,6 +18,8 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so it
 ``sampler``            ``{"seed", "epoch", "position"}`` of the training sampler, or None
 ``loader``             a train loader's own ``state_dict()`` (a ``CombinedLoader``: each inner loader's), or None
 ``callbacks``          ``{callback.state_key: callback.state_dict()}``
+<DataModule qualname>  the datamodule's ``state_dict()`` when not empty, under its class's ``__qualname__``
+                       (Lightning's key; ``"datamodule"`` in files of earlier versions is still read)
 ``callback_metrics``   the latest logged values (what monitors compare against)
 ``rng``                torch / CUDA / Python / NumPy generator states, one entry per rank
 ``strategy``           strategy name, world size
@@ -80,7 +82,9 @@ def _plain_hparams(module: Any) -> dict[str, Any]:
         except CheckpointError:
             warnings.warn(
                 f"Hyper-parameter {k!r} ({type(v).__name__}) is not plain data and is left out of the "
-                f"checkpoint. Pass ignore=[{k!r}] to save_hyperparameters to silence this.",
+                "checkpoint (ember's checkpoints load with torch.load(weights_only=True)); load_from_checkpoint "
+                f"then uses the constructor's default unless given {k}=... . Pass ignore=[{k!r}] to "
+                "save_hyperparameters to silence this.",
                 UserWarning,
             )
             continue
@@ -105,6 +109,21 @@ def overrides(obj: Any, name: str) -> bool:
     import their base. ``None`` on the instance turns the hook off."""
     declaring = [k for k in type(obj).__mro__ if name in vars(k)]
     return bool(declaring) and is_overridden(name, obj, declaring[-1])
+
+
+def _put_datamodule_state(ckpt: dict[str, Any], datamodule: Any) -> None:
+    """As Lightning: a datamodule's non-empty ``state_dict()`` under its class's ``__qualname__``."""
+    state = datamodule.state_dict()
+    if not state:
+        return
+    key = type(datamodule).__qualname__
+    if key in ckpt:
+        raise ValueError(
+            f"{key}.state_dict() would be saved under the checkpoint key {key!r} (a datamodule's state is saved "
+            "under its class name, as in Lightning), which the checkpoint already uses for its own entry. Rename "
+            "the datamodule class."
+        )
+    ckpt[key] = state
 
 
 def dump(trainer: Trainer, state: FitState, weights_only: bool = False) -> dict[str, Any]:
@@ -142,7 +161,7 @@ def dump(trainer: Trainer, state: FitState, weights_only: bool = False) -> dict[
             ckpt[key] = fit[key]
         ckpt["callbacks"] = {cb.state_key: cb.state_dict() for cb in trainer.callbacks}
         if trainer.datamodule is not None:
-            ckpt["datamodule"] = trainer.datamodule.state_dict()
+            _put_datamodule_state(ckpt, trainer.datamodule)
         ckpt["callback_metrics"] = fit["callback_metrics"]
         ckpt["epoch_metrics"] = fit["epoch_metrics"]
         ckpt["rng"] = _gather_rng(strategy)

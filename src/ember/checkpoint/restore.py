@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ember.checkpoint import validation
 from ember.checkpoint.contents import overrides
 from ember.checkpoint.io import CheckpointError, check_state_dict, load, match_compiled_keys
+from ember.data.datamodule import saved_state
 from ember.rng import apply_rng, capture_rng
 
 if TYPE_CHECKING:
@@ -108,9 +109,10 @@ class Resume:
             if not fit:
                 trainer.ckpt_path = path
             dm = trainer.datamodule
-            if dm is not None and ckpt.get("datamodule"):
+            dm_state = None if dm is None else saved_state(ckpt, dm)
+            if dm is not None and dm_state:
                 touch(dm)
-                dm.load_state_dict(ckpt["datamodule"])
+                dm.load_state_dict(dm_state)
             for cb in trainer.callbacks:
                 if overrides(cb, "on_load_checkpoint"):
                     touch(cb)

@@ -50,8 +50,9 @@ class DataModule(HyperparametersMixin):
         datamodule = build_from_hparams(
             cls, ckpt.get("datamodule_hyper_parameters"), ckpt.get("datamodule_hparams_name"), overrides
         )
-        if ckpt.get("datamodule"):
-            datamodule.load_state_dict(ckpt["datamodule"])
+        state = saved_state(ckpt, datamodule)
+        if state:
+            datamodule.load_state_dict(state)
         return datamodule
 
     @classmethod
@@ -161,3 +162,9 @@ def _move(batch: Any, device: Any) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(_move(v, device) for v in batch)
     return batch
+
+
+def saved_state(ckpt: Mapping[str, Any], datamodule: DataModule) -> Any:
+    """The state a checkpoint holds for ``datamodule``: under its class's ``__qualname__``, as Lightning saves
+    it (``"datamodule"`` in files of earlier ember versions); None without one."""
+    return ckpt.get(type(datamodule).__qualname__, ckpt.get("datamodule"))

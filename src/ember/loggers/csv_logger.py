@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import csv
+import io
 import os
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -17,12 +18,16 @@ class CSVLogger(FileLogger):
     Columns are ``step`` then every metric name in the order it first appeared. When a new name
     appears mid-run the file is rewritten with the wider header, so earlier rows are kept (their
     new cells empty). Several ``log_metrics`` calls at one step (step metrics, validation, epoch
-    metrics) fill one row.
+    metrics) fill one row, even when the row was already written: the file's last row is then
+    rewritten with the merged values.
 
     Args:
-        save_dir, name, version, prefix: see the directory scheme of ``FileLogger``.
-        flush_logs_every_n_steps: write buffered rows to disk after this many rows (and always at
-            the end of a run or on an error).
+        save_dir, name, version, prefix: see the directory scheme of ``FileLogger`` (a ``prefix`` is
+            joined to each name with ``LOGGER_JOIN_CHAR``, as Lightning's: ``prefix="train"`` gives
+            ``train-loss``).
+        flush_logs_every_n_steps: as Lightning's: the rows are written to disk when a ``log_metrics``
+            call's step is one before a multiple of it (``(step + 1) % n == 0``), and always at the end
+            of a run or on an error, or when ``save()`` is called.
     """
 
     METRICS_FILE = "metrics.csv"
@@ -39,59 +44,140 @@ class CSVLogger(FileLogger):
         if not isinstance(flush_logs_every_n_steps, int) or flush_logs_every_n_steps < 1:
             raise ValueError(f"flush_logs_every_n_steps must be a positive int, got {flush_logs_every_n_steps!r}.")
         self.flush_logs_every_n_steps = flush_logs_every_n_steps
-        self._rows: list[dict[str, Any]] = []
+        self._rows: list[dict[str, Any]] = []  # rows not on disk yet
         self._header: list[str] | None = None  # the header of the file on disk
+        # The file's last row, where it starts (bytes), and whether a later call at its step merged values
+        # into it: a step's values can arrive after its row was written (a validation, the epoch's end).
+        self._tail: dict[str, Any] | None = None
+        self._tail_offset = 0
+        self._tail_changed = False
         self._row_count = 0  # rows added by this logger: the step of a log_metrics call that gives none
 
     @property
     def metrics_file(self) -> str:
         return os.path.join(self.log_dir, self.METRICS_FILE)
 
+    @property
+    def experiment(self) -> CSVExperiment:
+        """What Lightning's ``CSVLogger.experiment`` offers (its experiment writer): ``metrics_file_path``,
+        ``log_dir``, the rows not written yet (``metrics``), ``log_metrics``, ``log_hparams``, ``save``."""
+        return CSVExperiment(self)
+
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Add ``metrics`` (numbers or scalar tensors) to the row of ``step``; without a step, a new row numbered
         by the rows this logger has added so far (0, 1, ...)."""
         if not self._writes:
             return
-        row = {self.prefix + k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
-        last = self._rows[-1] if self._rows else None
+        row = {self.prefixed(k): (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+        last = self._rows[-1] if self._rows else self._tail
         if step is None:
             step = self._row_count
+            self._append(step, row)
         elif last is not None and last["step"] == step and all(last.get(k, v) == v for k, v in row.items()):
             last.update(row)
-            return
-        if len(self._rows) >= self.flush_logs_every_n_steps:
+            self._tail_changed = self._tail_changed or not self._rows
+        else:
+            self._append(step, row)
+        if (step + 1) % self.flush_logs_every_n_steps == 0:
             self.save()
+
+    def pending_rows(self) -> list[dict[str, Any]]:
+        """The rows logged and not yet written to the file, as dicts with their ``step``."""
+        return [dict(row) for row in self._rows]
+
+    def _append(self, step: int, row: dict[str, Any]) -> None:
         self._rows.append({"step": step, **row})
         self._row_count += 1
 
     def save(self) -> None:
-        if not self._rows or not self._writes:
+        if not self._writes or not (self._rows or self._tail_changed):
             return
+        rows = ([self._tail] if self._tail_changed and self._tail is not None else []) + self._rows
         path = self.metrics_file
         if self._header is None and os.path.exists(path):
             with open(path, newline="", encoding="utf-8") as fh:
                 self._header = next(csv.reader(fh), None)
         header = list(self._header or ["step"])
-        for row in self._rows:
+        for row in rows:
             header.extend(k for k in row if k not in header)
         os.makedirs(self.log_dir, exist_ok=True)
         if self._header is not None and header == self._header:
-            with open(path, "a", newline="", encoding="utf-8") as fh:
-                csv.DictWriter(fh, header).writerows(self._rows)
+            with open(path, "r+b") as fh:
+                start = self._tail_offset if self._tail_changed else fh.seek(0, os.SEEK_END)
+                fh.seek(start)
+                fh.truncate()
+                self._tail_offset = _write_rows(fh, header, rows, start)
         else:
             old: list[dict[str, str]] = []
             if self._header is not None:
                 with open(path, newline="", encoding="utf-8") as fh:
                     old = list(csv.DictReader(fh))
+                if self._tail_changed:
+                    old = old[:-1]  # the last row is written again, with the values merged into it since
             tmp = path + ".tmp"
-            with open(tmp, "w", newline="", encoding="utf-8") as fh:
-                writer = csv.DictWriter(fh, header)
+            with open(tmp, "wb") as fh:
+                text = io.StringIO(newline="")
+                writer = csv.DictWriter(text, header)
                 writer.writeheader()
                 writer.writerows(old)
-                writer.writerows(self._rows)
+                fh.write(text.getvalue().encode("utf-8"))
+                self._tail_offset = _write_rows(fh, header, rows, fh.tell())
             os.replace(tmp, path)
             self._header = header
+        self._tail, self._tail_changed = rows[-1], False
         self._rows = []
 
     def finalize(self, status: str) -> None:
         self.save()
+
+
+class CSVExperiment:
+    """A view of a ``CSVLogger`` under the names of Lightning's experiment writer, for code that reaches
+    ``logger.experiment``. Every call goes to the logger.
+
+    Args:
+        logger: the logger it shows.
+    """
+
+    NAME_METRICS_FILE = CSVLogger.METRICS_FILE
+
+    def __init__(self, logger: CSVLogger) -> None:
+        self._logger = logger
+
+    @property
+    def log_dir(self) -> str:
+        return self._logger.log_dir
+
+    @property
+    def metrics_file_path(self) -> str:
+        return self._logger.metrics_file
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """The rows logged and not yet written to the file (each with its ``step``)."""
+        return self._logger.pending_rows()
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        return self._logger.hparams
+
+    def log_metrics(self, metrics_dict: dict[str, Any], step: int | None = None) -> None:
+        self._logger.log_metrics(metrics_dict, step)
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        self._logger.log_hyperparams(params)
+
+    def save(self) -> None:
+        self._logger.save()
+
+
+def _write_rows(fh: BinaryIO, header: list[str], rows: list[dict[str, Any]], start: int) -> int:
+    """Write ``rows`` at ``start`` of the open binary file ``fh``; return where the last one starts."""
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, header)
+    writer.writerows(rows[:-1])
+    head = text.getvalue().encode("utf-8")
+    text = io.StringIO(newline="")
+    csv.DictWriter(text, header).writerow(rows[-1])
+    fh.write(head + text.getvalue().encode("utf-8"))
+    return start + len(head)

@@ -31,8 +31,11 @@ class FileLogger(Logger):
         name: sub-directory for this experiment ("" for none).
         version: an int (``version_<int>``), a string (used as the directory name), or None for
             the next free ``version_<N>`` (one above the highest present).
-        prefix: put in front of every metric name.
+        prefix: put in front of every metric name, joined with ``LOGGER_JOIN_CHAR`` (``"train"`` gives
+            ``train-loss``, as Lightning's loggers).
     """
+
+    LOGGER_JOIN_CHAR = "-"
 
     def __init__(
         self,
@@ -50,6 +53,10 @@ class FileLogger(Logger):
         self.prefix = prefix
         self.hparams: dict[str, Any] = {}
         self._rank = 0
+
+    def prefixed(self, key: str) -> str:
+        """``key`` as written: with ``prefix`` and ``LOGGER_JOIN_CHAR`` in front when a prefix is set."""
+        return f"{self.prefix}{self.LOGGER_JOIN_CHAR}{key}" if self.prefix else key
 
     @property
     def save_dir(self) -> str:

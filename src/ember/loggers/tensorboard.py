@@ -42,7 +42,7 @@ class TensorBoardLogger(FileLogger):
         save_dir: the root directory; defaults to the Trainer's ``default_root_dir``.
         name: experiment sub-directory ("ember_logs"; "" for none).
         version: int, string (directory name) or None for the next free ``version_N``.
-        prefix: put in front of every metric name.
+        prefix: put in front of every metric name, joined with ``-`` (``train-loss``).
         flush_secs: how often written events are flushed to disk. Events are also flushed when
             a run ends, successfully or with an error.
         max_queue: scalar events queued before they are written (and for ``experiment``, the
@@ -113,12 +113,12 @@ class TensorBoardLogger(FileLogger):
             return
         # One event holding every value of this call (SummaryWriter.add_scalar builds one per value).
         values = {
-            self.prefix + key: (float(value) if isinstance(value, torch.Tensor) else value)
+            self.prefixed(key): (float(value) if isinstance(value, torch.Tensor) else value)
             for key, value in metrics.items()
         }
         for key in metrics:
             if key != "epoch":
-                self._metric_tags[self.prefix + key] = None
+                self._metric_tags[self.prefixed(key)] = None
         events.add_scalars(values, 0 if step is None else step)
 
     def log_hyperparams(

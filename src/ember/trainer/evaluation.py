@@ -168,11 +168,7 @@ class EvaluationLoop:
             hooks.call(f"on_{hook}_end")
         finally:
             self._back_to_train(hook)
-        floats = to_floats(epoch_metrics)
-        if not many:
-            return [floats]
-        # Each loader's dict: its own keys, and keys logged outside any loader (in the epoch hooks), as Lightning.
-        return [{k: v for k, v in floats.items() if k.endswith(s) or "/dataloader_idx_" not in k} for s in suffixes]
+        return metrics.loader_results(to_floats(epoch_metrics), suffixes)
 
     # ------------------------------------------------------------------ predict
     def predict(self, loaders: list[Any], limits: list[float], keep: bool = True) -> list[list[Any]]:

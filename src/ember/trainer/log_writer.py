@@ -33,8 +33,9 @@ class LogWriter:
         #: With loggers, every process keeps ``logged_metrics`` (as Lightning); global rank zero alone writes.
         self.enabled = bool(trainer.loggers)
         self._writes = self.enabled and trainer.is_global_zero
-        # Evaluation step values reach the loggers from the collector, batch by batch.
-        metrics.step_log_sink = self.eval_step_metrics if self.enabled else None
+        # Evaluation step values reach logged_metrics (and the loggers) from the collector, batch by batch:
+        # as Lightning's, logged_metrics holds them without loggers too.
+        metrics.step_log_sink = self.eval_step_metrics
 
     def write(self, metrics: dict[str, Any], step: int | None = None, with_epoch: bool = True) -> None:
         """Keep ``metrics`` in ``logged_metrics`` (as tensors) and, on global rank zero, hand them (as floats,

@@ -531,6 +531,14 @@ class MetricCollector:
             e.metric.reset()
         return out
 
+    def loader_results(self, values: dict[str, Any], suffixes: list[str]) -> list[dict[str, Any]]:
+        """Split an evaluation's epoch ``values`` into one dict per loader (``suffixes``: each loader's key
+        suffix), as Lightning's ``validate`` / ``test`` return them: the logger-bound values that loader
+        logged (``add_dataloader_idx=False`` ones included), and those logged outside any loader (in the
+        epoch hooks) in every dict."""
+        owner = {e.epoch_key: e.loader for e in self._entries.values() if e.on_epoch and e.logger}
+        return [{k: v for k, v in values.items() if k in owner and owner[k] in ("", s)} for s in suffixes]
+
     def logger_keys(self) -> set[str]:
         return {e.epoch_key for e in self._entries.values() if e.on_epoch and e.logger}
 
