@@ -28,22 +28,21 @@ _LAZY = {
     "DeviceStatsMonitor": "ember.callbacks.device_stats",
 }
 
-# The loggers lived here before they moved to ember.loggers (as Lightning's); say where they are now.
-_MOVED_TO_LOGGERS = ("Logger", "CSVLogger", "TensorBoardLogger")
+# The loggers lived here before they moved to ember.loggers (where Lightning keeps them). Code written
+# against the old path keeps working: these names are plain re-exports of ember.loggers' classes, loaded
+# on first use (by module name, so this package does not import the loggers' layer at import time).
+_MOVED_TO_LOGGERS = {
+    "Logger": "ember.loggers.logger",
+    "CSVLogger": "ember.loggers.csv_logger",
+    "TensorBoardLogger": "ember.loggers.tensorboard",
+}
 
 __all__ = ["Callback", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
+    module = _LAZY.get(name) or _MOVED_TO_LOGGERS.get(name)
     if module is None:
-        if name in _MOVED_TO_LOGGERS:
-            # ImportError, not AttributeError: `from ember.callbacks import CSVLogger` would swallow the
-            # latter's message into a bare "cannot import name".
-            raise ImportError(
-                f"ember.callbacks has no {name}: loggers live in ember.loggers, as in Lightning "
-                f"(lightning.pytorch.loggers). Use ember.loggers.{name} (from ember.loggers import {name})."
-            )
         raise AttributeError(f"module 'ember.callbacks' has no attribute {name!r}")
     try:
         loaded = importlib.import_module(module)
