@@ -26,6 +26,7 @@ _LAZY = {
     "BaseFinetuning": "ember.callbacks.finetuning",
     "BackboneFinetuning": "ember.callbacks.backbone_finetuning",
     "DeviceStatsMonitor": "ember.callbacks.device_stats",
+    "StochasticWeightAveraging": "ember.callbacks.swa",
 }
 
 # The loggers lived here before they moved to ember.loggers (as Lightning's); say where they are now.
