@@ -21,6 +21,8 @@ _LAZY = {
     "ModelCheckpoint": "ember.callbacks.model_checkpoint",
     "OnExceptionCheckpoint": "ember.callbacks.checkpoint_files",
     "TQDMProgressBar": "ember.callbacks.tqdm_progress",
+    "RichProgressBar": "ember.callbacks.rich_progress",
+    "RichProgressBarTheme": "ember.callbacks.rich_progress",
     "LambdaCallback": "ember.callbacks.lambda_function",
     "GradientAccumulationScheduler": "ember.callbacks.gradient_accumulation",
     "BaseFinetuning": "ember.callbacks.finetuning",
