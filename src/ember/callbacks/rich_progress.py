@@ -126,7 +126,14 @@ class RichProgressBar(ProgressBar):
 
     def _start(self) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            ProgressColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
         from rich.text import Text
 
         theme = self.theme
