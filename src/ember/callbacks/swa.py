@@ -220,7 +220,7 @@ class StochasticWeightAveraging(Callback):
         # Lightning's arguments, so the learning rates match its run epoch for epoch.
         self._swa_scheduler = SWALR(
             optimizer,
-            swa_lr=lrs,
+            swa_lr=lrs,  # type: ignore[arg-type]  # (a list, one per group, is accepted: torch's annotation is narrower)
             anneal_epochs=self._annealing_epochs,
             anneal_strategy=self._annealing_strategy,
             last_epoch=self._max_epochs if self._annealing_strategy == "cos" else -1,
