@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim.swa_utils import SWALR
 
 from ember.callbacks.callback import Callback
@@ -134,7 +135,7 @@ class StochasticWeightAveraging(Callback):
 
     @staticmethod
     def pl_module_contains_batch_norm(pl_module: nn.Module) -> bool:
-        return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in pl_module.modules())
+        return any(isinstance(m, _BatchNorm) for m in pl_module.modules())
 
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
         if len(trainer.optimizers) != 1:
@@ -265,7 +266,7 @@ class StochasticWeightAveraging(Callback):
     def _update_batch_norm(self, trainer: Trainer, module: TrainModule) -> None:
         """Recompute BatchNorm's running statistics for the averaged weights (``swa_utils.update_bn``'s way:
         reset, cumulative average over one pass, momenta put back), running batches through ``training_step``."""
-        bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        bns = [m for m in module.modules() if isinstance(m, _BatchNorm)]
         momenta = {}
         for bn in bns:
             bn.reset_running_stats()
