@@ -201,3 +201,28 @@ def test_finetune_trains_the_head_first_then_the_backbone(tmp_path):
     acc = float(proc.stdout.split("validation accuracy ")[1].split()[0])
     assert acc > 0.7, proc.stdout
     assert (tmp_path / "ember_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+# ---------------------------------------------------------------- metrics_finetune.py
+@pytest.mark.timeout(200)
+def test_metrics_finetune_logs_torchmetrics_while_the_backbone_joins(tmp_path):
+    """``python examples/metrics_finetune.py``: the torchmetrics accuracy and F1 are computed per epoch (values
+    in [0, 1] that differ between epochs), the backbone is frozen in epoch 0 and trains from epoch 1 with its
+    learning rate doubling, and the finetuned model classifies the ten digits."""
+    pytest.importorskip("torchmetrics")
+    proc = run_example(
+        tmp_path, str(EXAMPLES / "metrics_finetune.py"), "--max-epochs", "3", "--pretrain-epochs", "1", timeout=180
+    )
+    assert proc.returncode == 0, _fail(proc)
+    epochs = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in epochs] == ["epoch 0", "epoch 1", "epoch 2"], proc.stdout
+    assert "backbone lr frozen" in epochs[0]
+    assert "backbone lr 0.0003" in epochs[1] and "backbone lr 0.0006" in epochs[2]
+    values = [dict(part.rsplit(" ", 1) for part in line.split(", ")[1:]) for line in epochs]
+    assert [set(v) for v in values] == [{"train/acc", "val/acc", "val/f1"}] * 3
+    accs = [float(v["val/acc"]) for v in values]
+    assert all(0.0 <= float(x) <= 1.0 for v in values for x in v.values())
+    assert len(set(accs)) == 3  # computed afresh each epoch (reset between epochs)
+    final = proc.stdout.splitlines()[-1]
+    assert final.startswith("validation accuracy") and float(final.split()[2]) > 0.5, proc.stdout
+    assert float(final.split()[2]) == accs[-1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
@@ -70,3 +71,29 @@ def parse_reduce_fx(name: str, reduce_fx: ReduceFx) -> ReduceOp:
         "'avg' for 'mean') or one of torch.mean, torch.sum, torch.max, torch.min, sum, max, min. For another "
         "reduction, keep the values yourself and log the result in an epoch-end hook."
     )
+
+
+@dataclass
+class SchedulerConfig:
+    """One LR scheduler and when to step it (Lightning's ``LRSchedulerConfig``; ``trainer.lr_scheduler_configs``
+    holds these, and a callback that swaps a scheduler in, as ``StochasticWeightAveraging`` does, builds one).
+
+    ``reduce_on_plateau``: step it with the ``monitor``-ed metric (default: whether it is a
+    ``ReduceLROnPlateau``); ``monitor`` is read for such schedulers only, as in Lightning.
+    """
+
+    scheduler: Any
+    interval: str = "epoch"
+    frequency: int = 1
+    monitor: str | None = None
+    strict: bool = True
+    name: str | None = None
+    reduce_on_plateau: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.reduce_on_plateau is None:
+            self.reduce_on_plateau = isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+    @property
+    def is_plateau(self) -> bool:
+        return bool(self.reduce_on_plateau)

@@ -21,11 +21,14 @@ _LAZY = {
     "ModelCheckpoint": "ember.callbacks.model_checkpoint",
     "OnExceptionCheckpoint": "ember.callbacks.checkpoint_files",
     "TQDMProgressBar": "ember.callbacks.tqdm_progress",
+    "RichProgressBar": "ember.callbacks.rich_progress",
+    "RichProgressBarTheme": "ember.callbacks.rich_progress",
     "LambdaCallback": "ember.callbacks.lambda_function",
     "GradientAccumulationScheduler": "ember.callbacks.gradient_accumulation",
     "BaseFinetuning": "ember.callbacks.finetuning",
     "BackboneFinetuning": "ember.callbacks.backbone_finetuning",
     "DeviceStatsMonitor": "ember.callbacks.device_stats",
+    "StochasticWeightAveraging": "ember.callbacks.swa",
 }
 
 # The loggers lived here before they moved to ember.loggers (where Lightning keeps them). Code written

@@ -2,8 +2,8 @@
 
 A logger is a callback the Trainer feeds with metrics: :class:`~ember.loggers.logger.Logger` is the
 base, ``file_logger.py`` what the loggers that write under ``save_dir/name/version_N`` share, then
-one logger per file (TensorBoard, CSV, MLflow). Each is imported on first use; the loggers of
-optional services (MLflow) import their client package only when a run starts, so
+one logger per file (TensorBoard, CSV, MLflow, Weights & Biases). Each is imported on first use; the
+loggers of optional services (MLflow, wandb) import their client package only when a run starts, so
 ``import ember.loggers`` works without them installed.
 """
 
@@ -18,15 +18,17 @@ if TYPE_CHECKING:
     from ember.loggers.csv_logger import CSVLogger
     from ember.loggers.mlflow import MLFlowLogger
     from ember.loggers.tensorboard import TensorBoardLogger
+    from ember.loggers.wandb import WandbLogger
 
 # name -> module that defines it, imported on first use (tensorboard's writer is not cheap to import).
 _LAZY = {
     "CSVLogger": "ember.loggers.csv_logger",
     "TensorBoardLogger": "ember.loggers.tensorboard",
     "MLFlowLogger": "ember.loggers.mlflow",
+    "WandbLogger": "ember.loggers.wandb",
 }
 
-__all__ = ["Logger", "CSVLogger", "TensorBoardLogger", "MLFlowLogger"]
+__all__ = ["Logger", "CSVLogger", "TensorBoardLogger", "MLFlowLogger", "WandbLogger"]
 
 
 def __getattr__(name: str) -> Any:

@@ -264,8 +264,14 @@ def build_callbacks(
             log.info("Ignoring Trainer(max_time=...): the callbacks already contain a Timer.")
         else:
             callbacks.append(cbs.Timer(duration=max_time, interval="step"))
-    if progress_bar and not any(isinstance(c, cbs.ProgressBar) for c in callbacks):
+    bars = [c for c in callbacks if isinstance(c, cbs.ProgressBar)]
+    if progress_bar and not bars:
         callbacks.append(cbs.ProgressBar())
+    elif not progress_bar and bars:  # as Lightning, which refuses this too
+        raise ValueError(
+            f"Trainer(enable_progress_bar=False) but a {type(bars[0]).__name__} is in callbacks: remove the "
+            "progress bar from callbacks, or leave enable_progress_bar=True."
+        )
     if summary and not any(isinstance(c, cbs.ModelSummary) for c in callbacks):
         callbacks.append(cbs.ModelSummary())
     checkpoint_cls = getattr(cbs, "ModelCheckpoint", None)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ember.module import TrainModule
+from ember.types import SchedulerConfig
 from ember.utils import closest, is_overridden
 
 if TYPE_CHECKING:
@@ -42,31 +42,6 @@ class NoOptimizer(torch.optim.Optimizer):
 
 
 NO_OPTIMIZER_WARNING = "configure_optimizers returned None, this fit will run with no optimizer"
-
-
-@dataclass
-class SchedulerConfig:
-    """One LR scheduler and when to step it (Lightning's ``LRSchedulerConfig`` keys).
-
-    ``reduce_on_plateau``: step it with the ``monitor``-ed metric (default: whether it is a
-    ``ReduceLROnPlateau``); ``monitor`` is read for such schedulers only, as in Lightning.
-    """
-
-    scheduler: Any
-    interval: str = "epoch"
-    frequency: int = 1
-    monitor: str | None = None
-    strict: bool = True
-    name: str | None = None
-    reduce_on_plateau: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.reduce_on_plateau is None:
-            self.reduce_on_plateau = isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-
-    @property
-    def is_plateau(self) -> bool:
-        return bool(self.reduce_on_plateau)
 
 
 _CONFIG_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name", "reduce_on_plateau")

@@ -3,6 +3,7 @@ share (prepare -> setup -> restore -> run -> teardown), and public state."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -580,6 +581,18 @@ class Trainer(TrainerProperties):
             raise TypeError(f"Expected an ember.TrainModule, got {type(module).__name__}. Subclass ember.TrainModule.")
         if "_log_sink" not in module.__dict__:
             raise RuntimeError(f"{type(module).__name__}.__init__ did not call super().__init__(); call it first.")
+        for step in ("training_step", "validation_step", "test_step", "predict_step"):
+            fn = getattr(module, step, None)
+            try:
+                takes_iterator = callable(fn) and "dataloader_iter" in inspect.signature(fn).parameters
+            except (TypeError, ValueError):  # a builtin or otherwise opaque step
+                takes_iterator = False
+            if takes_iterator:
+                raise NotImplementedError(
+                    f"{type(module).__name__}.{step} takes `dataloader_iter`, Lightning's experimental step "
+                    "signature, which ember does not support yet: define "
+                    f"{step}(self, batch, batch_idx) and let the Trainer fetch the batches."
+                )
         if is_compiled(module) and self.strategy.strategy_name == "dp":
             raise ValueError(
                 "strategy='dp' cannot run a torch.compile'd module: its replicas would share the "
