@@ -52,7 +52,8 @@ def test_train_module_defines_the_loader_hooks_and_explains_a_missing_one():
         ("predict_dataloader", "dataloaders to predict"),
     ):
         assert callable(getattr(ember.TrainModule, name))
-        with pytest.raises(NotImplementedError, match=f"BoringModel defines no {name}\\(\\); define it, or pass {passed}"):
+        message = f"BoringModel defines no {name}\\(\\); define it, or pass {passed}"
+        with pytest.raises(NotImplementedError, match=message):
             getattr(module, name)()
 
 
@@ -325,7 +326,9 @@ def test_lbfgs_with_accumulation_equals_a_hand_written_loop():
         (F.mse_loss(reference.layer(first[0]), first[1]) / 2).backward()
         window = [p.grad.clone() for p in params]
 
-        def closure(x: torch.Tensor = last[0], y: torch.Tensor = last[1]) -> torch.Tensor:
+        def closure(
+            x: torch.Tensor = last[0], y: torch.Tensor = last[1], window: list[torch.Tensor] = window
+        ) -> torch.Tensor:
             for p, g in zip(params, window):
                 p.grad = g.clone()
             loss = F.mse_loss(reference.layer(x), y)
