@@ -62,10 +62,20 @@ def test_fit_with_a_datamodule_calls_its_hooks_in_order():
 
 
 def test_datamodule_without_validation_data_skips_validation():
+    class TrainOnly(DM):
+        val_dataloader = ember.DataModule.val_dataloader  # not defined: DataModule's default
+
     calls: list[str] = []
     trainer = fast_trainer()
-    trainer.fit(BoringModel(), datamodule=DM(calls, with_val=False))
+    trainer.fit(BoringModel(), datamodule=TrainOnly(calls))
     assert "val_loss" not in trainer.callback_metrics and trainer.global_step == 4
+    assert "DataModule.val_dataloader" not in calls
+
+
+def test_a_datamodules_val_dataloader_returning_none_is_refused():
+    # Lightning 2.6.6: TypeError "An invalid dataloader was returned from `DM.val_dataloader()`. Found None."
+    with pytest.raises(TypeError, match=r"DM.val_dataloader\(\) returned None; it must return a DataLoader"):
+        fast_trainer().fit(BoringModel(), datamodule=DM([], with_val=False))
 
 
 @pytest.mark.parametrize(

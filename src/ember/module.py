@@ -387,6 +387,33 @@ class TrainModule(HyperparametersMixin, nn.Module):
     def configure_callbacks(self) -> Iterable[Any]:
         return []
 
+    # The loaders, when neither fit's arguments nor a datamodule give them. The Trainer calls only the ones
+    # a subclass defines (as Lightning, which defines them here too, so that hook lists name them).
+    def train_dataloader(self) -> Any:
+        """The training loader (any iterable of batches), requested once per fit after the sanity check."""
+        raise NotImplementedError(
+            f"{type(self).__name__} defines no train_dataloader(); define it, or pass train_dataloaders to fit."
+        )
+
+    def val_dataloader(self) -> Any:
+        """One validation loader or a list of them, requested when the sanity check starts (or after the
+        training loader). An empty list: this fit does not validate (None is refused, as in Lightning)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} defines no val_dataloader(); define it, or pass val_dataloaders to fit."
+        )
+
+    def test_dataloader(self) -> Any:
+        """One test loader or a list of them, requested when ``trainer.test`` starts."""
+        raise NotImplementedError(
+            f"{type(self).__name__} defines no test_dataloader(); define it, or pass dataloaders to test."
+        )
+
+    def predict_dataloader(self) -> Any:
+        """One predict loader or a list of them, requested when ``trainer.predict`` starts."""
+        raise NotImplementedError(
+            f"{type(self).__name__} defines no predict_dataloader(); define it, or pass dataloaders to predict."
+        )
+
     def prepare_data(self) -> None: ...
     def configure_model(self) -> None:
         """Create layers here (called after ``setup`` on every entry point, before optimizers exist).
@@ -430,8 +457,9 @@ class TrainModule(HyperparametersMixin, nn.Module):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
 
     def on_validation_model_zero_grad(self) -> None:
-        """Before a validation inside fit (outside an accumulation window): release the gradients."""
-        self.zero_grad(set_to_none=True)
+        """Before a validation inside fit (outside an accumulation window): release the gradients
+        (``zero_grad()``, whose default sets them to None)."""
+        self.zero_grad()
 
     def on_validation_model_eval(self) -> None:
         """Put the module in eval mode before validation (default: ``self.eval()``)."""

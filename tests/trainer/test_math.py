@@ -314,10 +314,6 @@ def test_lbfgs_runs_the_step_hooks_inside_each_closure_call():
     "kwargs,match",
     [
         (
-            dict(accumulate_grad_batches=2),
-            r"LBFGS.step needs a closure .* gradient accumulation \(accumulate_grad_batches=2\)",
-        ),
-        (
             dict(precision="16-mixed"),
             r"LBFGS.step needs a closure, which a gradient scaler \(precision='16-mixed'\) cannot",
         ),

@@ -339,8 +339,8 @@ def test_a_scheduler_without_state_dict_is_an_error():
 
     with pytest.raises(
         TypeError,
-        match=r"NoState is not an LR scheduler: it needs step\(\), state_dict\(\) and "
-        r"load_state_dict\(\)",
+        match=r"NoState is not an LR scheduler: it needs state_dict\(\) and load_state_dict\(\), which save "
+        r"and restore it with checkpoints",
     ):
         fast_trainer().fit(
             module_returning(lambda m: ([torch.optim.SGD(m.parameters(), lr=1.0)], [NoState()])), regression_loader()

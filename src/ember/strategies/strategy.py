@@ -191,8 +191,11 @@ class Strategy:
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None, **kwargs: Any
     ) -> Any:
-        """Step ``optimizer`` (with ``closure`` when given); ``kwargs`` go on to its ``step``, as Lightning's."""
-        return optimizer.step(closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
+        """Step ``optimizer`` (with ``closure`` when given); ``kwargs`` go on to its ``step``, as Lightning's.
+
+        The closure goes by keyword, as Lightning passes it: an optimizer (or a mock of one) sees
+        ``step(closure=...)``."""
+        return optimizer.step(closure=closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:

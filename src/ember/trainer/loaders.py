@@ -108,9 +108,24 @@ def request(trainer: Trainer, given: Any, attr: str) -> Any:
     """``given`` if not None, else what the datamodule's (or, without one, the module's) ``attr()`` returns."""
     if given is not None:
         return given
-    source = trainer.datamodule if trainer.datamodule is not None else trainer.module
-    fn = getattr(source, attr, None)
-    return fn() if callable(fn) else None
+    dm = trainer.datamodule
+    if dm is not None:
+        source: Any = dm
+        if not is_overridden(attr, dm, DataModule):
+            fn = getattr(dm, attr, None)  # DataModule's own: None for validation, an explanatory error otherwise
+            return fn() if callable(fn) else None
+    elif is_overridden(attr, trainer.module, TrainModule):
+        source = trainer.module
+    else:
+        return None  # TrainModule's defaults only say it is missing; the callers say what to pass instead
+    loaders = getattr(source, attr)()
+    if loaders is None:  # as Lightning: a defined hook must return loaders
+        raise TypeError(
+            f"{type(source).__name__}.{attr}() returned None; it must return a DataLoader (or any iterable of "
+            f"batches), or a list or dict of them. To go without, do not define {attr}()"
+            + (", or set limit_val_batches=0." if attr == "val_dataloader" else ".")
+        )
+    return loaders
 
 
 def eval_loaders(
@@ -225,7 +240,8 @@ class FitData:
     def __init__(self, trainer: Trainer, train: Any, val: Any) -> None:
         self._trainer = trainer
         self._given = (train, val)
-        self.train_loader: Any = None
+        self.train_loader: Any = None  # what the loop iterates (process()ed: resumable, sharded)
+        self.train_given: Any = None  # the loader as given or requested (see _set_train)
         self.val_loaders: list[Any] = []
         self.num_training_batches: float = 0
         self.num_val_batches: list[float] = []
@@ -251,7 +267,7 @@ class FitData:
         dm = self._trainer.datamodule
         if dm is not None:
             return is_overridden("val_dataloader", dm, DataModule)
-        return callable(getattr(self._trainer.module, "val_dataloader", None))
+        return is_overridden("val_dataloader", self._trainer.module, TrainModule)
 
     def warn_validation_step_without_data(self) -> None:
         """As Lightning, once at the start of a fit (rank zero): a ``validation_step`` with no validation data
@@ -335,6 +351,9 @@ class FitData:
                 loader.flattened = [unshuffled(d, "train") for d in loader.flattened]
             else:
                 loader = unshuffled(loader, "train")
+        # What trainer.train_dataloader shows (as Lightning: the loaders in the structure given, a
+        # CombinedLoader's too), taken before process() swaps in the resumable or sharded ones.
+        self.train_given = loader.iterables if isinstance(loader, CombinedLoader) else loader
         self.train_loader = process(t, loader, "fit")
         self.num_training_batches = num_batches(self.train_loader, t.limit_train_batches)
 

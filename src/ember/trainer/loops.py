@@ -12,8 +12,9 @@ A fit, as in Lightning::
         on_before_batch_transfer -> transfer_batch_to_device -> on_after_batch_transfer -> on_train_batch_start
         the step (step.py); global_step += 1 when the optimizer stepped
         step-interval schedulers (lr_scheduler_step); after the epoch's last batch, epoch-interval ones
-        on_train_batch_end -> plateau schedulers -> step metrics to the loggers every log_every_n_steps
+        on_train_batch_end -> step metrics to the loggers every log_every_n_steps
         [validation due] on_validation_model_zero_grad, validation, its epoch metrics to the loggers
+        step-interval ReduceLROnPlateau schedulers (after the validation whose metrics they may monitor)
         step boundary: callbacks that save mid-epoch (``on_train_step_boundary``), a pending stop signal
     epoch end: on_train_epoch_end (non-monitoring callbacks, then the module) -> epoch metrics reduced
         (across processes too) -> monitoring callbacks (the progress bar's epoch line, early stopping, then
@@ -320,7 +321,7 @@ class FitLoop:
         stream = iterate(t.profiler, "[FitLoop].train_dataloader_next", stream)
         run_step = wrap(t.profiler, "run_training_batch", step)
         batch_idx = start - 1
-        is_last = exhausted = refused = False
+        is_last = exhausted = refused = cut = False
         for batch, is_last in stream:
             batch_idx += 1
             if batch_idx >= n_batches:
@@ -361,20 +362,21 @@ class FitLoop:
                     outputs = as_output_dict(outputs)
                 for h in batch_end:
                     h(outputs, batch, batch_idx)
-            if steps and schedulers:
-                self.optim.step_schedulers("step", p.global_step, metrics.callback_metrics, plateau=True)
             if self.writes_step_metrics or (t.should_stop and steps and log_every):  # (a stop requested just now)
                 self.writes_step_metrics = False
                 self.logs.step_metrics()
             if may_validate and self._val_due(batch_idx, is_last):
                 # Inside an accumulation window the gradients are kept for the window's step.
                 self._validate(zero_grad=not step.automatic or k == 1 or (batch_idx + 1) % k == 0 or is_last)
+            if steps and schedulers:  # after the validation whose metrics they may monitor (as Lightning)
+                self.optim.step_schedulers("step", p.global_step, metrics.callback_metrics, plateau=True)
             for h in boundary:
                 h(t, t.module)
             if preemption is not None and (preemption_polls or preemption.received is not None):
                 preemption.check()  # on a stop signal (any rank): saves, then raises ember.exceptions.Preempted
             # current_epoch counts finished epochs: before min_epochs, finish this one whole.
-            if (t.should_stop and self.can_stop()) or (max_steps != -1 and p.global_step >= max_steps):
+            cut = max_steps != -1 and p.global_step >= max_steps
+            if cut or (t.should_stop and self.can_stop()):
                 # Stopping mid-epoch: run the epoch-end validation that would otherwise be skipped,
                 # so monitored metrics (checkpointing, early stopping) reflect the final weights.
                 if not is_last and self._val_due_at_epoch_end() and p.val_checks_in_epoch == 0:
@@ -389,7 +391,11 @@ class FitLoop:
         # Whether the epoch ran to its last batch: a stop mid-epoch (max_steps, should_stop) leaves
         # the epoch-end schedulers unstepped, as Lightning does.
         ran_last = is_last and p.batch_in_epoch == batch_idx + 1  # (not a batch refused by on_train_batch_start)
-        self._end_epoch(whole=exhausted or ran_last or refused or p.batch_in_epoch >= n_batches)
+        whole = exhausted or ran_last or refused or p.batch_in_epoch >= n_batches
+        # An epoch max_steps cut short is not over: a checkpoint written at its end resumes with its next
+        # batch (as Lightning, when the resumed run counts steps), so raising max_steps continues the run
+        # as one uninterrupted run with that limit would. One should_stop ended is over (as Lightning).
+        self._end_epoch(whole, unfinished=cut and not whole)
 
     def _no_batch(self, sized: bool) -> None:
         """An epoch without a single batch: an error for a loader with a length (its length lied); for one
@@ -425,12 +431,14 @@ class FitLoop:
         if t.strategy.is_global_zero:
             warnings.warn(message, UserWarning, stacklevel=2)
 
-    def _end_epoch(self, whole: bool) -> None:
+    def _end_epoch(self, whole: bool, unfinished: bool = False) -> None:
         p = self.progress
         self.log_step = max(p.global_step - 1, 0)
         self.hooks.call("on_train_epoch_end", monitoring=False)
         self.logs.record_epoch(self.metrics.end_stage())
-        p.epoch_finished = True  # checkpoints written by the monitoring callbacks resume after this point
+        # Checkpoints written by the monitoring callbacks resume after this point: with the next epoch, or
+        # (``unfinished``) with this epoch's next batch.
+        p.epoch_finished = not unfinished
         self.hooks.call("on_train_epoch_end", monitoring=True)
         self._finish_epoch(whole)
 

@@ -86,10 +86,12 @@ def _scheduler_config(obj: Any, automatic: bool = True) -> SchedulerConfig:
             RuntimeWarning,
             stacklevel=4,
         )
-    if not all(callable(getattr(cfg.scheduler, a, None)) for a in ("step", "state_dict", "load_state_dict")):
+    # step() is not required: in manual optimization the user steps it their own way, and in automatic
+    # optimization check_scheduler_api asks for lr_scheduler_step when it is not one of torch's (as Lightning).
+    if not all(callable(getattr(cfg.scheduler, a, None)) for a in ("state_dict", "load_state_dict")):
         raise TypeError(
-            f"{type(cfg.scheduler).__name__} is not an LR scheduler: it needs step(), state_dict() and "
-            "load_state_dict() (the last two save and restore it with checkpoints)."
+            f"{type(cfg.scheduler).__name__} is not an LR scheduler: it needs state_dict() and "
+            "load_state_dict(), which save and restore it with checkpoints."
         )
     return cfg
 

@@ -13,6 +13,7 @@ from ember.callbacks.model_checkpoint import ModelCheckpoint
 from ember.loggers.file_logger import FileLogger
 from ember.loggers.logger import Logger
 from ember.module import TrainModule
+from ember.trainer.loaders import CombinedBatches
 from ember.utils import is_overridden
 
 if TYPE_CHECKING:
@@ -229,7 +230,15 @@ class TrainerProperties:
 
     @property
     def train_dataloader(self) -> Any:
-        return self._data.train_loader
+        """The fit's training loader (None before it is requested): in one process the loader given or
+        requested (the sampler ember puts in for an exact mid-epoch resume is its own affair; with
+        ``overfit_batches``, the loader with its sampler made sequential), with several processes the one
+        each rank iterates, its sampler sharding the data (as Lightning's ``DistributedSampler`` loader)."""
+        data = self._data
+        if self.world_size == 1 or data.train_loader is None:
+            return data.train_given
+        loader = data.train_loader
+        return loader.combined.iterables if isinstance(loader, CombinedBatches) else loader
 
     @property
     def val_dataloaders(self) -> Any:

@@ -98,16 +98,19 @@ class _Closure:
     """What ``optimizer_step`` receives as ``optimizer_closure``: one call runs the batch's forward,
     backward and pre-step work and returns the loss (None when ``training_step`` returned None)."""
 
-    __slots__ = ("_step", "_batch", "_batch_idx", "_pos", "outputs", "called", "skipped")
+    __slots__ = ("_step", "_batch", "_batch_idx", "_pos", "_window", "outputs", "called", "skipped")
 
     def __init__(self, step: TrainingStep, batch: Any, batch_idx: int, pos: int) -> None:
         self._step, self._batch, self._batch_idx, self._pos = step, batch, batch_idx, pos
+        self._window: list[torch.Tensor | None] | None = None
         self.outputs: Any = None
         self.called = False
         self.skipped = False
 
     def __call__(self) -> torch.Tensor | None:
         step = self._step
+        if self._pos > 0 and step.evaluates_loss:
+            self._window_gradients()
         # An optimizer that evaluates the loss itself cannot skip a batch (loss_closure raises instead).
         warn = not self.called and not step.evaluates_loss
         outputs, loss = step.forward_backward(self._batch, self._batch_idx, self._pos, warn=warn)
@@ -118,6 +121,18 @@ class _Closure:
         if not self.skipped and (step.pre_step_work or not step.sized):
             step.before_optimizer_step(self._pos)
         return loss
+
+    def _window_gradients(self) -> None:
+        """An optimizer that calls the closure several times (LBFGS's line search) at the last batch of an
+        accumulation window: every call must see the window's earlier batches' gradients plus this batch's
+        at the current weights. The first call keeps a copy of the earlier ones; the later calls start from
+        it (Lightning adds each call's gradients on top of the previous calls')."""
+        params = [p for group in self._step.optimizer.param_groups for p in group["params"]]
+        if self._window is None:
+            self._window = [None if p.grad is None else p.grad.clone() for p in params]
+            return
+        for p, grad in zip(params, self._window):
+            p.grad = None if grad is None else grad.clone()
 
 
 class TrainingStep:
@@ -341,12 +356,6 @@ class TrainingStep:
         if not self.evaluates_loss:
             return
         name = type(self._optimizer).__name__
-        if self.k > 1:
-            raise ValueError(
-                f"{name}.step needs a closure that computes the loss, which cannot be combined with "
-                f"gradient accumulation (accumulate_grad_batches={self.k}). Use "
-                "accumulate_grad_batches=1, or an optimizer whose step takes no closure."
-            )
         if self.precision.scaler is not None:
             raise ValueError(
                 f"{name}.step needs a closure, which a gradient scaler (precision='16-mixed') cannot "

@@ -389,18 +389,17 @@ class Trainer(TrainerProperties):
 
     def _evaluate_or_predict(self, stage: Stage, module: TrainModule, given: Any, path: str | None) -> Any:
         module.zero_grad()  # every stage starts without gradients, as Lightning's _run_stage
-        if stage == "predict":
-            loaders, limits = eval_loaders(self, given, stage, "predict_dataloader", self.limit_predict_batches)
-        else:
+        attr, limit = {
+            "validate": ("val_dataloader", self.limit_val_batches),
+            "test": ("test_dataloader", self.limit_test_batches),
+            "predict": ("predict_dataloader", self.limit_predict_batches),
+        }[stage]
+        if stage != "predict":
             hook = "validation" if stage == "validate" else "test"
             if not is_overridden(f"{hook}_step", module, TrainModule):
                 raise ValueError(f"{type(module).__name__} defines no {hook}_step; define it to {stage}.")
-            attr, limit = (
-                ("val_dataloader", self.limit_val_batches)
-                if stage == "validate"
-                else ("test_dataloader", self.limit_test_batches)
-            )
-            loaders, limits = eval_loaders(self, given, stage, attr, limit)
+        # A limit of 0 batches runs nothing, and (as Lightning) does not even request the loaders.
+        loaders, limits = eval_loaders(self, given, stage, attr, limit) if limit != 0 else ([], [])
         self._eval_batches[stage] = limits
         self._eval_loaders[stage] = loaders
         self._precision.convert_module(module)
@@ -410,7 +409,7 @@ class Trainer(TrainerProperties):
         evaluation = EvaluationLoop(self, module, self._hooks, self._metrics, self._precision, self._input_dtype)
         if stage == "predict":
             outputs = evaluation.predict(loaders, limits, keep=self._return_predictions)
-            if not self._return_predictions:
+            if not self._return_predictions or not outputs:  # (no loader: limit_predict_batches=0)
                 return None
             return outputs[0] if len(outputs) == 1 else outputs
         results = evaluation.run(stage, loaders, limits)
