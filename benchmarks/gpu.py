@@ -49,7 +49,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a clone without installing
 
 import ember  # noqa: E402
-from ember.callbacks import Callback, ProgressBar, TensorBoardLogger  # noqa: E402
+from ember.callbacks import Callback, ProgressBar  # noqa: E402
+from ember.loggers import TensorBoardLogger
 from ember.strategies.dp import DataParallelStrategy  # noqa: E402
 
 

@@ -75,7 +75,7 @@ def optional_configs(root: str) -> dict:
     """Configurations that need optional callbacks, when this build has them."""
     extra = {}
     try:
-        tb = ember.callbacks.TensorBoardLogger
+        tb = ember.loggers.TensorBoardLogger
     except AttributeError:
         tb = None
     if tb is not None:

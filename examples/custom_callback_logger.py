@@ -1,6 +1,6 @@
 """A custom Callback and a custom Logger, used together on the digits CNN of ``digits.py``.
 
-- ``JSONLinesLogger`` subclasses ``ember.callbacks.Logger``: ``log_hyperparams``, ``log_metrics``
+- ``JSONLinesLogger`` subclasses ``ember.loggers.Logger``: ``log_hyperparams``, ``log_metrics``
   and ``finalize`` each append one JSON object per line to ``<save_dir>/jsonl/version_N/metrics.jsonl``
   (on rank zero only). Having a ``save_dir``, it is also where checkpoints go.
 - ``TargetAccuracy`` subclasses ``ember.callbacks.Callback``: after each validation it prints the
@@ -41,7 +41,7 @@ from digits import DigitsCNN, digits_loaders  # the module beside this file
 import ember
 
 
-class JSONLinesLogger(ember.callbacks.Logger):
+class JSONLinesLogger(ember.loggers.Logger):
     """Appends each logging event to ``<save_dir>/jsonl/version_N/metrics.jsonl`` as one JSON object."""
 
     def __init__(self, save_dir: str = ".") -> None:
@@ -79,7 +79,7 @@ class JSONLinesLogger(ember.callbacks.Logger):
                 fh.write(json.dumps(record) + "\n")
 
     def log_hyperparams(self, params=None, metrics=None, step=None):
-        self._write({"hparams": ember.callbacks.logger.hparams_dict(params)})
+        self._write({"hparams": ember.loggers.logger.hparams_dict(params)})
 
     def log_metrics(self, metrics, step=None):
         self._write({"step": step, "metrics": {k: float(v) for k, v in metrics.items()}})

@@ -406,7 +406,7 @@ def test_load_from_checkpoint_passes_a_saved_dict_as_its_argument(tmp_path):
     assert dict(loaded.hparams) == {"lr": 0.9} and loaded.lr == 0.9
 
 
-class _HparamsLogger(ember.callbacks.Logger):
+class _HparamsLogger(ember.loggers.Logger):
     def __init__(self) -> None:
         super().__init__()
         self.params: list[dict[str, Any]] = []

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import RandomSampler, SequentialSampler, TensorDataset
 
 import ember
-from ember.callbacks import CSVLogger
+from ember.loggers import CSVLogger
 from ember.module import takes_batch_idx
 from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 

@@ -1,6 +1,6 @@
 """Hyper-parameters: ``save_hyperparameters``, ``hparams`` and ``hparams_initial`` for modules and datamodules.
 
-Imports nothing of ember, so that both ``module.py`` and ``data.py`` can use it.
+Imports nothing of ember, so that both ``module.py`` and ``data/datamodule.py`` can use it.
 
 ``save_hyperparameters()`` reads the arguments of the constructor calls of the object that is
 being built: it walks up the Python stack from its caller, through helpers called from

@@ -144,15 +144,24 @@ def sized_len(obj: Any) -> int | None:
         return None
 
 
-def defines_hook(name: str, obj: Any, base: type) -> bool:
-    """Whether ember must call ``obj``'s ``name`` rather than ``base``'s default (or skip it).
+def is_overridden(name: str, obj: Any, base: type) -> bool:
+    """Whether ``obj``'s ``name`` is something other than ``base``'s default: ember's one answer to "does
+    the user's module, datamodule or callback define this hook or step?".
 
-    Looked up on the object, not its class, so an attribute set on the instance counts: a function,
-    a ``functools.partial`` or a mock is called, and ``None`` (``model.on_train_start = None``) means
-    "not overridden", as in Lightning, rather than a None to call. ember calls only the hooks a
-    module or callback overrides, so unlike Lightning's ``is_overridden`` (used where Lightning
-    decides something from it: which loops run, whose batch-transfer hook) a ``functools.wraps``
-    wrapper of the base's own method counts here: it has work to do.
+    Looked up on the object, not its class, so an attribute set on the instance counts: a function, a
+    ``functools.partial`` (looked through to its function) or a mock. ``None`` on the instance
+    (``model.validation_step = None``) means "not overridden", as in Lightning. The same answer decides
+    which hooks the Trainer calls (a hook that is not overridden is skipped, so an unused hook costs
+    nothing per step) and what a run does (whether fit validates, whose batch-transfer hook runs).
+
+    One difference from lightning-utilities' ``is_overridden``, which Lightning uses for its decisions
+    only (it calls every hook): a wrapper of the default (``functools.wraps``, ``Mock(wraps=...)``) or a
+    bare ``Mock`` counts as overridden here, because skipping it would skip what the wrapper does.
+
+    Args:
+        name: the hook or method name, e.g. ``"on_train_start"`` or ``"validation_step"``.
+        obj: the module, datamodule or callback, or None (then nothing is overridden).
+        base: the class whose implementation is the default (``TrainModule``, ``DataModule``, ``Callback``).
     """
     attr = getattr(obj, name, None)
     if attr is None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from ember.callbacks import CSVLogger
+from ember.loggers import CSVLogger
 
 
 class Tiny(ember.TrainModule):

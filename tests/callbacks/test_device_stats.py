@@ -10,7 +10,8 @@ from torch.utils.data import DataLoader, TensorDataset
 pytest.importorskip("psutil")
 
 import ember  # noqa: E402
-from ember.callbacks import DeviceStatsMonitor, Logger  # noqa: E402
+from ember.callbacks import DeviceStatsMonitor  # noqa: E402
+from ember.loggers import Logger  # noqa: E402
 
 
 class Rec(Logger):

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from ember.callbacks import CSVLogger, ModelCheckpoint
-from ember.callbacks.fit_summary import fit_summary
+from ember.callbacks import ModelCheckpoint
+from ember.loggers import CSVLogger
+from ember.trainer.fit_summary import fit_summary
 from tests.helpers.models import OtherRank
 
 

@@ -69,7 +69,7 @@ def test_history_belongs_to_the_last_fit_and_stops_with_it(tmp_path):
 
 
 def test_history_matches_what_the_loggers_got(tmp_path):
-    csv_logger = ember.callbacks.CSVLogger(save_dir=tmp_path)
+    csv_logger = ember.loggers.CSVLogger(save_dir=tmp_path)
     trainer = fit(logger=csv_logger, log_every_n_steps=1)
     import csv
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ember.callbacks import CSVLogger, Logger, TensorBoardLogger
+from ember.loggers import CSVLogger, Logger, TensorBoardLogger
 from tests.helpers.models import BoringModel, fast_trainer
 
 

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from ember.callbacks import LearningRateMonitor, Logger
+from ember.callbacks import LearningRateMonitor
+from ember.loggers import Logger
 
 
 class Recorder(Logger):
@@ -88,7 +89,7 @@ def test_epoch_interval_param_groups_and_scheduler_name():
 
 
 def test_plain_optimizer_forced_to_step_interval_and_csv(tmp_path):
-    csv_logger = ember.callbacks.CSVLogger(save_dir=tmp_path)
+    csv_logger = ember.loggers.CSVLogger(save_dir=tmp_path)
     trainer = fit(Tiny("plain"), LearningRateMonitor(logging_interval="step"), csv_logger, max_epochs=1)
     import csv
 

@@ -145,7 +145,8 @@ def test_lr_monitor_exposes_lrs_momentum_and_callback_metrics(tmp_path, interval
     # Lightning 2.6.6, 2 epochs of 4 steps, log_every_n_steps=2: lrs {'lr-SGD': [0.1, 0.05]} ("epoch") or
     # [0.1, 0.1, 0.05, 0.05] ("step"); last_momentum_values {'lr-SGD-momentum': 0.9}; callback_metrics hold
     # tensors lr-SGD / lr-SGD-momentum: 0.1 at the end of epoch 0, 0.05 at the end of epoch 1.
-    from ember.callbacks import CSVLogger, LearningRateMonitor
+    from ember.callbacks import LearningRateMonitor
+    from ember.loggers import CSVLogger
 
     monitor, seen = LearningRateMonitor(logging_interval=interval, log_momentum=True), LrAtEpochEnd()
     t = trainer([monitor, seen], max_epochs=2, logger=CSVLogger(str(tmp_path)), log_every_n_steps=2)
@@ -162,7 +163,8 @@ def test_lr_monitor_exposes_lrs_momentum_and_callback_metrics(tmp_path, interval
 def test_early_stopping_and_checkpointing_can_monitor_the_learning_rate(tmp_path):
     # Lightning 2.6.6: EarlyStopping("lr-SGD", mode="max", patience=0) stops at epoch 1 (best 0.1);
     # ModelCheckpoint(monitor="lr-SGD", mode="max") keeps epoch=0-step=4.ckpt (score 0.1); 2 epochs ran.
-    from ember.callbacks import CSVLogger, LearningRateMonitor, ModelCheckpoint
+    from ember.callbacks import LearningRateMonitor, ModelCheckpoint
+    from ember.loggers import CSVLogger
 
     es = EarlyStopping("lr-SGD", mode="max", patience=0)
     mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="lr-SGD", mode="max")

@@ -243,7 +243,8 @@ import sys
 import torch, torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 import ember
-from ember.callbacks import CSVLogger, ProgressBar
+from ember.callbacks import ProgressBar
+from ember.loggers import CSVLogger
 
 class Tiny(ember.TrainModule):
     def __init__(self):

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from ember.callbacks import CSVLogger, TensorBoardLogger, default_logger
+from ember.loggers import CSVLogger, TensorBoardLogger
+from ember.loggers.tensorboard import default_logger
 from tests.helpers.models import BoringModel, regression_loader
 
 pytest.importorskip("tensorboard")

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import ember
-from ember.callbacks import Logger, ThroughputMonitor
+from ember.callbacks import ThroughputMonitor
+from ember.loggers import Logger
 
 
 class Recorder(Logger):

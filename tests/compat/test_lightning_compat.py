@@ -22,7 +22,7 @@ EXPECTED = json.load(open(os.path.join(os.path.dirname(__file__), "lightning_2_6
 EMBER = types.SimpleNamespace(
     Module=ember.TrainModule,
     Trainer=ember.Trainer,
-    Logger=ember.callbacks.Logger,
+    Logger=ember.loggers.Logger,
     ModelCheckpoint=ember.callbacks.ModelCheckpoint,
     EarlyStopping=ember.callbacks.EarlyStopping,
 )

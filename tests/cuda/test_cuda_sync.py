@@ -20,7 +20,8 @@ import warnings
 import pytest
 import torch
 
-from ember.callbacks import Callback, ProgressBar, TensorBoardLogger
+from ember.callbacks import Callback, ProgressBar
+from ember.loggers import TensorBoardLogger
 from tests.cuda.cuda_helpers import MLP, loader, needs_cuda, trainer
 
 pytestmark = [needs_cuda, pytest.mark.timeout(120)]

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ember
-from ember.callbacks import Callback, Logger
+from ember.callbacks import Callback
 from ember.callbacks.callback import HOOKS
+from ember.loggers import Logger
 from ember.strategies.single import SingleDeviceStrategy
 
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.strategies.ddp import DDPStrategy
-from ember.strategies.launcher import World
+from ember.strategies.launchers.launcher import World
 from tests.helpers.dist import run_ranks
 
 B, STEPS, TOL, N = 4, 20, 1e-5, 48

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember.strategies import launcher
+from ember.strategies.launchers import launcher
 from tests.helpers.dist import assert_processes_gone
 from tests.strategies import ddp_script
 

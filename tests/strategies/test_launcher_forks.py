@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ember.strategies import launcher
+from ember.strategies.launchers import launcher
 from tests.helpers.dist import run_ranks
 
 pytestmark = pytest.mark.processes

@@ -1,4 +1,4 @@
-"""The resumable sampler swap (ember.strategies.resumable)."""
+"""The resumable sampler swap (ember.data.resumable)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, TensorDataset
 
-from ember.strategies.resumable import SkipFirstBatches, make_resumable, resumable_sampler_of, why_not_swappable
-from ember.strategies.sampler import ShardedSampler
+from ember.data.resumable import SkipFirstBatches, make_resumable, resumable_sampler_of, why_not_swappable
+from ember.data.sampler import ShardedSampler
 
 
 def ds(n: int = 10) -> TensorDataset:

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ember.strategies.sampler import ShardedSampler
+from ember.data.sampler import ShardedSampler
 
 
 def shards(n: int, world: int, **kwargs) -> list[list[int]]:

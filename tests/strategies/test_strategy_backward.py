@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import ember
 from ember.strategies import DataParallelStrategy, DDPStrategy, SingleDeviceStrategy, Strategy
-from ember.strategies.verdicts import AFTER_BACKWARD
+from ember.strategies.watchdog.verdicts import AFTER_BACKWARD
 from tests.helpers.dist import run_ranks
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(60)]

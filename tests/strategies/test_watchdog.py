@@ -1,4 +1,4 @@
-"""The ddp watchdog (ember/strategies/watchdog.py, and verdicts.py for what it reads and says).
+"""The ddp watchdog (ember/strategies/watchdog/: watchdog.py, and verdicts.py for what it reads and says).
 
 Unit tests drive two ranks' watchdogs by hand over one in-process store (no threads, no clock):
 who is named, when, and when not. The job tests run ``hang_script.py`` as a real 2-rank program
@@ -22,8 +22,8 @@ import pytest
 import torch.distributed as dist
 
 from ember.strategies import DDPStrategy
-from ember.strategies import watchdog as wd
-from ember.strategies.verdicts import AFTER_BACKWARD
+from ember.strategies.watchdog import watchdog as wd
+from ember.strategies.watchdog.verdicts import AFTER_BACKWARD
 from tests.helpers.dist import assert_processes_gone
 
 pytestmark = pytest.mark.processes

@@ -487,7 +487,7 @@ def test_logger_instance_and_list():
 
 def test_logger_true_uses_the_default_logger(tmp_path):
     trainer = fast_trainer(logger=True, default_root_dir=tmp_path)
-    assert all(isinstance(lg, ember.callbacks.Logger) for lg in trainer.loggers)
+    assert all(isinstance(lg, ember.loggers.Logger) for lg in trainer.loggers)
     trainer.fit(BoringModel(), regression_loader())
 
 

@@ -129,7 +129,7 @@ def test_last_keeps_a_logger_version_the_user_chose(tmp_path):
     ember.Trainer(max_epochs=1, enable_progress_bar=False, default_root_dir=str(tmp_path)).fit(
         BoringModel(), regression_loader()
     )
-    logger = ember.callbacks.TensorBoardLogger(save_dir=str(tmp_path), version="mine")
+    logger = ember.loggers.TensorBoardLogger(save_dir=str(tmp_path), version="mine")
     t = ember.Trainer(max_epochs=2, enable_progress_bar=False, default_root_dir=str(tmp_path), logger=logger)
     with pytest.warns(UserWarning, match="found no checkpoint"):  # only version "mine" is searched
         t.fit(BoringModel(), regression_loader(), ckpt_path="last")

@@ -22,7 +22,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import ember
-from ember.callbacks import Callback, Logger
+from ember.callbacks import Callback
+from ember.loggers import Logger
 from tests.helpers.dist import run_ranks
 from tests.helpers.hook_recorder import HookCallback, RecordingHookModule, _fmt, _loader, trainer
 

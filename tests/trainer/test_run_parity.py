@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import ember
-from ember.callbacks import Callback, Logger
+from ember.callbacks import Callback
+from ember.loggers import Logger
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import BoringModel, TrainOnlyModel, fast_trainer, regression_loader
 

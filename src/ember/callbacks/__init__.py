@@ -1,4 +1,7 @@
-"""Callbacks: progress, logging, checkpointing. One callback per file; imported on first use."""
+"""Callbacks: progress, monitoring, checkpointing. One callback per file; imported on first use.
+
+Loggers are callbacks too, but live in :mod:`ember.loggers`, where Lightning keeps them.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +9,11 @@ import importlib
 from typing import Any
 
 from ember.callbacks.callback import Callback
-from ember.callbacks.logger import Logger
 
-# name -> module that defines it; loaded lazily so `import ember` does not pay for tensorboard etc.
+# name -> module that defines it; loaded lazily so `import ember` does not pay for what a run does not use.
 _LAZY = {
     "ProgressBar": "ember.callbacks.progress_bar",
     "ModelSummary": "ember.callbacks.model_summary",
-    "TensorBoardLogger": "ember.callbacks.tensorboard",
-    "default_logger": "ember.callbacks.tensorboard",
-    "CSVLogger": "ember.callbacks.csv_logger",
     "EarlyStopping": "ember.callbacks.early_stopping",
     "LearningRateMonitor": "ember.callbacks.lr_monitor",
     "ThroughputMonitor": "ember.callbacks.throughput",
@@ -29,12 +28,22 @@ _LAZY = {
     "DeviceStatsMonitor": "ember.callbacks.device_stats",
 }
 
-__all__ = ["Callback", "Logger", *_LAZY]
+# The loggers lived here before they moved to ember.loggers (as Lightning's); say where they are now.
+_MOVED_TO_LOGGERS = ("Logger", "CSVLogger", "TensorBoardLogger")
+
+__all__ = ["Callback", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
+        if name in _MOVED_TO_LOGGERS:
+            # ImportError, not AttributeError: `from ember.callbacks import CSVLogger` would swallow the
+            # latter's message into a bare "cannot import name".
+            raise ImportError(
+                f"ember.callbacks has no {name}: loggers live in ember.loggers, as in Lightning "
+                f"(lightning.pytorch.loggers). Use ember.loggers.{name} (from ember.loggers import {name})."
+            )
         raise AttributeError(f"module 'ember.callbacks' has no attribute {name!r}")
     try:
         loaded = importlib.import_module(module)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ember.utils import is_overridden
+
 if TYPE_CHECKING:
     import torch
 
@@ -108,10 +110,10 @@ class Callback:
 
 
 def overrides(callback: Callback, name: str) -> bool:
-    """Whether ``callback`` runs hook ``name``: its class overrides it, or the instance was given its own
-    (``LambdaCallback``, or ``cb.on_train_end = fn`` as Lightning allows; called as ``fn(trainer, module, ...)``)."""
-    base = getattr(Callback, name)
-    return getattr(type(callback), name, base) is not base or name in getattr(callback, "__dict__", ())
+    """Whether ``callback`` runs hook ``name``: ``ember.utils.is_overridden(name, callback, Callback)``. Its class
+    overrides it, or the instance was given its own (``LambdaCallback``, or ``cb.on_train_end = fn`` as
+    Lightning allows; called as ``fn(trainer, module, ...)``); ``cb.on_train_end = None`` turns it off."""
+    return is_overridden(name, callback, Callback)
 
 
 #: Hook names, for dispatch tables and tests.

@@ -61,6 +61,7 @@ from ember.checkpoint import auto_resume
 from ember.checkpoint.io import FORMAT, FORMAT_VERSION, CheckpointError, check_plain_data
 from ember.checkpoint.writer import BackgroundSave
 from ember.rng import capture_rng, rng_from_tensor, rng_to_tensor
+from ember.utils import is_overridden
 from ember.version import __version__
 
 if TYPE_CHECKING:
@@ -98,13 +99,11 @@ def _datamodule_hparams(datamodule: Any) -> dict[str, Any]:
 
 
 def overrides(obj: Any, name: str) -> bool:
-    """Whether ``obj`` (a callback) runs hook ``name``: its class overrides the hook of the base that
-    declares it (the class highest in its MRO defining ``name``), or the instance was given its own
-    (``LambdaCallback``, or ``cb.on_save_checkpoint = fn``), as ``ember.callbacks.callback.overrides``
-    decides; this package sits below the callbacks and does not import their base."""
+    """Whether ``obj`` (a callback) runs hook ``name``, as ``ember.callbacks.callback.overrides`` decides:
+    ``is_overridden`` against the base that declares the hook (the class highest in ``obj``'s MRO that
+    defines ``name``). This package sits below the callbacks and does not import their base."""
     declaring = [k for k in type(obj).__mro__ if name in vars(k)]
-    own = name in getattr(obj, "__dict__", ())
-    return own or (bool(declaring) and getattr(type(obj), name) is not vars(declaring[-1])[name])
+    return is_overridden(name, obj, declaring[-1] if declaring else object)
 
 
 def dump(trainer: Trainer, state: FitState, weights_only: bool = False) -> dict[str, Any]:

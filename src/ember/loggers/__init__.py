@@ -1,9 +1,10 @@
 """Loggers, under the names Lightning users import them by (``lightning.pytorch.loggers``).
 
-A logger is a callback the Trainer feeds with metrics (``ember.callbacks.logger``), so the
-TensorBoard and CSV loggers live beside the other callbacks and are re-exported here; the loggers of
-optional services (MLflow) live in this package and import their client package
-only when a run starts, so ``import ember.loggers`` works without them installed.
+A logger is a callback the Trainer feeds with metrics: :class:`~ember.loggers.logger.Logger` is the
+base, ``file_logger.py`` what the loggers that write under ``save_dir/name/version_N`` share, then
+one logger per file (TensorBoard, CSV, MLflow). Each is imported on first use; the loggers of
+optional services (MLflow) import their client package only when a run starts, so
+``import ember.loggers`` works without them installed.
 """
 
 from __future__ import annotations
@@ -11,17 +12,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ember.callbacks.logger import Logger
+from ember.loggers.logger import Logger
 
 if TYPE_CHECKING:
-    from ember.callbacks.csv_logger import CSVLogger
-    from ember.callbacks.tensorboard import TensorBoardLogger
+    from ember.loggers.csv_logger import CSVLogger
     from ember.loggers.mlflow import MLFlowLogger
+    from ember.loggers.tensorboard import TensorBoardLogger
 
 # name -> module that defines it, imported on first use (tensorboard's writer is not cheap to import).
 _LAZY = {
-    "CSVLogger": "ember.callbacks.csv_logger",
-    "TensorBoardLogger": "ember.callbacks.tensorboard",
+    "CSVLogger": "ember.loggers.csv_logger",
+    "TensorBoardLogger": "ember.loggers.tensorboard",
     "MLFlowLogger": "ember.loggers.mlflow",
 }
 

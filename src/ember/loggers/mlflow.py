@@ -15,7 +15,7 @@ from argparse import Namespace
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ember.callbacks.logger import Logger, hparams_dict
+from ember.loggers.logger import Logger, hparams_dict
 
 if TYPE_CHECKING:
     from ember.module import TrainModule

@@ -1,12 +1,12 @@
 """The ``ddp`` strategy: one process per device, gradients averaged by ember's DistributedDataParallel.
 
-How processes start is the launcher's business (``launcher.py``): under ``torchrun`` or SLURM
+How processes start is the launcher's business (``launchers/launcher.py``): under ``torchrun`` or SLURM
 this process joins the existing job; a plain ``python train.py`` re-runs the script for the other
 ranks (``start_method="popen"``, the ``"ddp"`` default); ``"ddp_spawn"`` starts workers with
-multiprocessing spawn (``spawn.py``) and copies rank 0's trained weights, metrics and progress
-back into the caller's module and Trainer (``worker_state.py``).
+multiprocessing spawn (``launchers/spawn.py``) and copies rank 0's trained weights, metrics and progress
+back into the caller's module and Trainer (``launchers/worker_state.py``).
 
-Data: every loader is rebuilt around :class:`~ember.strategies.sampler.ShardedSampler`. Training
+Data: every loader is rebuilt around :class:`~ember.data.sampler.ShardedSampler`. Training
 shards are padded to equal length (every rank takes the same number of steps, so the gradient
 all-reduce never waits on a rank that ran out); evaluation shards repeat no sample inside a real
 batch, and epoch metrics are reduced once at the end, weighted by sample counts. A validation or
@@ -20,10 +20,10 @@ a batch (``ember/trainer/lockstep.py``). ``training_step`` runs through the wrap
 (``ddp.call``), so gradients are averaged during ``backward``; inside ``no_backward_sync`` (all
 but the last micro-batch of an accumulation window) nothing is communicated.
 
-Hangs (``watchdog.py``): the verbs here tell the rank's :class:`~ember.strategies.watchdog.Beacon`
+Hangs (``watchdog/``): the verbs here tell the rank's :class:`~ember.strategies.watchdog.watchdog.Beacon`
 which batch and phase it is in and which collective it waits in (attribute stores only), and a
 watchdog thread per rank stops the job when one rank keeps the others waiting, naming it, with its
-stack. A collective that times out raises :class:`~ember.strategies.watchdog.CollectiveTimeout`,
+stack. A collective that times out raises :class:`~ember.strategies.watchdog.watchdog.CollectiveTimeout`,
 which names the rank that did not arrive.
 """
 
@@ -40,19 +40,19 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import RandomSampler
 
+from ember.data.resumable import make_resumable, rebuild_with_sampler, resumable_sampler_of, why_not_swappable
+from ember.data.sampler import ShardedSampler
 from ember.module import TrainModule
 from ember.parallel.all_gather import all_gather
 from ember.parallel.distributed import DistributedDataParallel
 from ember.rng import capture_rng
-from ember.strategies import launcher as launcher_module
-from ember.strategies.launcher import Launcher, PopenLauncher, World, detect_world
-from ember.strategies.resumable import make_resumable, rebuild_with_sampler, resumable_sampler_of, why_not_swappable
-from ember.strategies.sampler import ShardedSampler
-from ember.strategies.spawn import SpawnLauncher
+from ember.strategies.launchers import launcher as launcher_module
+from ember.strategies.launchers.launcher import Launcher, PopenLauncher, World, detect_world
+from ember.strategies.launchers.spawn import SpawnLauncher
+from ember.strategies.launchers.worker_state import adopt_worker_state, dumps, loads, run_in_worker
 from ember.strategies.strategy import Strategy
-from ember.strategies.verdicts import AFTER_BACKWARD, AFTER_STEP, BACKWARD, TRAINING_STEP
-from ember.strategies.watchdog import Beacon, CollectiveTimeout, Watchdog, exit_with_stacks, is_timeout
-from ember.strategies.worker_state import adopt_worker_state, dumps, loads, run_in_worker
+from ember.strategies.watchdog.verdicts import AFTER_BACKWARD, AFTER_STEP, BACKWARD, TRAINING_STEP
+from ember.strategies.watchdog.watchdog import Beacon, CollectiveTimeout, Watchdog, exit_with_stacks, is_timeout
 from ember.types import ReduceOp, Stage
 
 __all__ = ["DDPStrategy"]
@@ -89,7 +89,7 @@ class DDPStrategy(Strategy):
         timeout: seconds (or a timedelta) a collective may wait before failing.
         watchdog_timeout: seconds one rank may keep the others waiting in a collective before the
             watchdog stops the job, printing which rank is stuck, where, and its Python stack (see
-            :mod:`ember.strategies.watchdog`). The deadline grows to 20 times the slowest step
+            :mod:`ember.strategies.watchdog.watchdog`). The deadline grows to 20 times the slowest step
             seen and stays below ``timeout``; waits before a rank's first batch are left to
             ``timeout``. ``None`` turns the verdicts off (a collective that times out still names
             the rank that did not arrive).

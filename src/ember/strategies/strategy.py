@@ -16,8 +16,8 @@ import torch
 
 from ember.checkpoint.background import BackgroundWriter
 from ember.checkpoint.writer import BackgroundSave, CheckpointWriter
+from ember.data.resumable import make_resumable
 from ember.module import takes_batch_idx
-from ember.strategies.resumable import make_resumable
 from ember.types import REDUCE_OPS, ReduceOp, Stage
 from ember.utils import move_to_device
 
@@ -188,8 +188,11 @@ class Strategy:
         """Within this context, backward does not synchronise gradients across replicas."""
         yield
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-        return optimizer.step(closure) if closure is not None else optimizer.step()
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """Step ``optimizer`` (with ``closure`` when given); ``kwargs`` go on to its ``step``, as Lightning's."""
+        return optimizer.step(closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:

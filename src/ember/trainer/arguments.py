@@ -14,9 +14,10 @@ import torch
 
 import ember.callbacks as cbs
 from ember.callbacks.callback import Callback
-from ember.callbacks.logger import Logger
+from ember.loggers.logger import Logger
+from ember.loggers.tensorboard import default_logger
 from ember.profilers import PROFILERS, PassThroughProfiler, Profiler
-from ember.strategies.launcher import detect_world
+from ember.strategies.launchers.launcher import detect_world
 from ember.strategies.registry import get_strategy
 from ember.strategies.strategy import Strategy
 
@@ -291,8 +292,7 @@ def build_loggers(trainer: Trainer, logger: Any) -> list[Logger]:
     if logger is None or logger is False:
         return []
     if logger is True:
-        default = getattr(cbs, "default_logger", None)
-        return [default(trainer.default_root_dir)] if default is not None else []
+        return [default_logger(trainer.default_root_dir)]
     if isinstance(logger, Logger):
         return [logger]
     loggers = list(logger)

@@ -9,7 +9,7 @@ Under several processes every rank must run the same number of steps, because a 
 collective (``self.log(..., on_step=True, sync_dist=True)``, an all-gather) that every rank has to
 join. Loaders with a length are sharded by the strategy with at least one sample per rank, and a
 shard that would yield a batch fewer than the longest ends with a *padding batch* (see
-``strategies/sampler.py``). The padding batch goes through the batch transfer, the batch hooks and
+``data/sampler.py``). The padding batch goes through the batch transfer, the batch hooks and
 the step like any other, but nothing logged while it runs counts toward an epoch value, so the
 epoch-end reduction, one collective weighted by sample counts, gives the exact metric over the
 real samples. Over loaders without a length (an ``IterableDataset`` each rank feeds itself) the
@@ -28,14 +28,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
-from lightning_utilities.core.overrides import is_overridden
 
+from ember.data.resumable import resumable_sampler_of
 from ember.module import TrainModule, _restore_modes
 from ember.profilers.base import wrap
-from ember.strategies.resumable import resumable_sampler_of
 from ember.trainer.loaders import batch_transfer
 from ember.trainer.lockstep import COUNT_REST_SECONDS
-from ember.utils import defines_hook, sized_len, to_floats
+from ember.utils import is_overridden, sized_len, to_floats
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -79,7 +78,7 @@ class EvaluationLoop:
         """``on_{hook}_model_eval``: remember each submodule's ``training`` flag, then the hook (default ``eval()``)."""
         module = self.module
         module.__dict__["_ember_saved_modes"] = [(m, m.training) for m in module.modules()]  # read by _restore_modes
-        if defines_hook(f"on_{hook}_model_eval", module, TrainModule):
+        if is_overridden(f"on_{hook}_model_eval", module, TrainModule):
             getattr(module, f"on_{hook}_model_eval")()
         else:
             module.eval()
@@ -202,7 +201,7 @@ class EvaluationLoop:
 
 def _sharded(loader: Any, limit: float) -> _Batches:
     """``(batch, padding)`` for the first ``limit`` batches of a loader whose padding, if any, its
-    sampler placed (``strategies/sampler.py``): batches from ``real_batches`` on are padding."""
+    sampler placed (``data/sampler.py``): batches from ``real_batches`` on are padding."""
     real = getattr(resumable_sampler_of(loader), "real_batches", None)
     real = math.inf if real is None else real
     for batch_idx, batch in enumerate(loader):

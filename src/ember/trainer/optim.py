@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.module import TrainModule
-from ember.utils import closest
+from ember.utils import closest, is_overridden
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -122,7 +122,7 @@ def _scheduler_config(obj: Any, automatic: bool = True) -> SchedulerConfig:
 def check_scheduler_api(schedulers: list[SchedulerConfig], module: TrainModule) -> None:
     """As Lightning: in automatic optimization, a scheduler that is not one of torch's (its ``step`` may
     take other arguments) needs the module's ``lr_scheduler_step`` to say how to step it."""
-    if not module.automatic_optimization or type(module).lr_scheduler_step is not TrainModule.lr_scheduler_step:
+    if not module.automatic_optimization or is_overridden("lr_scheduler_step", module, TrainModule):
         return
     for cfg in schedulers:
         if not isinstance(
@@ -194,63 +194,47 @@ def parse_optimizers(result: Any, automatic: bool = True) -> tuple[list[torch.op
     raise TypeError(f"configure_optimizers returned {type(result).__name__}; it may return {_FORMS}.")
 
 
-class StepWith:
-    """``optimizer`` whose ``step(closure)`` also passes ``kwargs``: what the precision plugin and the
-    strategy step when ``opt.step(closure, **kwargs)`` is called. Everything else reads through."""
+class TrainerOptimizer:
+    """An optimizer as the Trainer hands it to the module, as Lightning's ``LightningOptimizer``: the
+    ``optimizer`` that ``optimizer_step`` receives in automatic optimization, and what ``self.optimizers()``
+    returns in manual optimization.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
-        self.optimizer, self.kwargs = optimizer, kwargs
+    ``step(closure, **kwargs)`` goes through the Trainer: ``stepper`` runs the closure and the hooks
+    and steps through the precision plugin (GradScaler) and the strategy; the keyword arguments go on to
+    the optimizer's own ``step``. ``zero_grad`` and every other attribute read through to the optimizer,
+    which ``.optimizer`` is.
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        if closure is None:
-            return self.optimizer.step(**self.kwargs)
-        return self.optimizer.step(closure, **self.kwargs)
+    Args:
+        optimizer: an optimizer ``configure_optimizers`` returned.
+        stepper: ``stepper(optimizer, closure, kwargs)`` does the step: the automatic one
+            (``TrainingStep.step_optimizer``) or the manual one (``OptimizerState.manual_step``).
+    """
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "optimizer":  # not set yet (a copy being built by copy/pickle): no endless lookup
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
-
-
-class ReadThroughOptimizer:
-    """Wraps an optimizer: ``zero_grad`` and every attribute read through to it; subclasses define ``step``."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        stepper: Callable[[torch.optim.Optimizer, Callable[[], Any] | None, dict[str, Any]], Any],
+    ) -> None:
         self.optimizer = optimizer
+        self._stepper = stepper
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Step the optimizer through the Trainer; ``closure`` (optional) computes the loss, and the keyword
+        arguments go on to the optimizer's ``step``, as in Lightning. Returns what the optimizer's step returns."""
+        if closure is not None and not callable(closure):
+            raise TypeError(
+                f"optimizer.step(closure) got a {type(closure).__name__} as closure; it must be a function that "
+                "computes the loss (and runs backward), or None. Pass other arguments by keyword."
+            )
+        return self._stepper(self.optimizer, closure, kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __getattr__(self, name: str) -> Any:
-        if name == "optimizer":  # not set yet (a copy being built by copy/pickle): no endless lookup
+        if name in ("optimizer", "_stepper"):  # not set yet (a copy being built by copy/pickle): no endless lookup
             raise AttributeError(name)
         return getattr(self.optimizer, name)
-
-
-class OptimizerProxy(ReadThroughOptimizer):
-    """What ``self.optimizers()`` hands out in manual optimization.
-
-    ``step`` runs ``on_before_optimizer_step`` (after the closure, as Lightning) and steps through the
-    precision plugin (GradScaler) and the strategy; the fit loop counts the calls into ``global_step``.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, state: OptimizerState) -> None:
-        super().__init__(optimizer)
-        self._state = state
-
-    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        """Step the optimizer; keyword arguments go on to its ``step``, as in Lightning."""
-        state = self._state
-        state.steps_taken += 1
-        hooks = state.hooks
-        if hooks is not None and hooks.get("on_before_optimizer_step"):
-            if closure is None:
-                hooks.call("on_before_optimizer_step", self.optimizer)
-            else:  # as Lightning: the hook runs after the closure (its backward), inside the optimizer's step
-                closure = _then_hook(closure, hooks, self.optimizer)
-        assert state.precision is not None and state.strategy is not None  # set for every fit
-        optimizer: Any = StepWith(self.optimizer, kwargs) if kwargs else self.optimizer
-        return state.precision.optimizer_step(optimizer, state.strategy, closure)
 
 
 def _then_hook(closure: Callable[[], Any], hooks: Hooks, optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
@@ -263,7 +247,7 @@ def _then_hook(closure: Callable[[], Any], hooks: Hooks, optimizer: torch.optim.
 
 
 class OptimizerState:
-    """The fit's optimizers, schedulers and manual-optimization proxies.
+    """The fit's optimizers, schedulers and the wrappers manual optimization steps them through.
 
     Args:
         optimizers, schedulers: what ``configure_optimizers`` returned, normalised.
@@ -284,9 +268,25 @@ class OptimizerState:
         self.optimizers = optimizers
         self.schedulers = schedulers
         self.module, self.precision, self.strategy, self.hooks = module, precision, strategy, hooks
-        #: ``opt.step()`` calls made through the manual-optimization proxies.
+        #: ``opt.step()`` calls made through the manual-optimization wrappers.
         self.steps_taken = 0
-        self.wrapped_optimizers = [OptimizerProxy(o, self) for o in optimizers]
+        self.wrapped_optimizers = [TrainerOptimizer(o, self.manual_step) for o in optimizers]
+
+    def manual_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None, kwargs: dict[str, Any]
+    ) -> Any:
+        """``opt.step(closure, **kwargs)`` in manual optimization: runs ``on_before_optimizer_step`` (after the
+        closure, as Lightning) and steps through the precision plugin and the strategy; the fit loop counts
+        the calls into ``global_step``."""
+        self.steps_taken += 1
+        hooks = self.hooks
+        if hooks is not None and hooks.get("on_before_optimizer_step"):
+            if closure is None:
+                hooks.call("on_before_optimizer_step", optimizer)
+            else:  # as Lightning: the hook runs after the closure (its backward), inside the optimizer's step
+                closure = _then_hook(closure, hooks, optimizer)
+        assert self.precision is not None and self.strategy is not None  # set for every fit
+        return self.precision.optimizer_step(optimizer, self.strategy, closure, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizers' and LR schedulers' states, under the checkpoint's keys."""
@@ -316,7 +316,7 @@ class OptimizerState:
         A module overriding ``lr_scheduler_step`` steps them itself.
         """
         module = self.module
-        custom = module is not None and type(module).lr_scheduler_step is not TrainModule.lr_scheduler_step
+        custom = is_overridden("lr_scheduler_step", module, TrainModule)
         for cfg in self.schedulers:
             if cfg.interval != interval or count % cfg.frequency:
                 continue

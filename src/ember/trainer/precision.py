@@ -74,13 +74,19 @@ class Precision:
             self.scaler.unscale_(optimizer)
 
     def optimizer_step(
-        self, optimizer: torch.optim.Optimizer, strategy: Strategy, closure: Callable[[], Any] | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        strategy: Strategy,
+        closure: Callable[[], Any] | None = None,
+        **kwargs: Any,
     ) -> Any:
+        """Step ``optimizer`` through the strategy, or the scaler when there is one (after the closure, whose
+        gradients it must see); ``kwargs`` go on to the optimizer's ``step``."""
         if self.scaler is None:
-            return strategy.optimizer_step(optimizer, closure)
+            return strategy.optimizer_step(optimizer, closure, **kwargs)
         if closure is not None:
             closure()
-        out = self.scaler.step(optimizer)
+        out = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         return out
 

@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any
 
 from ember.checkpoint import contents, locate
 from ember.exceptions import Preempted, exit_code
-from ember.strategies.launcher import note_stop_signal
-from ember.strategies.watchdog import exit_with_stacks
+from ember.strategies.launchers.launcher import note_stop_signal
+from ember.strategies.watchdog.watchdog import exit_with_stacks
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.early_stopping import EarlyStopping
-from ember.callbacks.file_logger import FileLogger
-from ember.callbacks.logger import Logger
 from ember.callbacks.model_checkpoint import ModelCheckpoint
+from ember.loggers.file_logger import FileLogger
+from ember.loggers.logger import Logger
 from ember.module import TrainModule
+from ember.utils import is_overridden
 
 if TYPE_CHECKING:
     from ember.callbacks.callback import Callback
@@ -35,7 +36,7 @@ def as_logger_list(value: Any) -> list[Logger]:
     if loggers is None or not all(isinstance(lg, Logger) for lg in loggers):
         raise TypeError(
             f"trainer.logger / trainer.loggers take None, an ember Logger or a list of them, got "
-            f"{value!r}. Build one with ember.callbacks.CSVLogger(...) or TensorBoardLogger(...)."
+            f"{value!r}. Build one with ember.loggers.CSVLogger(...) or TensorBoardLogger(...)."
         )
     return loggers
 
@@ -252,11 +253,7 @@ class TrainerProperties:
         """Whether fit validates, as Lightning decides it: a validation loader given or defined, a
         ``validation_step``, and ``limit_val_batches`` above 0 (False before a module is attached)."""
         module = self.module
-        return (
-            module is not None
-            and getattr(type(module), "validation_step", None) not in (None, TrainModule.validation_step)
-            and self._data.validates
-        )
+        return module is not None and is_overridden("validation_step", module, TrainModule) and self._data.validates
 
     @property
     def is_last_batch(self) -> bool:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.strategies.resumable import SkipFirstBatches, resumable_sampler_of
+from ember.data.resumable import SkipFirstBatches, resumable_sampler_of
 from ember.trainer.loaders import FitData
 from ember.trainer.metrics import MetricCollector
 from ember.trainer.optim import OptimizerState

@@ -29,8 +29,8 @@ import torch
 
 from ember.module import TrainModule
 from ember.profilers.base import Profiler, wrap
-from ember.trainer.optim import ReadThroughOptimizer, StepWith
-from ember.utils import defines_hook
+from ember.trainer.optim import TrainerOptimizer
+from ember.utils import is_overridden
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -91,7 +91,7 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
 
 def _override(module: TrainModule, name: str) -> Callable[..., Any] | None:
     """``module``'s ``name`` when it overrides TrainModule's (None on the instance does not), else None."""
-    return getattr(module, name) if defines_hook(name, module, TrainModule) else None
+    return getattr(module, name) if is_overridden(name, module, TrainModule) else None
 
 
 class _Closure:
@@ -109,7 +109,7 @@ class _Closure:
     def __call__(self) -> torch.Tensor | None:
         step = self._step
         # An optimizer that evaluates the loss itself cannot skip a batch (loss_closure raises instead).
-        warn = not self.called and not step.optimizer.evaluates_loss
+        warn = not self.called and not step.evaluates_loss
         outputs, loss = step.forward_backward(self._batch, self._batch_idx, self._pos, warn=warn)
         if not self.called:
             self.called, self.outputs = True, outputs
@@ -118,28 +118,6 @@ class _Closure:
         if not self.skipped and (step.pre_step_work or not step.sized):
             step.before_optimizer_step(self._pos)
         return loss
-
-
-class _SteppingOptimizer(ReadThroughOptimizer):
-    """The optimizer ``optimizer_step`` receives: ``step(closure)`` runs the closure, then the real step
-    through the precision plugin and the strategy; an optimizer that evaluates the loss itself (LBFGS)
-    gets the closure instead. Everything else reads through to the optimizer."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, step: TrainingStep) -> None:
-        super().__init__(optimizer)
-        self._step = step
-        self.evaluates_loss = needs_closure(optimizer)
-
-    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        step = self._step
-        optimizer: Any = StepWith(self.optimizer, kwargs) if kwargs else self.optimizer  # kwargs go on to its step
-        if closure is not None:
-            if self.evaluates_loss:
-                return step.precision.optimizer_step(optimizer, step.strategy, step.loss_closure(closure))
-            closure()
-            if not step.window_has_grad:  # training_step returned None on every batch of the window: no step
-                return None
-        return step.precision.optimizer_step(optimizer, step.strategy, None)
 
 
 class TrainingStep:
@@ -195,7 +173,10 @@ class TrainingStep:
         self._profiler = profiler
         if self.automatic and optim.optimizers:
             self._optimizer = optim.optimizers[0]
-            self.optimizer = _SteppingOptimizer(self._optimizer, self)
+            #: What ``optimizer_step`` receives: its ``step(closure)`` is :meth:`step_optimizer`.
+            self.optimizer = TrainerOptimizer(self._optimizer, self.step_optimizer)
+            #: An optimizer such as LBFGS evaluates the loss itself: it gets the closure.
+            self.evaluates_loss = needs_closure(self._optimizer)
             self._check_closure_optimizer()
 
     def bind_hooks(self) -> None:
@@ -319,6 +300,21 @@ class TrainingStep:
         elif self.clip_val:
             self.module.clip_gradients(optimizer, self.clip_val, self.clip_algorithm)
 
+    def step_optimizer(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None, kwargs: dict[str, Any]
+    ) -> Any:
+        """``optimizer.step(closure, **kwargs)`` inside ``optimizer_step``: runs the closure, then the real step
+        through the precision plugin and the strategy; an optimizer that evaluates the loss itself (LBFGS)
+        gets the closure instead. A window whose batches all returned None takes no step."""
+        precision, strategy = self.precision, self.strategy
+        if closure is not None:
+            if self.evaluates_loss:
+                return precision.optimizer_step(optimizer, strategy, self.loss_closure(closure), **kwargs)
+            closure()
+            if not self.window_has_grad:  # training_step returned None on every batch of the window: no step
+                return None
+        return precision.optimizer_step(optimizer, strategy, None, **kwargs)
+
     def loss_closure(self, closure: Callable[[], Any]) -> Callable[[], torch.Tensor]:
         """For an optimizer that calls the closure itself: every call must yield a loss, the same on every rank."""
         strategy = self.strategy
@@ -342,9 +338,9 @@ class TrainingStep:
         return evaluate
 
     def _check_closure_optimizer(self) -> None:
-        if not self.optimizer.evaluates_loss:
+        if not self.evaluates_loss:
             return
-        name = type(self.optimizer.optimizer).__name__
+        name = type(self._optimizer).__name__
         if self.k > 1:
             raise ValueError(
                 f"{name}.step needs a closure that computes the loss, which cannot be combined with "

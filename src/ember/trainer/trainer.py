@@ -11,22 +11,21 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from lightning_utilities.core.overrides import is_overridden
 
 from ember.callbacks.callback import Callback
-from ember.callbacks.fit_summary import print_fit_summary
-from ember.callbacks.logger import DummyLogger, Logger
 from ember.checkpoint import contents, locate
 from ember.checkpoint.restore import Resume, restore_for_evaluation
 from ember.checkpoint.writer import BackgroundSave
 from ember.data import DataModule
 from ember.hparams import drop_unpicklable
+from ember.loggers.logger import DummyLogger, Logger
 from ember.module import TrainModule
 from ember.profilers import Profiler
 from ember.strategies.strategy import Strategy
 from ember.trainer import arguments
 from ember.trainer.compile import is_compiled, unwrap_compiled
 from ember.trainer.evaluation import EvaluationLoop
+from ember.trainer.fit_summary import print_fit_summary
 from ember.trainer.hooks import Hooks
 from ember.trainer.loaders import FitData, eval_loaders
 from ember.trainer.log_writer import LogWriter
@@ -40,6 +39,7 @@ from ember.trainer.results_table import print_results
 from ember.trainer.state import FitState
 from ember.trainer.step import TrainingStep
 from ember.types import PrecisionInput, Stage, TrainerState
+from ember.utils import is_overridden
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class Trainer(TrainerProperties):
         if self.strategy.local_rank == 0:
             if datamodule is not None:
                 datamodule.prepare_data()
-            if type(module).prepare_data is not TrainModule.prepare_data:
+            if is_overridden("prepare_data", module, TrainModule):
                 module.prepare_data()
         self.strategy.barrier("prepare_data")
         # "last" is resolved before the loggers' and callbacks' setup: a fit continuing a run's
@@ -308,7 +308,7 @@ class Trainer(TrainerProperties):
             datamodule.setup(stage=stage)
         # By keyword, as Lightning: ``def setup(self, stage)`` and ``(self, stage=None)`` both work.
         self._hooks.call("setup", stage=stage)
-        if type(module).configure_model is not TrainModule.configure_model:
+        if is_overridden("configure_model", module, TrainModule):
             self._metrics.fx = "configure_model"
             module.configure_model()
         # After the loggers' setup: their run folder is the report's default home.
@@ -324,14 +324,14 @@ class Trainer(TrainerProperties):
         self.fit_state.start_fit(FitData(self, *loaders))
         self._data.warn_validation_step_without_data()
         self._precision.convert_module(module)
-        # Resuming, in Lightning's order (ember/checkpoint/restore.py): the weights, the datamodule's and the callbacks' state
+        # Resuming, in Lightning's order (checkpoint/restore.py): the weights, the datamodule's and the callbacks' state
         # now, before configure_optimizers; the training state and the data position in FitLoop.run.
         resume = Resume(self, self.fit_state, path) if path is not None else None
         if resume is not None:
             resume.modules_and_callbacks()
         self.strategy.setup(self, module)
-        if type(module).configure_optimizers is TrainModule.configure_optimizers:
-            module.configure_optimizers()  # raises the explanatory NotImplementedError
+        if not is_overridden("configure_optimizers", module, TrainModule):
+            TrainModule.configure_optimizers(module)  # raises the explanatory NotImplementedError
         configured = module.configure_optimizers()
         if configured is None:  # as Lightning: warn, and train with a stand-in that updates nothing
             warnings.warn(f"{type(module).__name__}.{NO_OPTIMIZER_WARNING}.", UserWarning, stacklevel=2)

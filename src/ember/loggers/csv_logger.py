@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ember.callbacks.file_logger import FileLogger
+from ember.loggers.file_logger import FileLogger
 
 
 class CSVLogger(FileLogger):

@@ -1,6 +1,6 @@
 """What the ddp watchdog reads in the ranks' records, and the words of its verdicts.
 
-Every rank's :class:`~ember.strategies.watchdog.Watchdog` publishes a record to the job's store
+Every rank's :class:`~ember.strategies.watchdog.watchdog.Watchdog` publishes a record to the job's store
 once a second: a dict with its ``state``, ``batches``, ``batch``, ``loop``, ``where`` (the phase),
 ``waiting`` (the collective it waits in, or None), ``stalled``, ``slowest``, ``pid``, ``host``, and
 the Trainer's ``stage``, ``step`` and ``epoch``. The functions here take those records (by rank,

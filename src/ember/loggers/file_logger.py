@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from ember.callbacks.logger import Logger, hparams_dict
+from ember.loggers.logger import Logger, hparams_dict
 from ember.yaml import to_yaml
 
 if TYPE_CHECKING:

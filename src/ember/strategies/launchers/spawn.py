@@ -24,8 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ember.strategies.exits import describe_exit, exit_status
-from ember.strategies.launcher import (
+from ember.strategies.launchers.exits import describe_exit, exit_status
+from ember.strategies.launchers.launcher import (
     HOSTED_ENV,
     PARENT_ENV,
     PEERS_EXIT_S,

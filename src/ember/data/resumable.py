@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from ember.strategies.sampler import ShardedSampler
+from ember.data.sampler import ShardedSampler
 
 
 def resumable_sampler_of(loader: Any) -> Any:
@@ -116,7 +116,7 @@ def make_resumable(loader: Any, sampler_factory: Callable[[int, bool, Any], Samp
     Args:
         loader: the user's training loader.
         sampler_factory: ``(num_samples, shuffle, user_sampler) -> sampler``; defaults to a
-            one-rank :class:`~ember.strategies.sampler.ShardedSampler`, which draws each epoch's
+            one-rank :class:`~ember.data.sampler.ShardedSampler`, which draws each epoch's
             permutation from the global RNG exactly as ``RandomSampler`` does.
     """
     if resumable_sampler_of(loader) is not None or why_not_swappable(loader) is not None:

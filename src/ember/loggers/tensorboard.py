@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.callbacks.file_logger import HPARAMS_FILE, FileLogger, write_hparams_file
+from ember.loggers.file_logger import HPARAMS_FILE, FileLogger, write_hparams_file
 
 if TYPE_CHECKING:
     from argparse import Namespace

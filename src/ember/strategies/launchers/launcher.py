@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ember.strategies.exits import describe_exit, exit_status, job_status, signal_name, stop_signal
+from ember.strategies.launchers.exits import describe_exit, exit_status, job_status, signal_name, stop_signal
 
 __all__ = [
     "World",

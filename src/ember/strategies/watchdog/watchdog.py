@@ -64,8 +64,8 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from ember.strategies.launcher import FailureRecord
-from ember.strategies.verdicts import (
+from ember.strategies.launchers.launcher import FailureRecord
+from ember.strategies.watchdog.verdicts import (
     abort_summary,
     behind,
     behind_summary,

@@ -1,0 +1,8 @@
+"""How the processes of a ddp job are started, find each other, and end together.
+
+``launcher.py`` joins a world somebody started (torchrun, SLURM) or starts one by re-running the
+script; ``spawn.py`` starts the ranks with multiprocessing spawn (``ddp_spawn``) and
+``worker_state.py`` is what travels between the caller and those workers; ``exits.py`` turns the
+ranks' exit statuses into words and into the job's status. Nothing here knows a strategy: the ddp
+strategy holds a launcher and calls it.
+"""
