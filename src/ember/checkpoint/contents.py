@@ -99,11 +99,12 @@ def _datamodule_hparams(datamodule: Any) -> dict[str, Any]:
 
 
 def overrides(obj: Any, name: str) -> bool:
-    """Whether ``obj`` (a callback) runs hook ``name``, as ``ember.callbacks.callback.overrides`` decides:
-    ``is_overridden`` against the base that declares the hook (the class highest in ``obj``'s MRO that
-    defines ``name``). This package sits below the callbacks and does not import their base."""
+    """Whether ``obj`` (a callback) runs hook ``name``: ``ember.utils.is_overridden`` against the class
+    highest in its MRO that declares ``name`` (``Callback`` for a callback), as
+    ``ember.callbacks.callback.overrides`` decides; this package sits below the callbacks and does not
+    import their base. ``None`` on the instance turns the hook off."""
     declaring = [k for k in type(obj).__mro__ if name in vars(k)]
-    return is_overridden(name, obj, declaring[-1] if declaring else object)
+    return bool(declaring) and is_overridden(name, obj, declaring[-1])
 
 
 def dump(trainer: Trainer, state: FitState, weights_only: bool = False) -> dict[str, Any]:

@@ -35,7 +35,6 @@ _KEPT = (
     "limit_predict_batches",
     "num_sanity_val_steps",
     "should_stop",
-    "progress",
     "history",
     "state",
     "ckpt_path",
@@ -49,6 +48,7 @@ def borrowed(trainer: Trainer, module: TrainModule, callback: Callback | None, *
     applied) and give everything back after it: the Trainer's settings, counters and metrics, and the
     module's weights."""
     kept = {name: getattr(trainer, name) for name in _KEPT}
+    progress = trainer.fit_state.progress  # a sweep's fit starts counters of its own
     kept["callbacks"] = list(trainer.callbacks)
     loggers = list(trainer.loggers)
     metrics = (dict(trainer.callback_metrics), dict(trainer.logged_metrics))
@@ -63,6 +63,7 @@ def borrowed(trainer: Trainer, module: TrainModule, callback: Callback | None, *
     finally:
         for name, value in kept.items():
             setattr(trainer, name, value)
+        trainer.fit_state.progress = progress
         trainer.loggers = loggers
         trainer.callback_metrics, trainer.logged_metrics = metrics
         module.load_state_dict(weights)
