@@ -290,7 +290,7 @@ class FitLoop:
         wants_outputs = step.automatic and any(
             getattr(getattr(getattr(h, "func", h), "__self__", None), "uses_step_outputs", True) for h in batch_end
         )
-        # After a batch's bookkeeping and any validation: where checkpoints resume exactly (see checkpoint.py).
+        # After a batch's bookkeeping and any validation: where checkpoints resume exactly (checkpoint/contents.py).
         boundary = [cb.on_train_step_boundary for cb in t.callbacks if hasattr(cb, "on_train_step_boundary")]
         # One process only needs to look when a signal arrived; several agree periodically (preemption.py).
         preemption_polls = preemption is not None and t.strategy.world_size > 1

@@ -17,7 +17,7 @@ Which signals: SIGTERM, plus SIGUSR1 under SLURM (``SLURM_JOB_ID`` set), SLURM's
 ``--signal`` for requeueing. On SIGUSR1 under SLURM, once the checkpoint is written, global rank zero
 asks SLURM to requeue the job (``scontrol requeue $SLURM_JOB_ID``) and every rank exits with status
 0; the requeued job (``SLURM_RESTART_COUNT`` > 0) resumes from its checkpoint on its own
-(``auto_resume.py``). When the requeue cannot be done, a warning says why and the exit status is
+(``ember/checkpoint/auto_resume.py``). When the requeue cannot be done, a warning says why and the exit status is
 138 as for any other stop signal. Set ``trainer.preemption_signals`` to a tuple of signals before
 ``fit`` to choose others, or to ``()`` to leave every handler alone. Handlers can only be
 installed from the main thread; elsewhere preemption is not handled. The previous handlers are

@@ -325,7 +325,7 @@ class Trainer(TrainerProperties):
         self.fit_state.start_fit(FitData(self, *loaders))
         self._data.warn_validation_step_without_data()
         self._precision.convert_module(module)
-        # Resuming, in Lightning's order (resume.py): the weights, the datamodule's and the callbacks' state
+        # Resuming, in Lightning's order (checkpoint/restore.py): the weights, the datamodule's and the callbacks' state
         # now, before configure_optimizers; the training state and the data position in FitLoop.run.
         resume = Resume(self, self.fit_state, path) if path is not None else None
         if resume is not None:
@@ -497,7 +497,7 @@ class Trainer(TrainerProperties):
             datamodule: a DataModule providing the loaders instead.
             ckpt_path: resume from this checkpoint, or "last" / "best"; "auto": resume from the most
                 recent checkpoint when one exists, else start fresh. A restart of a torchrun or SLURM
-                job resumes from the job's own latest checkpoint on its own (``auto_resume.py``).
+                job resumes from the job's own latest checkpoint on its own (``ember/checkpoint/auto_resume.py``).
         """
         module = self._check_module(module)
         if isinstance(train_dataloaders, DataModule) and datamodule is None:  # Lightning's fit(model, dm)
