@@ -113,21 +113,38 @@ class _Entry:
         #: The ``torchmetrics.Metric`` logged under this name (None for numbers and tensors).
         self.metric: Any = None
 
-    def accumulate(self, value: Any, batch_size: int) -> None:
-        fx = self.reduce_fx
-        if self.total is None:
-            self.total = value * batch_size if fx == "mean" else value
+    def accumulate(self, value: torch.Tensor, batch_size: int) -> None:
+        """Fold one step's ``value`` (weighted by ``batch_size`` for a mean) into the running epoch total."""
+        total, fx = self.total, self.reduce_fx
+        if total is None:
+            # A tensor of our own, never the logged one, so that later values can be added into it in place.
+            self.total = value * batch_size if fx == "mean" else value.clone()
             self.weight = batch_size
             return
+        # In place (one kernel, no allocation: this runs for every logged value of every step) whenever that
+        # gives what the out-of-place sum would: same dtype and device, and no autograd graph kept. A float64
+        # value into a float32 total promotes it, as ``+`` does; after that it is in place again.
+        in_place = (
+            isinstance(total, torch.Tensor)
+            and value.dtype is total.dtype
+            and value.device == total.device
+            and not (value.requires_grad or total.requires_grad)
+        )
         if fx == "mean":
-            self.total = self.total + value * batch_size
+            if in_place:
+                total.add_(value, alpha=batch_size)
+            else:
+                self.total = total + value * batch_size
             self.weight += batch_size
         elif fx == "sum":
-            self.total = self.total + value
+            if in_place:
+                total.add_(value)
+            else:
+                self.total = total + value
         elif fx == "max":
-            self.total = torch.maximum(self.total, value) if isinstance(value, torch.Tensor) else max(self.total, value)
+            self.total = torch.maximum(total, value)
         else:
-            self.total = torch.minimum(self.total, value) if isinstance(value, torch.Tensor) else min(self.total, value)
+            self.total = torch.minimum(total, value)
 
 
 class MetricCollector:
@@ -319,8 +336,8 @@ class MetricCollector:
         elif (isinstance(value, (int, float)) or isinstance(value, numbers.Real)) and not isinstance(value, bool):
             # Any real number (NumPy's scalars too), as Lightning. Kept as a tensor, as Lightning: callback_metrics
             # and logged_metrics hold tensors (on the CPU: a number logged every step would otherwise cost a
-            # host-to-device copy each time).
-            value = torch.tensor(float(value), dtype=_FLOAT32)
+            # host-to-device copy each time). (scalar_tensor: the same tensor as torch.tensor's, made faster.)
+            value = torch.scalar_tensor(float(value), dtype=_FLOAT32)
         elif is_torchmetric(value):
             self._log_metric(entry, key, value)
             return
