@@ -265,7 +265,9 @@ class MetricCollector:
             if e.metric is not None:  # its state is the Metric's own (in the module, when persistent)
                 continue
             d: dict[str, Any] = {f: getattr(e, f) for f in _ENTRY_FIELDS}
-            d["total"] = e.total.detach().to("cpu") if isinstance(e.total, torch.Tensor) else e.total
+            # A copy: the running total is added to in place by the next step (and .to("cpu") of a CPU tensor
+            # is that tensor itself), while the checkpoint must hold this step's value.
+            d["total"] = e.total.detach().to("cpu", copy=True) if isinstance(e.total, torch.Tensor) else e.total
             d["weight"] = e.weight.detach().to("cpu") if isinstance(e.weight, torch.Tensor) else e.weight
             out.append(d)
         return out
@@ -275,7 +277,8 @@ class MetricCollector:
         stage = {}
         for d in saved:
             e = _Entry(*(d[f] for f in _ENTRY_FIELDS))
-            e.total = d["total"].to(device) if isinstance(d["total"], torch.Tensor) else d["total"]
+            # A copy of our own: later values are added into it in place.
+            e.total = d["total"].to(device, copy=True) if isinstance(d["total"], torch.Tensor) else d["total"]
             e.weight = d["weight"].to(device) if isinstance(d["weight"], torch.Tensor) else d["weight"]
             stage[e.name] = e
         self._stages["train"] = stage
@@ -475,7 +478,7 @@ class MetricCollector:
             if e.metric is not None:
                 value = e.metric.compute()  # cached by the Metric until its next update: end_stage reuses it
             elif e.total is not None:
-                value = e.total / e.weight if e.reduce_fx == "mean" else e.total
+                value = _epoch_value(e.reduce_fx, e.total, e.weight)
             else:
                 continue
             cm[e.epoch_key] = value
@@ -554,7 +557,7 @@ class MetricCollector:
     def _reduce_across_processes(self, rows: list[tuple[str, ReduceOp, Any, Any]]) -> list[Any]:
         """Reduce ``(name, reduce_fx, total, weight)`` rows: a weighted mean, or a sum / max / min."""
         if self.strategy.world_size == 1:
-            return [total / weight if fx == "mean" else total for _, fx, total, weight in rows]
+            return [_epoch_value(fx, total, weight) for _, fx, total, weight in rows]
         # One collective per epoch: gather (total, weight) of every key from every rank, reduce here.
         device = self.strategy.root_device
         names_hash = float(zlib.crc32("\0".join(name for name, *_ in rows).encode()))
@@ -581,3 +584,11 @@ class MetricCollector:
                 v = totals.min()
             results.append(v.float())
         return results
+
+
+def _epoch_value(fx: ReduceOp, total: Any, weight: Any) -> Any:
+    """One process's epoch value from its running ``total``: never the total itself when later values are added
+    into it in place (a sum), so that a published value, once read, stays what it was."""
+    if fx == "mean":
+        return total / weight
+    return total.clone() if fx == "sum" and isinstance(total, torch.Tensor) else total
