@@ -1,12 +1,13 @@
 """Per-step overhead of two ember source trees, paired: is a change free on the step path?
 
-    python benchmarks/compare_trees.py --a <tree before> --b <tree after> [--rounds 15] [--steps 400]
+    python benchmarks/compare_trees.py --a <tree before> --b <tree after> [--rounds 15] [--steps 400] [--clock cpu]
 
 Each round starts one process per tree (in a shuffled order), with ``PYTHONPATH=<tree>/src``; each
 process times overhead.py's "bare" configuration (no bar, no logger, no checkpoints) and the plain
 PyTorch loop on the same batches, alternately, three times, and reports the median ember/plain ratio.
 The two trees' ratios of the same round are compared, so machine load that shifts both cancels; the
-median and quartiles of b/a over the rounds are printed.
+median and quartiles of b/a over the rounds are printed. ``--clock cpu`` times with the process's CPU
+time instead of wall time (see overhead.py).
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def child(steps: int) -> None:
+def child(steps: int, clock: str) -> None:
     import torch
 
     sys.path.insert(0, HERE)
     import overhead
 
+    overhead.use_clock(clock)
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g)) for _ in range(steps)]
@@ -52,10 +54,11 @@ def main() -> None:
     parser.add_argument("--b", help="the tree after")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="wall time, or the CPU time")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.steps)
+        child(args.steps, args.clock)
         return
     trees = {"a": args.a, "b": args.b}
     rng = random.Random(0)
@@ -66,7 +69,7 @@ def main() -> None:
         for name in order:
             env = dict(os.environ, PYTHONPATH=os.path.join(trees[name], "src"))
             out = subprocess.run(
-                [sys.executable, __file__, "--child", "--steps", str(args.steps)],
+                [sys.executable, __file__, "--child", "--steps", str(args.steps), "--clock", args.clock],
                 env=env,
                 capture_output=True,
                 text=True,

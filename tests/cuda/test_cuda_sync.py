@@ -38,6 +38,30 @@ class EpochLogging(MLP):
         return loss
 
 
+class ManyMetrics(EpochLogging):
+    """Logs many values per step, on_step and on_epoch, as a model with several losses and accuracies does:
+    device tensors (views of one, as ``unbind`` gives), some in the bar, a half-precision one, an integer one,
+    a Python float, a sum and a max, from the step and from ``on_train_batch_end``."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        scaled = (loss.detach() * torch.arange(1.0, 21.0, device=loss.device)).unbind()
+        for k, value in enumerate(scaled):
+            self.log(f"m{k}", value, on_step=True, on_epoch=True, prog_bar=k % 5 == 0)
+        self.log("half", loss.detach().half(), on_step=True, on_epoch=True)
+        self.log("count", (batch[1] > 0).sum(), on_step=True, on_epoch=True)
+        self.log("number", float(batch_idx), on_step=True, on_epoch=True)
+        self.log("total", loss.detach(), on_step=False, on_epoch=True, reduce_fx="sum")
+        self.log("peak", loss.detach(), on_step=False, on_epoch=True, reduce_fx="max")
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.log("batch_end", outputs["loss"], on_step=True, on_epoch=True)
+
+
+MODULES = {"one value": EpochLogging, "many values": ManyMetrics}
+
+
 def _restore_sync_mode():
     torch.cuda.set_sync_debug_mode("default")
 
@@ -63,8 +87,9 @@ class StrictSteps(Callback):
         _restore_sync_mode()
 
 
+@pytest.mark.parametrize("module", MODULES)
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_non_logging_steps_do_not_synchronise(tmp_path, precision):
+def test_non_logging_steps_do_not_synchronise(tmp_path, precision, module):
     guard = StrictSteps()
     stream = io.StringIO()
     t = trainer(
@@ -77,11 +102,14 @@ def test_non_logging_steps_do_not_synchronise(tmp_path, precision):
         callbacks=[guard, ProgressBar(mode="bar", stream=stream)],
     )
     try:
-        t.fit(EpochLogging(), loader(n=256))
+        t.fit(MODULES[module](), loader(n=256))
     finally:
         _restore_sync_mode()
     assert t.global_step == 32 and guard.strict_steps >= 20
     assert "loss=" in stream.getvalue()  # the bar did show the logged value
+    if module == "many values":
+        assert "m5_step=" in stream.getvalue()
+        assert t.callback_metrics["m19_epoch"].device.type == "cuda"  # accumulated on the device
 
 
 class CountSyncs(Callback):
@@ -98,7 +126,8 @@ class CountSyncs(Callback):
         return [w for w in self.caught if SYNC_WARNING in str(w.message)]
 
 
-def test_each_step_synchronises_at_most_once_per_log_write_and_per_redraw(tmp_path):
+@pytest.mark.parametrize("module", MODULES)
+def test_each_step_synchronises_at_most_once_per_log_write_and_per_redraw(tmp_path, module):
     stream = io.StringIO()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -114,7 +143,7 @@ def test_each_step_synchronises_at_most_once_per_log_write_and_per_redraw(tmp_pa
         )
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            t.fit(EpochLogging(), loader(n=256))
+            t.fit(MODULES[module](), loader(n=256))
         finally:
             _restore_sync_mode()
     marks = counter.marks

@@ -113,21 +113,38 @@ class _Entry:
         #: The ``torchmetrics.Metric`` logged under this name (None for numbers and tensors).
         self.metric: Any = None
 
-    def accumulate(self, value: Any, batch_size: int) -> None:
-        fx = self.reduce_fx
-        if self.total is None:
-            self.total = value * batch_size if fx == "mean" else value
+    def accumulate(self, value: torch.Tensor, batch_size: int) -> None:
+        """Fold one step's ``value`` (weighted by ``batch_size`` for a mean) into the running epoch total."""
+        total, fx = self.total, self.reduce_fx
+        if total is None:
+            # A tensor of our own, never the logged one, so that later values can be added into it in place.
+            self.total = value * batch_size if fx == "mean" else value.clone()
             self.weight = batch_size
             return
+        # In place (one kernel, no allocation: this runs for every logged value of every step) whenever that
+        # gives what the out-of-place sum would: same dtype and device, and no autograd graph kept. A float64
+        # value into a float32 total promotes it, as ``+`` does; after that it is in place again.
+        in_place = (
+            isinstance(total, torch.Tensor)
+            and value.dtype is total.dtype
+            and value.device == total.device
+            and not (value.requires_grad or total.requires_grad)
+        )
         if fx == "mean":
-            self.total = self.total + value * batch_size
+            if in_place:
+                total.add_(value, alpha=batch_size)
+            else:
+                self.total = total + value * batch_size
             self.weight += batch_size
         elif fx == "sum":
-            self.total = self.total + value
+            if in_place:
+                total.add_(value)
+            else:
+                self.total = total + value
         elif fx == "max":
-            self.total = torch.maximum(self.total, value) if isinstance(value, torch.Tensor) else max(self.total, value)
+            self.total = torch.maximum(total, value)
         else:
-            self.total = torch.minimum(self.total, value) if isinstance(value, torch.Tensor) else min(self.total, value)
+            self.total = torch.minimum(total, value)
 
 
 class MetricCollector:
@@ -248,7 +265,9 @@ class MetricCollector:
             if e.metric is not None:  # its state is the Metric's own (in the module, when persistent)
                 continue
             d: dict[str, Any] = {f: getattr(e, f) for f in _ENTRY_FIELDS}
-            d["total"] = e.total.detach().to("cpu") if isinstance(e.total, torch.Tensor) else e.total
+            # A copy: the running total is added to in place by the next step (and .to("cpu") of a CPU tensor
+            # is that tensor itself), while the checkpoint must hold this step's value.
+            d["total"] = e.total.detach().to("cpu", copy=True) if isinstance(e.total, torch.Tensor) else e.total
             d["weight"] = e.weight.detach().to("cpu") if isinstance(e.weight, torch.Tensor) else e.weight
             out.append(d)
         return out
@@ -258,7 +277,8 @@ class MetricCollector:
         stage = {}
         for d in saved:
             e = _Entry(*(d[f] for f in _ENTRY_FIELDS))
-            e.total = d["total"].to(device) if isinstance(d["total"], torch.Tensor) else d["total"]
+            # A copy of our own: later values are added into it in place.
+            e.total = d["total"].to(device, copy=True) if isinstance(d["total"], torch.Tensor) else d["total"]
             e.weight = d["weight"].to(device) if isinstance(d["weight"], torch.Tensor) else d["weight"]
             stage[e.name] = e
         self._stages["train"] = stage
@@ -319,8 +339,8 @@ class MetricCollector:
         elif (isinstance(value, (int, float)) or isinstance(value, numbers.Real)) and not isinstance(value, bool):
             # Any real number (NumPy's scalars too), as Lightning. Kept as a tensor, as Lightning: callback_metrics
             # and logged_metrics hold tensors (on the CPU: a number logged every step would otherwise cost a
-            # host-to-device copy each time).
-            value = torch.tensor(float(value), dtype=_FLOAT32)
+            # host-to-device copy each time). (scalar_tensor: the same tensor as torch.tensor's, made faster.)
+            value = torch.scalar_tensor(float(value), dtype=_FLOAT32)
         elif is_torchmetric(value):
             self._log_metric(entry, key, value)
             return
@@ -458,7 +478,7 @@ class MetricCollector:
             if e.metric is not None:
                 value = e.metric.compute()  # cached by the Metric until its next update: end_stage reuses it
             elif e.total is not None:
-                value = e.total / e.weight if e.reduce_fx == "mean" else e.total
+                value = _epoch_value(e.reduce_fx, e.total, e.weight)
             else:
                 continue
             cm[e.epoch_key] = value
@@ -545,7 +565,7 @@ class MetricCollector:
     def _reduce_across_processes(self, rows: list[tuple[str, ReduceOp, Any, Any]]) -> list[Any]:
         """Reduce ``(name, reduce_fx, total, weight)`` rows: a weighted mean, or a sum / max / min."""
         if self.strategy.world_size == 1:
-            return [total / weight if fx == "mean" else total for _, fx, total, weight in rows]
+            return [_epoch_value(fx, total, weight) for _, fx, total, weight in rows]
         # One collective per epoch: gather (total, weight) of every key from every rank, reduce here.
         device = self.strategy.root_device
         names_hash = float(zlib.crc32("\0".join(name for name, *_ in rows).encode()))
@@ -572,3 +592,11 @@ class MetricCollector:
                 v = totals.min()
             results.append(v.float())
         return results
+
+
+def _epoch_value(fx: ReduceOp, total: Any, weight: Any) -> Any:
+    """One process's epoch value from its running ``total``: never the total itself when later values are added
+    into it in place (a sum), so that a published value, once read, stays what it was."""
+    if fx == "mean":
+        return total / weight
+    return total.clone() if fx == "sum" and isinstance(total, torch.Tensor) else total
