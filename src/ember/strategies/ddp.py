@@ -591,19 +591,23 @@ class DDPStrategy(Strategy):
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         # On the CPU control group: the answer is read on the host, so it never travels through the device.
-        return self.start_decision(decision, "all" if all else "any").result()
+        mode: DecisionMode = "all" if all else "any"
+        return self._decide(decision, mode, "strategy.reduce_boolean_decision").result()
 
     def start_decision(self, decision: bool, mode: DecisionMode = "any") -> Decision:
         check_decision_mode(mode)
+        return self._decide(decision, mode, "strategy.start_decision")
+
+    def _decide(self, decision: bool, mode: DecisionMode, caller: str) -> Decision:
         if self.world_size == 1 or not dist.is_initialized():
             return Decision(bool(decision))
         flag = torch.tensor([int(bool(decision))], dtype=torch.int32)  # on the CPU, for the control group
         group = self._control_group
         if mode == "rank_zero":
-            what = "a decision broadcast from rank 0 (strategy.start_decision)"
+            what = f"a decision broadcast from rank 0 ({caller})"
             work = dist.broadcast(flag, src=0, group=group, async_op=True)
         else:
-            what = f"a decision all-reduce (strategy.start_decision, {mode!r})"
+            what = f"an all-reduce ({caller}, {mode!r})"
             op = dist.ReduceOp.MIN if mode == "all" else dist.ReduceOp.MAX
             work = dist.all_reduce(flag, op=op, group=group, async_op=True)
         return Decision(flag, lambda: self._waiting(what, work.wait))

@@ -4,18 +4,17 @@ During ``fit``, SIGTERM (what schedulers send before killing a job) is caught. T
 records the signal; at the next step boundary (after a batch's optimizer step, scheduler step and
 any validation; with ``accumulate_grad_batches``, once the accumulation window closes) a single
 process stops. With several, the ranks agree on stopping without ever waiting for it: every 8th such
-boundary (``PreemptionHandler.sync_every``) each rank starts
-``strategy.start_decision(received, "any")``, a one-element all-reduce on the CPU control group that
-runs in the background (``ember/strategies/control.py``), and reads its result one boundary later
+boundary (``PreemptionHandler.sync_every``) each rank starts ``strategy.start_decision(received,
+"any")``, a one-element all-reduce on the CPU control group that runs in the background
+(``ember/strategies/control.py``), and reads its result one boundary later
 (``PreemptionHandler.decision_lag``): every rank sent its part a whole step earlier, so the read
-finds it done. No device is involved and the step's stream never drains for it; every rank reads the same decision at the same
-boundary, so all ranks stop at the same step even if only one got the signal (1 to 9 boundaries
-after it). Then ``last.ckpt`` is written in
-the first ModelCheckpoint's directory (``<default_root_dir>/checkpoints`` without one) and
-:class:`Preempted` is raised, a ``SystemExit`` whose exit status is ``128 + signal number`` (143
-for SIGTERM, 138 for SIGUSR1 on Linux): what a shell reports for a process killed by that signal,
-so schedulers treat the job as preempted rather than finished. ``fit(..., ckpt_path="last")``
-continues it exactly.
+finds it done. No device is involved and the step's stream never drains for it; every rank reads the
+same decision at the same boundary, so all ranks stop at the same step even if only one got the
+signal (1 to 9 boundaries after it). Then ``last.ckpt`` is written in the first ModelCheckpoint's
+directory (``<default_root_dir>/checkpoints`` without one) and :class:`Preempted` is raised, a
+``SystemExit`` whose exit status is ``128 + signal number`` (143 for SIGTERM, 138 for SIGUSR1 on
+Linux): what a shell reports for a process killed by that signal, so schedulers treat the job as
+preempted rather than finished. ``fit(..., ckpt_path="last")`` continues it exactly.
 
 Which signals: SIGTERM, plus SIGUSR1 under SLURM (``SLURM_JOB_ID`` set), SLURM's usual
 ``--signal`` for requeueing. On SIGUSR1 under SLURM, once the checkpoint is written, global rank zero
