@@ -77,9 +77,9 @@ class SavesSeen(DDPStrategy):
         super().__init__()
         self.saved: list[str] = []
 
-    def save_checkpoint(self, checkpoint, path, writer) -> None:
+    def save_checkpoint(self, checkpoint, path, *args, **kwargs) -> None:
         self.saved.append(Path(path).name)
-        super().save_checkpoint(checkpoint, path, writer)
+        super().save_checkpoint(checkpoint, path, *args, **kwargs)
 
 
 def _trainer(root: Path, callbacks: list, **kwargs: Any) -> ember.Trainer:
