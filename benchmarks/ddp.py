@@ -22,6 +22,18 @@ with ``MALLOC_MMAP_THRESHOLD_`` fixed at 128 KiB (every block that large is mapp
 returned on free), where the high-water mark follows the live tensors.
 
 Run: ``python benchmarks/ddp.py --model many-small`` (``--help`` for options).
+
+``--control`` measures instead what the Trainer's control decisions cost per step under ``ddp`` (the
+same 2 gloo ranks, one thread each): ``Trainer.fit`` of a small model (256 -> 10, per-rank batch 64,
+so that a step is short and what surrounds it shows) in interleaved blocks, the order flipping every
+round, one fit of ``--block`` steps per variant per round; step time is the time between two batch
+starts (step, callbacks, step boundary), the mean per fit (a cost paid every 8th step counts), slower
+rank. Variants: ``bare`` (no
+preemption handler, no time checkpoint), ``preemption`` (the agreement on stopping, every 8th step
+boundary), ``time_ckpt`` (``ModelCheckpoint(train_time_interval=1 day)``, which asks rank zero's clock
+at every boundary), ``sync_dist`` (a Python number logged with ``sync_dist=True`` every step). Each
+adds one thing to ``bare``. Reported: the medians and the per-round ratios to ``bare``. Run it on two
+trees (before / after a change) to compare.
 """
 
 from __future__ import annotations
@@ -33,13 +45,16 @@ import os
 import resource
 import statistics
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a clone without installing
 
@@ -126,6 +141,83 @@ def time_worker(rank: int, args: argparse.Namespace) -> dict[str, list[float]]:
     return blocks
 
 
+def control_worker(rank: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Per variant: the mean step time (ms) of each round's fit (see --control in the module doc)."""
+    import ember
+    from ember.callbacks import Callback, ModelCheckpoint
+
+    warnings.simplefilter("ignore")  # the per-fit notes (CPU ranks, no validation) are not the subject
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(args.world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(args.world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",  # the group exists already: ember joins it
+    )
+    g = torch.Generator().manual_seed(rank)
+    steps = args.block + 2
+    x = torch.randn(64 * steps * args.world_size, 256, generator=g)
+    data = DataLoader(TensorDataset(x, torch.randint(0, 10, (len(x),), generator=g)), batch_size=64)
+
+    class Small(ember.TrainModule):
+        def __init__(self, sync_number: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = nn.Linear(256, 10)
+            self.sync_number = sync_number
+
+        def training_step(self, batch, batch_idx):
+            inputs, target = batch
+            loss = F.cross_entropy(self.layer(inputs), target)
+            if self.sync_number:
+                self.log("number", 0.5, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    class StepTimes(Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.starts.append(time.perf_counter())
+
+    def fit(variant: str, root: str) -> float:
+        timer = StepTimes()
+        callbacks: list = [timer]
+        if variant == "time_ckpt":
+            callbacks.append(ModelCheckpoint(dirpath=root, train_time_interval=86400, save_top_k=0, save_last=False))
+        trainer = ember.Trainer(
+            strategy="ddp",
+            devices=args.world_size,
+            accelerator="cpu",
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=variant == "time_ckpt",
+            enable_model_summary=False,
+            default_root_dir=root,
+            callbacks=callbacks,
+        )
+        if variant != "preemption":
+            trainer.preemption_signals = ()  # no handler: no agreement on stopping
+        trainer.fit(Small(sync_number=variant == "sync_dist"), data)
+        starts = timer.starts[1:]  # the first step builds state
+        return (starts[-1] - starts[0]) / (len(starts) - 1) * 1e3
+
+    variants = ("bare", "preemption", "time_ckpt", "sync_dist")
+    blocks: dict[str, list[float]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as root:
+        for v in variants:
+            fit(v, root)  # warm-up
+        for r in range(args.rounds):
+            for v in variants if r % 2 == 0 else variants[::-1]:
+                blocks[v].append(fit(v, root))
+    return blocks
+
+
 def memory_worker(rank: int, args: argparse.Namespace, variant: str) -> dict[str, float]:
     runner = Runner(variant, args.model, args.batch, rank)
     for _ in range(args.memory_steps):
@@ -203,9 +295,15 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=5, help="steps per variant per round")
     parser.add_argument("--memory-steps", type=int, default=30)
     parser.add_argument("--memory-repeats", type=int, default=2)
+    parser.add_argument(
+        "--control", action="store_true", help="measure the Trainer's control decisions instead (module doc)"
+    )
     args = parser.parse_args()
     if args.batch is None:
         args.batch = BATCH[args.model]
+    if args.control:
+        report_control(args)
+        return
 
     tensors = sum(1 for p in make_model(args.model).parameters())
     print(
@@ -248,6 +346,19 @@ def main() -> None:
         t = paired("ember" + hook, "torch" + hook)
         m, mm = (mib("ember" + hook, "peak" + s) / mib("torch" + hook, "peak" + s) for s in ("", " mmap"))
         print(f"ember/torch{hook or ' fp32'}: step time {t:.3f}, peak memory {m:.3f} (large blocks mmapped: {mm:.3f})")
+
+
+def report_control(args: argparse.Namespace) -> None:
+    print(
+        f"Trainer control decisions under ddp: torch {torch.__version__}, {args.world_size} ranks over gloo, "
+        f"1 thread each, 256 -> 10 on a per-rank batch of 64, {args.rounds} rounds of one {args.block}-step "
+        "fit per variant"
+    )
+    timing = launch("control_worker", args)
+    rounds = {v: [max(r[v][i] for r in timing) for i in range(args.rounds)] for v in timing[0]}
+    for v, per_round in rounds.items():
+        ratio = statistics.median(x / y for x, y in zip(per_round, rounds["bare"]))
+        print(f"{v:<10} {statistics.median(per_round):8.3f} ms/step   per-round ratio to bare {ratio:.3f}")
 
 
 if __name__ == "__main__":

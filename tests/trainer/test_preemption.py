@@ -16,17 +16,25 @@ from ember.trainer.preemption import PreemptionHandler
 
 
 class _TwoRanks:
-    """Stands in for a 2-rank strategy: counts the agreements and lets a peer report a signal."""
+    """Stands in for a 2-rank strategy: counts the agreements started and read, and lets a peer report a signal."""
 
     world_size = 2
 
     def __init__(self) -> None:
         self.calls = 0
+        self.reads = 0
         self.peer_received = False
 
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+    def start_decision(self, decision: bool, mode: str = "any") -> SimpleNamespace:
+        assert mode == "any"
         self.calls += 1
-        return decision or self.peer_received
+        agreed = decision or self.peer_received
+
+        def result() -> bool:
+            self.reads += 1
+            return agreed
+
+        return SimpleNamespace(result=result)
 
 
 def _handler(strategy: _TwoRanks) -> tuple[PreemptionHandler, list[int]]:
@@ -49,6 +57,9 @@ def test_ranks_agree_once_every_sync_every_boundaries():
         handler.trainer.progress.batch_in_epoch = step
         handler.check()
     assert strategy.calls == 32 // handler.sync_every == 4
+    assert strategy.reads == 3  # the fourth is read at the next boundary, or waited for by finish()
+    handler.finish()
+    assert strategy.reads == 4
     assert stops == []
 
 
@@ -66,7 +77,8 @@ def test_a_signal_on_any_rank_stops_at_the_next_agreement(own_signal):
         handler.check()
         if stops:
             break
-    assert stops == [handler.sync_every]  # the first agreement after the signal
+    # The first agreement after the signal, read one boundary after it started.
+    assert stops == [handler.sync_every + handler.decision_lag]
 
 
 def test_default_signals_add_sigusr1_under_slurm(monkeypatch):

@@ -77,6 +77,8 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         auto_insert_metric_name: write ``name=value`` instead of only ``value`` for each template field.
         every_n_train_steps: save every n optimizer steps.
         train_time_interval: save when this much time (a timedelta or seconds) has passed since the last save.
+            Under ddp rank zero's clock decides, and every rank saves one step boundary after it said so:
+            its answer travels in the background on the CPU (``Strategy.start_decision``), so no rank waits.
         every_n_epochs: save every n epochs (default 1 when no other cadence is given).
         save_on_train_epoch_end: save at the end of the training epoch instead of after validation
             (default: only when no validation runs).
@@ -194,6 +196,8 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         self._saved_in_fit = False
         self._replaced: list[str] = []  # top-k files replaced by this save, removed once last is in place
         self._last_time = time.monotonic()
+        self._saves = 0  # calls of _save: a time vote started before the latest one is stale
+        self._time_vote: tuple[Any, int] | None = None  # under ddp: (rank zero's "due?" in flight, _saves then)
         self._validation_ran = False
         self._warned_missing = False
 
@@ -312,6 +316,7 @@ class ModelCheckpoint(CheckpointFiles, Callback):
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._last_time = time.monotonic()
+        self._time_vote = None
 
     def on_train_step_boundary(self, trainer: Trainer, module: TrainModule) -> None:
         if self.async_save:
@@ -320,12 +325,26 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         if step == self._last_global_step_saved:
             return
         due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0
-        if not due and self.train_time_interval is not None:
-            elapsed = time.monotonic() - self._last_time
-            # Ranks' clocks differ: rank zero decides for everyone.
-            due = trainer.strategy.broadcast(elapsed >= self.train_time_interval.total_seconds())
+        interval = self.train_time_interval.total_seconds() if self.train_time_interval is not None else None
+        # Ranks' clocks differ: under ddp rank zero decides for everyone, one boundary late (no rank waits).
+        voting = interval is not None and trainer.world_size > 1
+        if voting:
+            due = self._time_vote_says_due() or due
+        elif not due and interval is not None:
+            due = time.monotonic() - self._last_time >= interval
         if due:
             self._save(trainer, at_epoch_end=False)
+        if interval is not None and voting:  # after any save, so the clock it reads has been reset
+            over = time.monotonic() - self._last_time >= interval
+            self._time_vote = (trainer.strategy.start_decision(over, "rank_zero"), self._saves)
+
+    def _time_vote_says_due(self) -> bool:
+        """Rank zero's answer from the previous boundary; stale (False) if a save came since."""
+        vote, self._time_vote = self._time_vote, None
+        if vote is None:
+            return False
+        decision, saves = vote
+        return decision.result() and saves == self._saves
 
     def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
         if trainer.sanity_checking or trainer.state != "fitting":
@@ -339,6 +358,8 @@ class ModelCheckpoint(CheckpointFiles, Callback):
             self._save_point(trainer, at_epoch_end=True)
 
     def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if self._time_vote is not None:  # every rank started it: wait for it, leaving no collective running
+            self._time_vote_says_due()
         # As Lightning: a fit in which no save point came (every cadence disabled, or never due)
         # still leaves a ``last`` checkpoint of its final state.
         if self.save_last and not self._saved_in_fit and trainer.global_step != self._last_global_step_saved:
@@ -351,6 +372,7 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         self._finish_write(trainer)
 
     def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
+        self._time_vote = None  # not waited for: a rank that failed may never have sent its part
         if self.async_save:  # the exception is what fit raises; a failed write is a warning
             self._warn_failed(trainer.strategy.background_writer.wait(raise_errors=False))
         if self.save_on_exception:
@@ -408,6 +430,7 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         metrics = self._candidates(trainer)
         self._last_global_step_saved = trainer.global_step
         self._last_time = time.monotonic()
+        self._saves += 1
         self._saved_in_fit = True
         previous_last = self._next_last(trainer, metrics)
         written: str | None = None

@@ -46,6 +46,13 @@ from ember.module import TrainModule
 from ember.parallel.all_gather import all_gather
 from ember.parallel.distributed import DistributedDataParallel
 from ember.rng import capture_rng
+from ember.strategies.control import (
+    Decision,
+    DecisionMode,
+    check_decision_mode,
+    close_control_group,
+    open_control_group,
+)
 from ember.strategies.launchers import launcher as launcher_module
 from ember.strategies.launchers.launcher import Launcher, PopenLauncher, World, detect_world
 from ember.strategies.launchers.spawn import SpawnLauncher
@@ -159,6 +166,9 @@ class DDPStrategy(Strategy):
         self._threads_before: int | None = None
         self._beacon = Beacon()
         self._watchdog: Watchdog | None = None
+        # The group for control decisions (control.py): None is the default group. Opened once per setup.
+        self._control_group: Any = None
+        self._control_open = False
 
     def __getstate__(self) -> dict[str, Any]:
         # Sent to spawned workers: they find their own place in the job and their own group.
@@ -171,6 +181,8 @@ class DDPStrategy(Strategy):
             _threads_before=None,
             _beacon=Beacon(),
             _watchdog=None,
+            _control_group=None,
+            _control_open=False,
         )
         return state
 
@@ -248,6 +260,9 @@ class DDPStrategy(Strategy):
         self.set_current_device()
         if not dist.is_initialized():
             self._init_group()
+        if not self._control_open and dist.get_world_size() > 1:
+            self._control_group = open_control_group()  # collective: every rank is here
+            self._control_open = True
         self._start_watchdog()
 
     @property
@@ -394,6 +409,8 @@ class DDPStrategy(Strategy):
         if self.ddp is not None:
             self.ddp.reducer.remove_hooks()  # the module trains without us afterwards
             self.ddp = None
+        close_control_group(self._control_group)
+        self._control_group, self._control_open = None, False
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
@@ -536,13 +553,19 @@ class DDPStrategy(Strategy):
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        """Reduce ``tensor`` across all processes. A tensor on the root device is reduced there; a
+        CPU tensor (a Python number given to ``self.log(..., sync_dist=True)``) on the CPU control
+        group and returned on the CPU: no copy to the device, and no wait for it."""
         super().reduce(tensor, op)  # validates op
         if self.world_size == 1 or not dist.is_initialized():
             return tensor
-        out = torch.as_tensor(tensor).detach().to(self.root_device).clone()
+        out = torch.as_tensor(tensor).detach()
+        on_cpu = out.device.type == "cpu"
+        out = out.clone() if on_cpu else out.to(self.root_device).clone()
         if not out.is_floating_point() and op == "mean":
             out = out.double()
-        self._waiting(f"an all-reduce (strategy.reduce, op={op!r})", dist.all_reduce, out, op=_OPS[op])
+        group = self._control_group if on_cpu else None
+        self._waiting(f"an all-reduce (strategy.reduce, op={op!r})", dist.all_reduce, out, op=_OPS[op], group=group)
         return out / self.world_size if op == "mean" else out
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
@@ -567,13 +590,24 @@ class DDPStrategy(Strategy):
             self._waiting(f"a barrier ({name})" if name else "a barrier", dist.barrier, **ids)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # On the CPU control group: the answer is read on the host, so it never travels through the device.
+        mode: DecisionMode = "all" if all else "any"
+        return self._decide(decision, mode, "strategy.reduce_boolean_decision").result()
+
+    def start_decision(self, decision: bool, mode: DecisionMode = "any") -> Decision:
+        check_decision_mode(mode)
+        return self._decide(decision, mode, "strategy.start_decision")
+
+    def _decide(self, decision: bool, mode: DecisionMode, caller: str) -> Decision:
         if self.world_size == 1 or not dist.is_initialized():
-            return decision
-        flag = torch.tensor([int(bool(decision))], device=self.root_device)
-        self._waiting(
-            "an all-reduce (strategy.reduce_boolean_decision)",
-            dist.all_reduce,
-            flag,
-            op=dist.ReduceOp.MIN if all else dist.ReduceOp.MAX,
-        )
-        return bool(flag.item())
+            return Decision(bool(decision))
+        flag = torch.tensor([int(bool(decision))], dtype=torch.int32)  # on the CPU, for the control group
+        group = self._control_group
+        if mode == "rank_zero":
+            what = f"a decision broadcast from rank 0 ({caller})"
+            work = dist.broadcast(flag, src=0, group=group, async_op=True)
+        else:
+            what = f"an all-reduce ({caller}, {mode!r})"
+            op = dist.ReduceOp.MIN if mode == "all" else dist.ReduceOp.MAX
+            work = dist.all_reduce(flag, op=op, group=group, async_op=True)
+        return Decision(flag, lambda: self._waiting(what, work.wait))

@@ -30,6 +30,7 @@ Manual optimization is not supported (the replicas would each step the optimizer
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -62,14 +63,36 @@ def _chunk_size(args: tuple) -> int:
 
 
 def _weighted_sum(values: list[Any], weights: list[float], device: torch.device) -> Any:
-    """``sum(w * v)``, on ``device`` when any value is a tensor (values may sit on several)."""
-    if not any(isinstance(v, Tensor) for v in values):
-        return sum(v * w for v, w in zip(values, weights))
+    """``sum(w * v)``: on ``device`` when any value is a tensor (values may sit on several). Python
+    numbers are summed on the host and added as a scalar: never copied to the device (a copy from
+    host memory would make the host wait for the device)."""
+    numbers = [(v, w) for v, w in zip(values, weights) if not isinstance(v, Tensor)]
+    host = sum(v * w for v, w in numbers)
     out = None
     for v, w in zip(values, weights):
-        part = torch.as_tensor(v).to(device) * w
-        out = part if out is None else out + part
-    return out
+        if isinstance(v, Tensor):
+            part = v.to(device) * w
+            out = part if out is None else out + part
+    if out is None:
+        return host
+    return out + host if numbers else out
+
+
+def _extreme(values: list[Any], fx: str, device: torch.device) -> Any:
+    """The max (``fx="max"``) or min of ``values``: Python numbers compared on the host, tensors on
+    ``device``, a NaN anywhere making it NaN (as ``torch.max``). No number is copied to the device."""
+    numbers = [float(v) for v in values if not isinstance(v, Tensor)]
+    host = None
+    if numbers:
+        host = math.nan if any(math.isnan(n) for n in numbers) else (max if fx == "max" else min)(numbers)
+    tensors = [v.to(device).reshape(()) for v in values if isinstance(v, Tensor)]
+    if not tensors:
+        return host
+    stacked = torch.stack(tensors)
+    out = stacked.max() if fx == "max" else stacked.min()
+    if host is None:
+        return out
+    return torch.clamp(out, min=host) if fx == "max" else torch.clamp(out, max=host)  # a scalar: no copy
 
 
 def _weighted_mean(values: list[Any], weights: list[float], device: torch.device) -> Any:
@@ -152,8 +175,7 @@ def _combine_logs(
             elif fx == "sum":
                 value = _weighted_sum(values, [1.0] * len(values), device)
             else:
-                stacked = torch.stack([torch.as_tensor(v, device=device).reshape(()) for v in values])
-                value = stacked.max() if fx == "max" else stacked.min()
+                value = _extreme(values, fx, device)
             module.log(name, value, **options)
 
 

@@ -18,6 +18,7 @@ from ember.checkpoint.background import BackgroundWriter
 from ember.checkpoint.writer import BackgroundSave, CheckpointWriter
 from ember.data.resumable import make_resumable
 from ember.module import takes_batch_idx
+from ember.strategies.control import Decision, DecisionMode, check_decision_mode
 from ember.types import REDUCE_OPS, ReduceOp, Stage
 from ember.utils import move_to_device
 
@@ -232,6 +233,23 @@ class Strategy:
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Agree on a boolean across processes: ``all`` ranks must say yes, or ``any`` rank."""
         return decision
+
+    def start_decision(self, decision: bool, mode: DecisionMode = "any") -> Decision:
+        """Start agreeing on a boolean across processes without waiting for the others.
+
+        For decisions taken at step boundaries (stop on a signal, save on rank zero's clock): the
+        collective runs on the CPU control group in the background (``ember/strategies/control.py``),
+        and ``result()`` on the returned :class:`~ember.strategies.control.Decision`, called by every
+        process at the same later point, returns the agreed value. Every process must start the same
+        decisions in the same order. In one process the result is ``decision`` itself.
+
+        Args:
+            decision: this process's answer.
+            mode: ``"all"`` (every process must say yes), ``"any"`` (one is enough) or
+                ``"rank_zero"`` (global rank zero's answer counts).
+        """
+        check_decision_mode(mode)
+        return Decision(bool(decision))
 
     # ------------------------------------------------------------------ checkpoints
     @property

@@ -3,15 +3,18 @@
 During ``fit``, SIGTERM (what schedulers send before killing a job) is caught. The handler only
 records the signal; at the next step boundary (after a batch's optimizer step, scheduler step and
 any validation; with ``accumulate_grad_batches``, once the accumulation window closes) a single
-process stops; with several, every 8th such boundary (``PreemptionHandler.sync_every``, so the
-agreement costs one small collective per 8 steps rather than one per step) every rank asks
-``strategy.reduce_boolean_decision(received, all=False)``, so all ranks stop at the same step
-even if only one got the signal. Then ``last.ckpt`` is written in
-the first ModelCheckpoint's directory (``<default_root_dir>/checkpoints`` without one) and
-:class:`Preempted` is raised, a ``SystemExit`` whose exit status is ``128 + signal number`` (143
-for SIGTERM, 138 for SIGUSR1 on Linux): what a shell reports for a process killed by that signal,
-so schedulers treat the job as preempted rather than finished. ``fit(..., ckpt_path="last")``
-continues it exactly.
+process stops. With several, the ranks agree on stopping without ever waiting for it: every 8th such
+boundary (``PreemptionHandler.sync_every``) each rank starts ``strategy.start_decision(received,
+"any")``, a one-element all-reduce on the CPU control group that runs in the background
+(``ember/strategies/control.py``), and reads its result one boundary later
+(``PreemptionHandler.decision_lag``): every rank sent its part a whole step earlier, so the read
+finds it done. No device is involved and the step's stream never drains for it; every rank reads the
+same decision at the same boundary, so all ranks stop at the same step even if only one got the
+signal (1 to 9 boundaries after it). Then ``last.ckpt`` is written in the first ModelCheckpoint's
+directory (``<default_root_dir>/checkpoints`` without one) and :class:`Preempted` is raised, a
+``SystemExit`` whose exit status is ``128 + signal number`` (143 for SIGTERM, 138 for SIGUSR1 on
+Linux): what a shell reports for a process killed by that signal, so schedulers treat the job as
+preempted rather than finished. ``fit(..., ckpt_path="last")`` continues it exactly.
 
 Which signals: SIGTERM, plus SIGUSR1 under SLURM (``SLURM_JOB_ID`` set), SLURM's usual
 ``--signal`` for requeueing. On SIGUSR1 under SLURM, once the checkpoint is written, global rank zero
@@ -94,7 +97,11 @@ class PreemptionHandler:
         self._clock: _GraceClock | None = None
         #: With several processes, how many step boundaries pass between two agreements on stopping.
         self.sync_every = 8
+        #: ... and how many boundaries after an agreement starts its result is read (and acted on).
+        self.decision_lag = 1
         self._boundaries = 0
+        self._decision: Any = None  # the agreement in flight (a strategy Decision), read at `_read_at`
+        self._read_at = 0
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
@@ -142,16 +149,26 @@ class PreemptionHandler:
         if k > 1 and done % k and done != t.num_training_batches:
             return  # inside a gradient-accumulation window (same counters on every rank): stop once it closes
         strategy = t.strategy
-        received = self.received is not None
-        if strategy.world_size > 1:
-            # Agreeing costs a collective: ask at every `sync_every`-th boundary only. Every rank
-            # counts the same boundaries, so they all ask (and stop) at the same step.
-            self._boundaries += 1
-            if self._boundaries % self.sync_every:
-                return
-            received = strategy.reduce_boolean_decision(received, all=False)
-        if received:
-            self.stop()
+        if strategy.world_size == 1:
+            if self.received is not None:
+                self.stop()
+            return
+        # Every rank counts the same boundaries, so all start (and read) each agreement at the same one.
+        self._boundaries += 1
+        if self._decision is not None and self._boundaries >= self._read_at:
+            decision, self._decision = self._decision, None
+            if decision.result():  # sent `decision_lag` boundaries ago: normally complete, no wait
+                self.stop()
+        if self._decision is None and self._boundaries % self.sync_every == 0:
+            self._decision = strategy.start_decision(self.received is not None, "any")
+            self._read_at = self._boundaries + max(1, self.decision_lag)
+
+    def finish(self) -> None:
+        """When the fit loop ends normally: wait for the agreement in flight (sent by every rank, so it
+        completes), leaving no collective running."""
+        decision, self._decision = self._decision, None
+        if decision is not None:
+            decision.result()
 
     def stop(self) -> None:
         t = self.trainer
@@ -226,6 +243,7 @@ def preemption(trainer: Trainer) -> Iterator[PreemptionHandler | None]:
         return
     try:
         yield handler
+        handler.finish()  # (not after an error: a rank that failed may never have sent its part)
     finally:
         handler.uninstall()
 
