@@ -270,7 +270,7 @@ def test_a_hook_set_on_the_instance_or_on_a_callback_instance_is_called():
     assert "instance hook" in calls and "callback instance hook" in calls
 
 
-def test_defines_hook_looks_at_the_instance():
+def test_is_overridden_looks_at_the_instance():
     from ember.utils import is_overridden
 
     module = RecordingModule()
