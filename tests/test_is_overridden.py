@@ -1,7 +1,8 @@
-"""ember.utils.is_overridden: one answer, for the hooks the Trainer calls and for what a run decides.
+"""ember.utils.is_overridden (what a run decides, as Lightning) and defines_hook (which hooks it calls).
 
-A hook set to None on the instance is "not overridden" everywhere (as Lightning's ``is_overridden``):
-the Trainer neither calls it nor decides anything from it.
+A hook set to None on the instance is "not overridden" for both (as in Lightning): the Trainer neither
+calls it nor decides anything from it. They differ on a wrapper of the default: Lightning's decisions
+look through it, and Lightning calls every hook, so the Trainer must call it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 import ember
 from ember.callbacks import Callback
-from ember.utils import is_overridden
+from ember.utils import defines_hook, is_overridden
 from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 
@@ -39,15 +40,21 @@ def test_none_a_subclass_a_partial_a_mock_and_the_default():
     # A partial is looked through: the base's own code bound by hand is still the default.
     module.on_fit_start = functools.partial(ember.TrainModule.on_fit_start, module)
     assert not is_overridden("on_fit_start", module, ember.TrainModule)
+    assert not defines_hook("on_fit_start", module, ember.TrainModule)
     module.on_fit_start = mock.Mock()
-    assert is_overridden("on_fit_start", module, ember.TrainModule)
+    assert not is_overridden("on_fit_start", module, ember.TrainModule)  # a bare Mock wraps nothing
+    assert defines_hook("on_fit_start", module, ember.TrainModule)  # but calling it is observable
+    module.on_fit_start = mock.Mock(wraps=ember.TrainModule.on_fit_start)  # a wrapper of the default
+    assert not is_overridden("on_fit_start", module, ember.TrainModule)
+    module.prepare_data = functools.partial(_Prepared.prepare_data, module)
+    assert is_overridden("prepare_data", module, ember.TrainModule)
     assert not is_overridden("prepare_data", None, ember.TrainModule)
     cb = Callback()
     assert not is_overridden("on_train_end", cb, Callback)
     cb.on_train_end = lambda trainer, module: None
     assert is_overridden("on_train_end", cb, Callback)
     cb.on_train_end = None
-    assert not is_overridden("on_train_end", cb, Callback)
+    assert not is_overridden("on_train_end", cb, Callback) and not defines_hook("on_train_end", cb, Callback)
 
 
 def test_prepare_data_and_configure_model_set_to_none_are_not_called():

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from lightning_utilities.core.overrides import is_overridden as _lightning_is_overridden
 
 _CPU = torch.device("cpu")
 
@@ -145,23 +146,34 @@ def sized_len(obj: Any) -> int | None:
 
 
 def is_overridden(name: str, obj: Any, base: type) -> bool:
-    """Whether ``obj``'s ``name`` is something other than ``base``'s default: ember's one answer to "does
-    the user's module, datamodule or callback define this hook or step?".
+    """Whether ``obj`` overrides ``base``'s ``name``, as Lightning decides it (lightning-utilities'
+    ``is_overridden``): for what a run does (does fit validate, whose batch-transfer hook runs, is
+    ``prepare_data`` called). ``None`` on the instance is not overridden; a wrapper (``functools.wraps``,
+    ``Mock(wraps=...)``, ``functools.partial``) is looked through, so a wrapper of the default is not.
 
-    Looked up on the object, not its class, so an attribute set on the instance counts: a function, a
-    ``functools.partial`` (looked through to its function) or a mock. ``None`` on the instance
-    (``model.validation_step = None``) means "not overridden", as in Lightning. The same answer decides
-    which hooks the Trainer calls (a hook that is not overridden is skipped, so an unused hook costs
-    nothing per step) and what a run does (whether fit validates, whose batch-transfer hook runs).
-
-    One difference from lightning-utilities' ``is_overridden``, which Lightning uses for its decisions
-    only (it calls every hook): a wrapper of the default (``functools.wraps``, ``Mock(wraps=...)``) or a
-    bare ``Mock`` counts as overridden here, because skipping it would skip what the wrapper does.
+    Which hooks the Trainer *calls* is :func:`defines_hook`'s answer: a wrapper of the default must run.
 
     Args:
-        name: the hook or method name, e.g. ``"on_train_start"`` or ``"validation_step"``.
+        name: the hook or method name, e.g. ``"validation_step"``.
         obj: the module, datamodule or callback, or None (then nothing is overridden).
         base: the class whose implementation is the default (``TrainModule``, ``DataModule``, ``Callback``).
+    """
+    return _lightning_is_overridden(name, obj, base)
+
+
+def defines_hook(name: str, obj: Any, base: type) -> bool:
+    """Whether the Trainer must call ``obj``'s hook ``name``: the attribute (looked up on the object, so one
+    set on the instance counts) is neither None nor ``base``'s own default. The Trainer skips the hooks
+    that are not, so an unused hook costs nothing per step.
+
+    Unlike :func:`is_overridden` (a decision, as Lightning's), a wrapper of the default
+    (``functools.wraps``, a ``Mock``) counts: Lightning calls every hook, so skipping a wrapper would skip
+    what it does. A ``functools.partial`` is looked through to its function.
+
+    Args:
+        name: the hook name, e.g. ``"on_train_start"``.
+        obj: the module, datamodule or callback, or None.
+        base: the class whose implementation is the default.
     """
     attr = getattr(obj, name, None)
     if attr is None:

@@ -634,24 +634,24 @@ def test_a_hook_set_on_the_instance_or_on_a_callback_instance_is_called():
 
 
 def test_defines_hook_looks_at_the_instance():
-    from ember.utils import is_overridden
+    from ember.utils import defines_hook
 
     module = RecordingModule()
-    assert is_overridden("on_train_start", module, ember.TrainModule)
-    assert not is_overridden("on_before_batch_transfer", module, ember.TrainModule)
+    assert defines_hook("on_train_start", module, ember.TrainModule)
+    assert not defines_hook("on_before_batch_transfer", module, ember.TrainModule)
     module.on_train_start = None
-    assert not is_overridden("on_train_start", module, ember.TrainModule)
+    assert not defines_hook("on_train_start", module, ember.TrainModule)
     module.on_before_batch_transfer = functools.partial(ember.TrainModule.on_before_batch_transfer, module)
-    assert not is_overridden("on_before_batch_transfer", module, ember.TrainModule)  # the base's own code
+    assert not defines_hook("on_before_batch_transfer", module, ember.TrainModule)  # the base's own code
     module.on_before_batch_transfer = mock.Mock()
-    assert is_overridden("on_before_batch_transfer", module, ember.TrainModule)
+    assert defines_hook("on_before_batch_transfer", module, ember.TrainModule)
 
     @functools.wraps(ember.TrainModule.on_before_batch_transfer)
     def wrapper(batch, dataloader_idx):
         return batch
 
     module.on_before_batch_transfer = wrapper  # a wrapper of the default still has to be called
-    assert is_overridden("on_before_batch_transfer", module, ember.TrainModule)
+    assert defines_hook("on_before_batch_transfer", module, ember.TrainModule)
 
 
 @pytest.mark.parametrize("stage", ["fit", "validate", "test", "predict"])

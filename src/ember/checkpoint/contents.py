@@ -63,7 +63,7 @@ from ember.checkpoint import auto_resume
 from ember.checkpoint.io import FORMAT, FORMAT_VERSION, CheckpointError, check_plain_data
 from ember.checkpoint.writer import BackgroundSave
 from ember.rng import capture_rng, rng_from_tensor, rng_to_tensor
-from ember.utils import is_overridden
+from ember.utils import defines_hook
 from ember.version import __version__
 
 if TYPE_CHECKING:
@@ -103,12 +103,12 @@ def _datamodule_hparams(datamodule: Any) -> dict[str, Any]:
 
 
 def overrides(obj: Any, name: str) -> bool:
-    """Whether ``obj`` (a callback) runs hook ``name``: ``ember.utils.is_overridden`` against the class
+    """Whether ``obj`` (a callback) runs hook ``name``: ``ember.utils.defines_hook`` against the class
     highest in its MRO that declares ``name`` (``Callback`` for a callback), as
     ``ember.callbacks.callback.overrides`` decides; this package sits below the callbacks and does not
     import their base. ``None`` on the instance turns the hook off."""
     declaring = [k for k in type(obj).__mro__ if name in vars(k)]
-    return bool(declaring) and is_overridden(name, obj, declaring[-1])
+    return bool(declaring) and defines_hook(name, obj, declaring[-1])
 
 
 def _put_datamodule_state(ckpt: dict[str, Any], datamodule: Any) -> None:

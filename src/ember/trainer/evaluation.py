@@ -34,7 +34,7 @@ from ember.module import TrainModule, _restore_modes
 from ember.profilers.base import wrap
 from ember.trainer.loaders import batch_transfer
 from ember.trainer.lockstep import COUNT_REST_SECONDS
-from ember.utils import is_overridden, sized_len, to_floats
+from ember.utils import defines_hook, is_overridden, sized_len, to_floats
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -78,7 +78,7 @@ class EvaluationLoop:
         """``on_{hook}_model_eval``: remember each submodule's ``training`` flag, then the hook (default ``eval()``)."""
         module = self.module
         module.__dict__["_ember_saved_modes"] = [(m, m.training) for m in module.modules()]  # read by _restore_modes
-        if is_overridden(f"on_{hook}_model_eval", module, TrainModule):
+        if defines_hook(f"on_{hook}_model_eval", module, TrainModule):
             getattr(module, f"on_{hook}_model_eval")()
         else:
             module.eval()

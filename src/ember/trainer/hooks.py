@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ember.callbacks.callback import Callback
 from ember.module import TrainModule
 from ember.profilers.base import wrap
-from ember.utils import is_overridden
+from ember.utils import defines_hook
 
 if TYPE_CHECKING:
     from ember.trainer.metrics import MetricCollector
@@ -56,7 +56,7 @@ class Hooks:
         for cb in self._callbacks:
             if monitoring is not None and bool(cb.monitors_metrics) != monitoring:
                 continue
-            if base is not None and is_overridden(name, cb, Callback):
+            if base is not None and defines_hook(name, cb, Callback):
                 table.append(
                     wrap(
                         profiler,
@@ -69,7 +69,7 @@ class Hooks:
             module is not None
             and monitoring is not True
             and hasattr(TrainModule, name)
-            and is_overridden(name, module, TrainModule)
+            and defines_hook(name, module, TrainModule)
         ):
             table.append(wrap(profiler, f"[TrainModule]{type(module).__name__}.{name}", getattr(module, name)))
         self._table[key] = table

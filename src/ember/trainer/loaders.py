@@ -15,7 +15,7 @@ from ember.data import DataModule
 from ember.data.resumable import rebuild_with_sampler, shutdown_workers, why_not_swappable
 from ember.module import TrainModule
 from ember.utilities.combined_loader import CombinedLoader
-from ember.utils import is_overridden, move_to_device, sized_len
+from ember.utils import defines_hook, is_overridden, move_to_device, sized_len
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -177,7 +177,7 @@ def batch_transfer(trainer: Trainer, dataloader_idx: int, input_dtype: Any) -> C
         dm = trainer.datamodule
         if dm is not None and is_overridden(name, dm, DataModule):
             return getattr(dm, name)
-        if is_overridden(name, trainer.module, TrainModule):
+        if defines_hook(name, trainer.module, TrainModule):
             return getattr(trainer.module, name)
         return None
 

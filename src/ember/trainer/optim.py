@@ -10,7 +10,7 @@ import torch
 
 from ember.module import TrainModule
 from ember.types import SchedulerConfig
-from ember.utils import closest, is_overridden
+from ember.utils import closest, defines_hook, is_overridden
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -293,7 +293,7 @@ class OptimizerState:
         A module overriding ``lr_scheduler_step`` steps them itself.
         """
         module = self.module
-        custom = is_overridden("lr_scheduler_step", module, TrainModule)
+        custom = defines_hook("lr_scheduler_step", module, TrainModule)
         for cfg in self.schedulers:
             if cfg.interval != interval or count % cfg.frequency:
                 continue

@@ -30,7 +30,7 @@ import torch
 from ember.module import TrainModule
 from ember.profilers.base import Profiler, wrap
 from ember.trainer.optim import TrainerOptimizer
-from ember.utils import is_overridden
+from ember.utils import defines_hook
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -91,7 +91,7 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
 
 def _override(module: TrainModule, name: str) -> Callable[..., Any] | None:
     """``module``'s ``name`` when it overrides TrainModule's (None on the instance does not), else None."""
-    return getattr(module, name) if is_overridden(name, module, TrainModule) else None
+    return getattr(module, name) if defines_hook(name, module, TrainModule) else None
 
 
 class _Closure:
