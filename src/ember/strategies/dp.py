@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ember.module import TrainModule
+from ember.module import TrainModule, redirect_log
 from ember.parallel.data_parallel import run_replicas
 from ember.parallel.parallel_apply import check_parallel_backward_devices
 from ember.parallel.replicate import Replicator
@@ -275,7 +275,7 @@ class DataParallelStrategy(Strategy):
             made.extend(replicas)
             for replica in replicas:
                 sinks.append(_ReplicaLog())
-                replica.__dict__["_log_sink"] = sinks[-1]
+                redirect_log(replica, sinks[-1])
                 for path in metric_paths:
                     _own_metric_state(replica.get_submodule(path))
 
