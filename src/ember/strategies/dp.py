@@ -137,8 +137,9 @@ def _merge_metrics(
                 f"strategy='dp' cannot merge the replicas' states of {type(original).__name__} ({path!r}): {err} "
                 "Use a Metric with full_state_update=False and dist_sync_on_step=False, or strategy='single' / 'ddp'."
             ) from err
-        # merge_state does not count updates; without this, compute() would warn that update was never called.
-        original._update_count += max(r.update_count for r in updated)  # noqa: SLF001
+        # merge_state neither counts updates nor drops a cached compute(); in torchmetrics only update() and
+        # forward() do, and both need the inputs, which only the replicas saw: no public way to either.
+        original._update_count += max(r.update_count for r in updated)  # noqa: SLF001  (else compute() warns "never updated")
         original._computed = None  # noqa: SLF001  (a cached epoch value is stale now)
         if metric_batch_value(head) is not None:  # the step value Lightning logs: the whole batch's
             batch_values[id(original)] = head.compute()
