@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import numbers
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,6 +26,17 @@ if TYPE_CHECKING:
     from ember.types import ReduceFx, Stage
 
 _M = TypeVar("_M", bound="TrainModule")
+
+# Modules whose ``self.log`` goes somewhere other than their trainer's metric collector: the replicas a
+# strategy makes (``strategies/dp.py``). Kept here rather than on the module, so that no attribute name
+# is taken from the user's namespace; weak, so that a replica's entry goes with it.
+_LOG_REDIRECTS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def redirect_log(module: nn.Module, sink: Any) -> None:
+    """Send ``module.log`` calls to ``sink.log(name, value, **options)`` instead of its trainer's metric
+    collector (``trainer.fit_state.metrics``): for a copy of the module a strategy runs, such as a DP replica."""
+    _LOG_REDIRECTS[module] = sink
 
 
 class TrainModule(HyperparametersMixin, nn.Module):
@@ -54,8 +66,6 @@ class TrainModule(HyperparametersMixin, nn.Module):
         #: With ``False``, ``training_step`` does its own ``optimizers()`` / ``manual_backward`` / ``step``.
         self.automatic_optimization: bool = True
         self._trainer: Trainer | None = None
-        # Where ``self.log`` sends values; the Trainer sets it, a DP replica gets its own.
-        self._log_sink: Any = None
         self._example_input_array: Any = None
         self._strict_loading: bool | None = None
 
@@ -196,7 +206,11 @@ class TrainModule(HyperparametersMixin, nn.Module):
                 when restoring a checkpoint; a Metric's state here is whatever its own ``state_dict`` holds).
             rank_zero_only: accepted for compatibility; ember reduces every key on every rank.
         """
-        if self._log_sink is None:
+        # The trainer's collector of this run (``fit_state.start_run`` renews it), unless redirected.
+        sink = _LOG_REDIRECTS.get(self) if _LOG_REDIRECTS else None
+        if sink is None and self._trainer is not None:
+            sink = self._trainer.fit_state.metrics
+        if sink is None:
             raise RuntimeError(
                 f"self.log({name!r}, ...) was called outside of a Trainer run. Call it from training_step, "
                 "validation_step or a hook while trainer.fit/validate/test runs."
@@ -208,7 +222,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
             )
         if reduce_fx not in REDUCE_OPS:  # an alias ("avg", "MAX") or a function (torch.max): its name
             reduce_fx = parse_reduce_fx(name, reduce_fx)
-        self._log_sink.log(
+        sink.log(
             name,
             value,
             prog_bar=prog_bar,

@@ -136,6 +136,12 @@ def is_torchmetric(value: Any, kind: str = "Metric") -> bool:
     return tm is not None and isinstance(value, getattr(tm, kind))
 
 
+def metric_batch_value(metric: Any) -> Any:
+    """What a torchmetrics Metric's last ``forward`` returned for its batch: None after ``update`` alone."""
+    # torchmetrics keeps it in this attribute and has no public reader; Lightning reads a Metric's step value here too.
+    return metric._forward_cache  # noqa: SLF001
+
+
 def sized_len(obj: Any) -> int | None:
     """``len(obj)``, or None for an object without a length: no ``__len__`` (TypeError) or one that raises
     NotImplementedError, as some iterable wrappers do (Lightning treats both as unsized)."""

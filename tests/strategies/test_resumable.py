@@ -106,3 +106,31 @@ def test_skip_first_batches_wrapper():
     wrapped = SkipFirstBatches(loader, 3)
     assert [b[0].tolist() for b in wrapped] == [[6, 7], [8, 9]]
     assert len(list(wrapped)) == 5 and len(wrapped) == 5 and wrapped.batch_size == 2
+
+
+@pytest.mark.processes
+def test_fit_end_stops_the_persistent_workers_of_the_loader_it_rebuilt():
+    """The fit's end drops the rebuilt loader's iterator: its ``__del__`` stops the workers at once, without
+    waiting for the garbage collector (which, in a reference cycle, takes seconds per worker)."""
+    import gc
+    import multiprocessing
+
+    from tests.helpers.models import TrainOnlyModel, fast_trainer
+
+    before = set(multiprocessing.active_children())
+    during: list[int] = []
+
+    class Model(TrainOnlyModel):
+        def on_train_epoch_end(self) -> None:
+            during.append(len(set(multiprocessing.active_children()) - before))
+
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
+    assert make_resumable(loader) is not loader  # the fit rebuilds it (a resumable sampler), so it owns the workers
+    gc.disable()  # the workers must go by reference counting alone
+    try:
+        fast_trainer(max_epochs=2).fit(Model(), loader)
+        assert during == [2, 2]  # persistent: the same two workers in both epochs
+        assert set(multiprocessing.active_children()) - before == set()
+    finally:
+        gc.enable()

@@ -211,6 +211,45 @@ def test_resume_from_epoch_end_checkpoint_steps_epoch_schedulers_once(tmp_path):
     assert_same_weights(resumed, ref)
 
 
+def test_resume_whose_epoch_end_steps_the_scheduler_first_does_not_warn_of_the_call_order(tmp_path):
+    """A resumed run whose first act is an epoch end (here: on_train_batch_start returns -1) steps the
+    epoch scheduler before any optimizer step of its own: torch's "lr_scheduler.step() before
+    optimizer.step()" warning would be wrong (they stepped before the checkpoint), so it is quieted there."""
+
+    class SkipEpoch(DropoutNet):
+        skip = False
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if self.skip else None
+
+    root = str(tmp_path)
+
+    def run(skip: bool, **kw):
+        m = SkipEpoch()
+        m.skip = skip
+        t = ember.Trainer(
+            max_epochs=1,
+            enable_progress_bar=False,
+            logger=False,
+            callbacks=kw.pop("callbacks", [])
+            + [ModelCheckpoint(dirpath=os.path.join(root, "c"), every_n_train_steps=5)],
+        )
+        t.fit(m, DataLoader(dataset(), batch_size=BATCH), **kw)
+        return t
+
+    with pytest.raises(RuntimeError):
+        run(False, callbacks=[StopAt(6)])  # last.ckpt at step 5: the optimizer stepped, the scheduler not yet
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = run(True, ckpt_path="last")
+    assert t.optimizers[0].param_groups[0]["lr"] == 0.05  # the epoch-end step ran
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+
+
 def test_preemption_sigterm_saves_and_exits_then_resumes_exactly(tmp_path, reference):
     root = str(tmp_path)
     before = signal.getsignal(signal.SIGTERM)

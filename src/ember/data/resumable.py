@@ -73,11 +73,9 @@ class _ResumableDataLoader(DataLoader):
         the iterator's ``__del__`` sends the workers their stop message, so torch waits for each
         worker in vain and then terminates it.
         """
-        iterator = self._iterator
+        # Dropping the loader's reference, the last one once the fit's loops are done, runs the iterator's
+        # ``__del__`` now (reference counting, no collector): it sends the stop messages, then joins the workers.
         self._iterator = None
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            # torch's own shutdown: no public name (Lightning calls it too), and del would leave it to the collector.
-            iterator._shutdown_workers()  # noqa: SLF001
 
 
 def shutdown_workers(loader: Any) -> None:

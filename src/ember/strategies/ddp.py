@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar, cast
@@ -169,6 +170,8 @@ class DDPStrategy(Strategy):
         # The group for control decisions (control.py): None is the default group. Opened once per setup.
         self._control_group: Any = None
         self._control_open = False
+        # The watchdog's store in a process group the user made (``_store_of_our_own``); None: not made yet.
+        self._own_store: dist.Store | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Sent to spawned workers: they find their own place in the job and their own group.
@@ -183,6 +186,7 @@ class DDPStrategy(Strategy):
             _watchdog=None,
             _control_group=None,
             _control_open=False,
+            _own_store=None,
         )
         return state
 
@@ -313,11 +317,33 @@ class DDPStrategy(Strategy):
             return self._launcher.store
         if launcher_module.job_store() is not None:
             return launcher_module.job_store()
-        try:  # a group the user made: its store (a private helper of torch, hence the guard)
-            # torch has no public way to reach the default group's store; the watchdog needs it to publish.
-            return dist.distributed_c10d._get_default_store()  # noqa: SLF001
-        except Exception:
-            return None
+        return self._store_of_our_own()
+
+    def _store_of_our_own(self) -> dist.Store | None:
+        """A store for the watchdog of a process group the user made (torch has no public way to that
+        group's store): rank 0 hosts one on a free port and tells the other ranks where, over the group.
+        None on every rank when any rank could not reach it: then there is no watchdog."""
+        if self._own_store is not None:
+            return self._own_store
+        rank0 = dist.get_rank() == 0
+        store: dist.Store | None = None
+        where: list[Any] = [None]
+        if rank0:
+            with contextlib.suppress(Exception):
+                server = dist.TCPStore("0.0.0.0", 0, None, True, timeout=self.timeout, wait_for_workers=False)
+                host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+                store, where = server, [(host, server.port)]
+        dist.broadcast_object_list(where, src=0)
+        if not rank0 and where[0] is not None:
+            with contextlib.suppress(Exception):
+                host, port = where[0]
+                store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=30))
+                store.set_timeout(self.timeout)
+        # Every rank or none: a watchdog missing on one rank would name it as hung.
+        reached = torch.tensor([0.0 if store is None else 1.0], device=self.root_device)
+        dist.all_reduce(reached, op=dist.ReduceOp.MIN)
+        self._own_store = store if reached.item() == 1.0 else None
+        return self._own_store
 
     def _progress(self) -> dict[str, Any]:
         # Read by the watchdog thread once a second: plain attribute reads.

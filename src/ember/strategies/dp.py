@@ -36,13 +36,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ember.module import TrainModule
+from ember.module import TrainModule, redirect_log
 from ember.parallel.data_parallel import run_replicas
 from ember.parallel.parallel_apply import check_parallel_backward_devices
 from ember.parallel.replicate import Replicator
 from ember.parallel.scatter_gather import flatten, gather, scatter_kwargs
 from ember.strategies.strategy import Strategy
-from ember.utils import is_torchmetric
+from ember.utils import is_torchmetric, metric_batch_value
 
 __all__ = ["DataParallelStrategy"]
 
@@ -113,8 +113,12 @@ def _own_metric_state(metric: Any) -> None:
     metric.reset()
 
 
-def _merge_metrics(module: nn.Module, replicas: list[nn.Module], paths: list[str]) -> dict[int, Any]:
-    """Merge every replica's Metric state into the original Metric; returns {id(replica metric): original}."""
+def _merge_metrics(
+    module: nn.Module, replicas: list[nn.Module], paths: list[str], batch_values: dict[int, Any]
+) -> dict[int, Any]:
+    """Merge every replica's Metric state into the original Metric; returns {id(replica metric): original}.
+
+    ``batch_values`` gets {id(original): the whole batch's value} for each Metric the replicas called forward on."""
     originals: dict[int, Any] = {}
     for path in paths:
         original: Any = module.get_submodule(path)
@@ -133,11 +137,12 @@ def _merge_metrics(module: nn.Module, replicas: list[nn.Module], paths: list[str
                 f"strategy='dp' cannot merge the replicas' states of {type(original).__name__} ({path!r}): {err} "
                 "Use a Metric with full_state_update=False and dist_sync_on_step=False, or strategy='single' / 'ddp'."
             ) from err
-        # merge_state does not count updates; without this, compute() would warn that update was never called.
-        original._update_count += max(r.update_count for r in updated)  # noqa: SLF001
+        # merge_state neither counts updates nor drops a cached compute(); in torchmetrics only update() and
+        # forward() do, and both need the inputs, which only the replicas saw: no public way to either.
+        original._update_count += max(r.update_count for r in updated)  # noqa: SLF001  (else compute() warns "never updated")
         original._computed = None  # noqa: SLF001  (a cached epoch value is stale now)
-        if head._forward_cache is not None:  # noqa: SLF001  (the step value Lightning logs: the whole batch's)
-            original._forward_cache = head.compute()  # noqa: SLF001
+        if metric_batch_value(head) is not None:  # the step value Lightning logs: the whole batch's
+            batch_values[id(original)] = head.compute()
     return originals
 
 
@@ -209,6 +214,8 @@ class DataParallelStrategy(Strategy):
         self._leaves_checked = False
         self._cpu_only = False
         self._metric_paths: list[str] = []
+        # {id(original Metric): its value for the whole batch of the last step the replicas ran}.
+        self._batch_values: dict[int, Any] = {}
 
     def setup(self, trainer: Any, module: Any) -> None:
         devices = self.parallel_devices or [self.root_device]
@@ -225,6 +232,14 @@ class DataParallelStrategy(Strategy):
 
     def teardown(self) -> None:
         self._replicator = Replicator()  # drop the cached structure (and the module it holds)
+        self._batch_values = {}
+
+    def metric_batch_value(self, metric: Any) -> Any:
+        # A Metric the replicas ran forward on this step: its value for the whole batch (merged from the
+        # replicas), kept until the next step as the original's own last forward would be.
+        if id(metric) in self._batch_values:
+            return self._batch_values[id(metric)]
+        return super().metric_batch_value(metric)
 
     def batch_to_device(self, batch: Any) -> Any:
         # Every device a CPU and CUDA never initialised: nothing can be elsewhere, skip the walk.
@@ -260,6 +275,7 @@ class DataParallelStrategy(Strategy):
     def _run(self, method: str, batch: Any, batch_idx: int, extra: tuple, training: bool = False) -> Any:
         module = self.module
         assert module is not None  # set by setup()
+        self._batch_values = {}  # a new step: the Metrics' batch values are their own until replicas merge
         devices = self.parallel_devices
         step_args = self.step_args(method, batch, batch_idx, extra)
         if len(devices) <= 1:
@@ -275,7 +291,7 @@ class DataParallelStrategy(Strategy):
             made.extend(replicas)
             for replica in replicas:
                 sinks.append(_ReplicaLog())
-                replica.__dict__["_log_sink"] = sinks[-1]
+                redirect_log(replica, sinks[-1])
                 for path in metric_paths:
                     _own_metric_state(replica.get_submodule(path))
 
@@ -296,7 +312,7 @@ class DataParallelStrategy(Strategy):
         if check and len(args) > 1:
             self._leaves_checked = True
         root = self.root_device
-        metrics = _merge_metrics(module, made, metric_paths) if metric_paths and made else {}
+        metrics = _merge_metrics(module, made, metric_paths, self._batch_values) if metric_paths and made else {}
         if sinks:
             _combine_logs(module, sinks, weights, root, metrics)
         return _combine_outputs(outputs, weights, root, training)

@@ -20,7 +20,7 @@ from ember.data.resumable import make_resumable
 from ember.module import takes_batch_idx
 from ember.strategies.control import Decision, DecisionMode, check_decision_mode
 from ember.types import REDUCE_OPS, ReduceOp, Stage
-from ember.utils import move_to_device
+from ember.utils import metric_batch_value, move_to_device
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -197,6 +197,11 @@ class Strategy:
         The closure goes by keyword, as Lightning passes it: an optimizer (or a mock of one) sees
         ``step(closure=...)``."""
         return optimizer.step(closure=closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
+
+    def metric_batch_value(self, metric: Any) -> Any:
+        """The value ``self.log(name, metric)`` publishes for the step: what the torchmetrics Metric's last
+        ``forward`` returned for its batch, None after ``update`` alone."""
+        return metric_batch_value(metric)
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:

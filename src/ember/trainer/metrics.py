@@ -404,8 +404,8 @@ class MetricCollector:
         if not entry.on_step:
             return
         # What the Metric's last forward returned for its batch (None after update() alone: then there is
-        # no batch value, and Lightning logs none). torchmetrics keeps it in this attribute; Lightning reads it too.
-        batch_value = metric._forward_cache  # noqa: SLF001
+        # no batch value, and Lightning logs none), as the strategy sees it (DP: the whole batch's, not a replica's).
+        batch_value = self.strategy.metric_batch_value(metric)
         if isinstance(batch_value, torch.Tensor) and batch_value.numel() == 1:
             self._publish_step(entry, key, batch_value.detach().float().reshape(()))
         elif batch_value is not None:

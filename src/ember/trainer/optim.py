@@ -12,6 +12,9 @@ from ember.module import TrainModule
 from ember.types import SchedulerConfig
 from ember.utils import closest, defines_hook, is_overridden
 
+# torch's warning for a scheduler stepped before its optimizer (``LRScheduler.step``), a regex of its start.
+_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
     from ember.trainer.hooks import Hooks
@@ -248,6 +251,9 @@ class OptimizerState:
         #: ``opt.step()`` calls made through the manual-optimization wrappers.
         self.steps_taken = 0
         self.wrapped_optimizers = [TrainerOptimizer(o, self.manual_step) for o in optimizers]
+        # Set by a resume whose optimizers had stepped: the first scheduler step of this run may come
+        # before any optimizer step (a resumed epoch end), where torch would warn of a wrong call order.
+        self._resumed_unstepped = False
 
     def manual_step(
         self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None, kwargs: dict[str, Any]
@@ -278,11 +284,7 @@ class OptimizerState:
         run that saved them."""
         for opt, saved in zip(self.optimizers, state["optimizer_states"]):
             opt.load_state_dict(saved)
-            if stepped:
-                # Keeps torch's "scheduler stepped before the optimizer" warning quiet when a resumed epoch
-                # end steps a scheduler first. torch reads this flag of its own and offers no public way to
-                # set it (an optimizer step would change the weights).
-                opt._opt_called = True  # type: ignore[attr-defined]  # noqa: SLF001
+        self._resumed_unstepped = stepped
         for cfg, saved in zip(self.schedulers, state["lr_schedulers"]):
             cfg.scheduler.load_state_dict(saved)
 
@@ -292,6 +294,18 @@ class OptimizerState:
         ``plateau``: only ReduceLROnPlateau-like schedulers (True), only the others (False), or all.
         A module overriding ``lr_scheduler_step`` steps them itself.
         """
+        if self._resumed_unstepped and self.schedulers:
+            # The first scheduler step after a resume of stepped optimizers: torch's "lr_scheduler.step()
+            # before optimizer.step()" warning is wrong here (they stepped before the checkpoint); only it is quieted.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_ORDER_WARNING, category=UserWarning)
+                self._resumed_unstepped = not self._step_schedulers(interval, count, metrics, plateau)
+            return
+        self._step_schedulers(interval, count, metrics, plateau)
+
+    def _step_schedulers(self, interval: str, count: int, metrics: dict[str, Any], plateau: bool | None) -> bool:
+        """``step_schedulers``; returns whether a scheduler was stepped."""
+        stepped = False
         module = self.module
         custom = defines_hook("lr_scheduler_step", module, TrainModule)
         for cfg in self.schedulers:
@@ -312,9 +326,10 @@ class OptimizerState:
                         f"The LR scheduler monitors {cfg.monitor!r}, which is not available, and strict is "
                         "False: skipping this learning rate update.",
                         RuntimeWarning,
-                        stacklevel=2,
+                        stacklevel=3,
                     )
                     continue
+            stepped = True
             if custom:
                 assert module is not None
                 module.lr_scheduler_step(cfg.scheduler, value)
@@ -322,3 +337,4 @@ class OptimizerState:
                 cfg.scheduler.step(float(value))
             else:
                 cfg.scheduler.step()
+        return stepped

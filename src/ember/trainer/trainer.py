@@ -276,9 +276,6 @@ class Trainer(TrainerProperties):
         # Each fit / validate / test / predict starts from empty metrics, as in Lightning.
         self.fit_state.start_run()
         self.logged_metrics = {}
-        # The module's one slot for the Trainer: a private name, so that it takes no name from the user's
-        # namespace (a TrainModule subclass may call anything ``log_sink``); read on every self.log.
-        module._log_sink = self._metrics  # noqa: SLF001
         extra = list(module.configure_callbacks() or [])
         if extra:
             types = {type(c) for c in extra}
@@ -578,7 +575,7 @@ class Trainer(TrainerProperties):
         module = unwrap_compiled(module)
         if not isinstance(module, TrainModule):
             raise TypeError(f"Expected an ember.TrainModule, got {type(module).__name__}. Subclass ember.TrainModule.")
-        if "_log_sink" not in module.__dict__:
+        if "_trainer" not in module.__dict__:  # set by TrainModule.__init__
             raise RuntimeError(f"{type(module).__name__}.__init__ did not call super().__init__(); call it first.")
         for step in ("training_step", "validation_step", "test_step", "predict_step"):
             fn = getattr(module, step, None)
