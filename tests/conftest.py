@@ -9,14 +9,35 @@ marked, so starting a process unmarked is an error that names the mark to add.
 
 from __future__ import annotations
 
+import compileall
 import multiprocessing
 import multiprocessing.process
+import os
 import subprocess
 import threading
 import time
 
 import pytest
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    """Compile ember's and the tests' sources to bytecode once, before any test starts a process.
+
+    The process tier starts a few hundred Python processes (ranks, scripts, torchrun agents), each
+    importing ember and test helpers. Where ``PYTHONDONTWRITEBYTECODE`` is set (as on the CI machines)
+    no import writes a ``.pyc``, so every one of them would compile those sources again (about 0.3 s of
+    CPU each). ``compileall`` writes the ``__pycache__`` files (ignored by git) that imports then read;
+    it skips files whose bytecode is up to date. Run once, by the xdist controller (or a plain pytest).
+    """
+    if hasattr(config, "workerinput"):
+        return
+    for folder in ("src", "tests", "examples", "benchmarks"):
+        path = os.path.join(ROOT, folder)
+        if os.path.isdir(path):
+            compileall.compile_dir(path, quiet=2)
 
 
 def _live_children() -> set[int]:
@@ -90,7 +111,7 @@ def pytest_collection_modifyitems(config, items):
     """Modules whose tests may run longest go first (by their largest ``timeout`` mark), each
     module's tests kept together and in their order.
 
-    Under pytest-xdist (``--dist worksteal``, README's test command) a 60 s job test that starts
+    Under pytest-xdist (README's test command) a 60 s job test that starts
     last would leave the other workers idle while it runs; started first, it overlaps the short
     tests. Keeping a module together keeps its module-scoped fixtures (one multi-rank run shared by
     several tests) set up once per worker.
