@@ -28,15 +28,30 @@ if TYPE_CHECKING:
 _M = TypeVar("_M", bound="TrainModule")
 
 # Modules whose ``self.log`` goes somewhere other than their trainer's metric collector: the replicas a
-# strategy makes (``strategies/dp.py``). Kept here rather than on the module, so that no attribute name
-# is taken from the user's namespace; weak, so that a replica's entry goes with it.
-_LOG_REDIRECTS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+# strategy makes (``strategies/dp.py``), by ``id``, with a weak reference to the module and the sink. Kept
+# here rather than on the module, so that no attribute name is taken from the user's namespace; an entry
+# goes with its module. A plain dict, not a WeakKeyDictionary: ``self.log`` asks whether it is empty for
+# every logged value, and a WeakKeyDictionary answers that in Python.
+_LOG_REDIRECTS: dict[int, tuple[weakref.ref[nn.Module], Any]] = {}
 
 
 def redirect_log(module: nn.Module, sink: Any) -> None:
     """Send ``module.log`` calls to ``sink.log(name, value, **options)`` instead of its trainer's metric
     collector (``trainer.fit_state.metrics``): for a copy of the module a strategy runs, such as a DP replica."""
-    _LOG_REDIRECTS[module] = sink
+    key = id(module)
+    _LOG_REDIRECTS[key] = (weakref.ref(module), sink)
+    weakref.finalize(module, _forget_redirect, key, _LOG_REDIRECTS[key][0])
+
+
+def _forget_redirect(key: int, ref: weakref.ref[nn.Module]) -> None:
+    # Only the entry of the module that died (its id may already name a newer, redirected module).
+    if _LOG_REDIRECTS.get(key, (None,))[0] is ref:
+        del _LOG_REDIRECTS[key]
+
+
+def _redirected_sink(module: nn.Module) -> Any:
+    entry = _LOG_REDIRECTS.get(id(module))
+    return entry[1] if entry is not None and entry[0]() is module else None
 
 
 class TrainModule(HyperparametersMixin, nn.Module):
@@ -207,7 +222,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
             rank_zero_only: accepted for compatibility; ember reduces every key on every rank.
         """
         # The trainer's collector of this run (``fit_state.start_run`` renews it), unless redirected.
-        sink = _LOG_REDIRECTS.get(self) if _LOG_REDIRECTS else None
+        sink = _redirected_sink(self) if _LOG_REDIRECTS else None
         if sink is None and self._trainer is not None:
             sink = self._trainer.fit_state.metrics
         if sink is None:

@@ -63,3 +63,43 @@ def test_numbers_logged_by_replicas_combine_on_the_host():
         "sum_mixed": 6.0,
     }
     assert math.isnan(values["max_nan_second"]) and math.isnan(values["min_nan_first"]), values
+
+
+def test_the_replicas_log_redirects_go_with_the_replicas():
+    # Each step's replicas send their self.log calls to a sink of their own (ember.module.redirect_log);
+    # once the fit is over and the replicas are gone, no entry is left, and the module itself logs into
+    # its trainer again.
+    import gc
+
+    from ember import module as module_file
+
+    x = torch.tensor([[1.0, 0.0], [0.0, 0.0], [5.0, 0.0], [0.0, 0.0]])
+    trainer = fast_trainer(strategy="dp", devices=2, accelerator="cpu", max_steps=3, num_sanity_val_steps=0)
+    model = LogsNumbers()
+    trainer.fit(model, DataLoader(TensorDataset(x), batch_size=4))
+    gc.collect()
+    assert module_file._LOG_REDIRECTS == {}
+    assert module_file._redirected_sink(model) is None
+
+
+def test_a_redirect_is_for_its_own_module_only():
+    from ember import module as module_file
+
+    class Sink:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def log(self, name: str, value: Any, **options: Any) -> None:
+            self.calls.append(name)
+
+    first, other = LogsNumbers(), LogsNumbers()
+    sink = Sink()
+    module_file.redirect_log(first, sink)
+    first.log("a", 1.0)
+    assert sink.calls == ["a"]
+    assert module_file._redirected_sink(other) is None
+    del first
+    import gc
+
+    gc.collect()
+    assert module_file._LOG_REDIRECTS == {}
