@@ -136,6 +136,54 @@ def test_a_restart_never_takes_another_jobs_checkpoint(tmp_path: Path, monkeypat
     assert t.ckpt_path is None and t.global_step == 4
 
 
+class StopAtStep(ember.callbacks.Callback):
+    """Raises once the fit reached ``step``: the attempt dies there."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            raise RuntimeError("killed")
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_a_restart_without_a_checkpoint_yet_continues_the_first_attempts_run(
+    tmp_path: Path, monkeypatch, capfd, launcher: str
+) -> None:
+    # The first attempt dies after it wrote into ember_logs/version_0 but before its first checkpoint:
+    # the restart starts from scratch in the same run, not in a version_1 of its own.
+    if launcher == "torchrun":
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    else:
+        monkeypatch.setenv("SLURM_JOB_ID", "7")
+    with pytest.raises(RuntimeError, match="killed"):
+        fit(tmp_path, 1, callbacks=[ModelCheckpoint(every_n_train_steps=3), StopAtStep(1)], logger=True)
+    runs = tmp_path / "ember_logs"
+    assert sorted(p.name for p in runs.iterdir()) == ["version_0"]
+    assert not list(runs.glob("version_0/checkpoints/*.ckpt"))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT" if launcher == "torchrun" else "SLURM_RESTART_COUNT", "1")
+    t = fit(tmp_path, 1, callbacks=[ModelCheckpoint(every_n_train_steps=3)], logger=True)
+    assert "no checkpoint of this job yet; starting from scratch" in capfd.readouterr().err
+    assert t.global_step == 4 and t.log_dir == str(runs / "version_0")
+    assert sorted(p.name for p in runs.iterdir()) == ["version_0"]
+    assert (runs / "version_0" / "checkpoints" / "last.ckpt").exists()
+
+
+def test_another_jobs_run_is_not_continued_and_a_plain_run_marks_nothing(tmp_path: Path, monkeypatch) -> None:
+    fit(tmp_path, 1)  # no launcher: no job to record
+    assert not (tmp_path / "ember_logs" / "version_0" / ".ember_job").exists()
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    with pytest.raises(RuntimeError, match="killed"):
+        fit(tmp_path, 1, callbacks=[ModelCheckpoint(every_n_train_steps=3), StopAtStep(1)])
+    assert (tmp_path / "ember_logs" / "version_1" / ".ember_job").read_text() == "slurm:7\n"
+    monkeypatch.setenv("SLURM_JOB_ID", "8")  # a different job, restarted before any checkpoint
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    t = fit(tmp_path, 1)
+    assert t.log_dir == str(tmp_path / "ember_logs" / "version_2")
+
+
 @pytest.mark.processes
 def test_sigusr1_requeue_reports_how_and_falls_back_when_scontrol_fails(tmp_path: Path, monkeypatch) -> None:
     exc = Preempted(signal.SIGUSR1, "x/last.ckpt", "requeued SLURM job 5 (scontrol requeue 5)")

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 
 class _RunLogger(Protocol):
+    @property
+    def log_dir(self) -> str: ...
     def run_dirs(self, default_root_dir: str) -> list[str]: ...
     def runs_root(self, default_root_dir: str) -> str: ...
     def continue_run(self, run_dir: str, default_root_dir: str) -> bool: ...
@@ -34,7 +36,9 @@ class _RunLogger(Protocol):
 
 def _has_runs(logger: Any) -> TypeGuard[_RunLogger]:
     """A logger that numbers its runs in directories (``FileLogger``: TensorBoard, CSV)."""
-    return all(callable(getattr(logger, name, None)) for name in ("run_dirs", "runs_root", "continue_run"))
+    return hasattr(type(logger), "log_dir") and all(  # (on the type: the property would choose a version)
+        callable(getattr(logger, name, None)) for name in ("run_dirs", "runs_root", "continue_run")
+    )
 
 
 def _checkpoint_callbacks(trainer: Trainer) -> list[Any]:
@@ -128,6 +132,44 @@ def _continue_run(trainer: Trainer, path: str) -> None:
             lg.continue_run(os.path.dirname(checkpoints), trainer.default_root_dir)
 
 
+#: In a run directory made by a job of a launcher (torchrun, SLURM): which job (``auto_resume.job_key``).
+JOB_FILE = ".ember_job"
+
+
+def mark_job_runs(trainer: Trainer) -> None:
+    """Under torchrun or SLURM, record in each run directory of this fit (loggers that number their runs)
+    which job it belongs to, so that a restart of the job that finds no checkpoint of its own yet still
+    continues that run rather than starting another. Global rank zero, after the loggers' setup."""
+    job = auto_resume.job_key()
+    if job is None or not trainer.is_global_zero:
+        return
+    for lg in trainer.loggers:
+        if _has_runs(lg):
+            os.makedirs(lg.log_dir, exist_ok=True)
+            marker = os.path.join(lg.log_dir, JOB_FILE)
+            with open(marker + ".tmp", "w", encoding="utf-8") as fh:
+                fh.write(job + "\n")
+            os.replace(marker + ".tmp", marker)
+
+
+def _job_run(trainer: Trainer) -> str | None:
+    """The run directory an earlier attempt of this job marked (:func:`mark_job_runs`), if any (the
+    newest when several are)."""
+    job = auto_resume.job_key()
+    first = trainer.loggers[0] if trainer.loggers else None
+    if job is None or not _has_runs(first):
+        return None
+    mine = []
+    for run in first.run_dirs(trainer.default_root_dir):
+        try:
+            with open(os.path.join(run, JOB_FILE), encoding="utf-8") as fh:
+                if fh.read().strip() == job:
+                    mine.append(run)
+        except OSError:
+            continue
+    return max(mine, key=os.path.getmtime) if mine else None
+
+
 def resolve(trainer: Trainer, ckpt_path: str | os.PathLike | None, continue_run: bool = False) -> str | None:
     """Turn ``"last"``, ``"best"``, ``"auto"`` or a path into a file path (None: start fresh).
 
@@ -138,16 +180,20 @@ def resolve(trainer: Trainer, ckpt_path: str | os.PathLike | None, continue_run:
     """
     strategy = trainer.strategy
     if continue_run and auto_resume.applies(ckpt_path):  # fit: a restarted job, or "auto" (auto_resume.py)
-        chosen, found_here = (
-            auto_resume.choose(trainer, ckpt_path, search_patterns(trainer))
-            if strategy.is_global_zero
-            else (None, False)
-        )
-        chosen, found_here = strategy.broadcast((chosen, found_here))
+        chosen, found_here, run = None, False, None
+        if strategy.is_global_zero:
+            chosen, found_here = auto_resume.choose(trainer, ckpt_path, search_patterns(trainer))
+            if not found_here:  # a restart with no checkpoint yet: the run its first attempt began, if any
+                run = _job_run(trainer)
+        chosen, found_here, run = strategy.broadcast((chosen, found_here, run))
         if found_here:
             if chosen is not None:
                 _continue_run(trainer, chosen)
             return chosen
+        if run is not None:
+            for lg in trainer.loggers:
+                if _has_runs(lg):
+                    lg.continue_run(run, trainer.default_root_dir)
     elif ckpt_path == auto_resume.AUTO:
         raise ValueError(
             "ckpt_path='auto' applies to fit (resume when a checkpoint exists); for validate, "

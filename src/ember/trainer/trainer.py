@@ -306,6 +306,8 @@ class Trainer(TrainerProperties):
             datamodule.setup(stage=stage)
         # By keyword, as Lightning: ``def setup(self, stage)`` and ``(self, stage=None)`` both work.
         self._hooks.call("setup", stage=stage)
+        if stage == "fit":
+            locate.mark_job_runs(self)
         if is_overridden("configure_model", module, TrainModule):
             self._metrics.fx = "configure_model"
             module.configure_model()
