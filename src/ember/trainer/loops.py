@@ -28,8 +28,8 @@ import itertools
 import logging
 import math
 import warnings
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ember.profilers.base import iterate, wrap
 from ember.rng import apply_rng, capture_rng
@@ -68,6 +68,19 @@ def _lookahead(iterable: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
         yield prev, False
         prev = item
     yield prev, True
+
+
+class _EpochParts(NamedTuple):
+    """What an epoch's batch loop needs, looked up once per epoch: a hook nobody overrides costs nothing per batch."""
+
+    batch_start: list[Callable[..., Any]]  # on_train_batch_start
+    batch_end: list[Callable[..., Any]]  # on_train_batch_end
+    wants_outputs: bool  # whether on_train_batch_end's hooks may read Lightning's {"loss": detached}
+    boundary: list[Callable[..., Any]]  # callbacks that watch the step boundary
+    preemption_polls: bool  # whether every boundary polls the other ranks for a stop signal
+    schedulers: list[Any]  # the schedulers the loop steps (none in manual optimization)
+    epoch_schedulers: bool  # whether some non-plateau scheduler steps per epoch
+    log_every: int  # log_every_n_steps, or 0 without loggers
 
 
 class FitLoop:
@@ -261,47 +274,68 @@ class FitLoop:
         self.metrics.resume_stage("train")
 
     # ------------------------------------------------------------------ one epoch
-    def run_epoch(self, preemption: PreemptionHandler | None = None) -> None:
-        t, p, data, metrics, step = self.trainer, self.progress, self.data, self.metrics, self.step
+    def _begin_epoch(self) -> bool:
+        """An epoch's start: reload the loaders when due, open the training stage, ``on_train_epoch_start``
+        (not on a mid-epoch resume: that epoch already started, as in Lightning). False when the epoch was
+        finished already (resumed from a checkpoint written at its end) and only its bookkeeping is left."""
+        t, p, data, metrics = self.trainer, self.progress, self.data, self.metrics
+        fresh = p.batch_in_epoch == 0  # otherwise resuming mid-epoch
         every = t.reload_dataloaders_every_n_epochs
-        if every and p.current_epoch - self._loaded_at >= every and not p.epoch_finished and p.batch_in_epoch == 0:
+        if every and p.current_epoch - self._loaded_at >= every and not p.epoch_finished and fresh:
             data.reload()
             self._loaded_at = p.current_epoch
-        if p.epoch_finished:  # resumed from a checkpoint written at this epoch's end: only its bookkeeping is left
+        if p.epoch_finished:
             self._finish_epoch(whole=True)
-            return
-        start = p.batch_in_epoch  # > 0 only when resuming mid-epoch
-        if start == 0 and not self._keep_train_stage:
+            return False
+        if fresh and not self._keep_train_stage:
             metrics.start_stage("train")
         else:
             metrics.resume_stage("train")
         self._keep_train_stage = False
-        if start == 0:  # a mid-epoch resume continues the epoch: it already started (as in Lightning)
+        if fresh:
             self.hooks.call("on_train_epoch_start")
         t.strategy.sync_trainable_parameters()  # after on_train_epoch_start, where finetuning unfreezes
-        loader, n_batches = data.train_loader, data.num_training_batches
-        set_loader_epoch(loader, p.current_epoch)
+        set_loader_epoch(data.train_loader, p.current_epoch)
+        return True
 
-        # Everything the batch loop needs, looked up once: a hook nobody overrides costs nothing per batch.
-        batch_start = self.hooks.get("on_train_batch_start")
+    def _epoch_parts(self, preemption: PreemptionHandler | None) -> _EpochParts:
+        """What the batch loop needs, looked up once per epoch, after ``on_train_epoch_start``."""
+        t, step = self.trainer, self.step
         batch_end = self.hooks.get("on_train_batch_end")
-        # Building Lightning's {"loss": detached} outputs costs a detach and a dict per step: only
-        # when a hook may read them (the module's own, or a callback that does not opt out).
-        wants_outputs = step.automatic and any(
-            getattr(getattr(getattr(h, "func", h), "__self__", None), "uses_step_outputs", True) for h in batch_end
-        )
-        # After a batch's bookkeeping and any validation: where checkpoints resume exactly (checkpoint/contents.py).
-        boundary = [cb.on_train_step_boundary for cb in t.callbacks if hasattr(cb, "on_train_step_boundary")]
-        # One process only needs to look when a signal arrived; several agree periodically (preemption.py).
-        preemption_polls = preemption is not None and t.strategy.world_size > 1
-        may_validate = data.will_validate
-        max_steps, k = t.max_steps, t.accumulate_grad_batches
-        step.k = k  # read once per epoch, after on_train_epoch_start (GradientAccumulationScheduler sets it)
+        step.k = t.accumulate_grad_batches  # read once per epoch (GradientAccumulationScheduler sets it)
         schedulers = self.optim.schedulers if step.automatic else []  # manual optimization steps its own
-        # As Lightning: step-interval schedulers step before on_train_batch_end, and epoch-interval ones
-        # (except ReduceLROnPlateau, which waits for the epoch's metrics) after the epoch's last batch.
-        epoch_schedulers = any(c.interval == "epoch" and not c.is_plateau for c in schedulers)
-        log_every = t.log_every_n_steps if t.loggers else 0
+        return _EpochParts(
+            batch_start=self.hooks.get("on_train_batch_start"),
+            batch_end=batch_end,
+            # Building Lightning's {"loss": detached} outputs costs a detach and a dict per step: only
+            # when a hook may read them (the module's own, or a callback that does not opt out).
+            wants_outputs=step.automatic
+            and any(
+                getattr(getattr(getattr(h, "func", h), "__self__", None), "uses_step_outputs", True) for h in batch_end
+            ),
+            # After a batch's bookkeeping and any validation: where checkpoints resume exactly (checkpoint/contents.py).
+            boundary=[cb.on_train_step_boundary for cb in t.callbacks if hasattr(cb, "on_train_step_boundary")],
+            # One process only needs to look when a signal arrived; several agree periodically (preemption.py).
+            preemption_polls=preemption is not None and t.strategy.world_size > 1,
+            schedulers=schedulers,
+            # As Lightning: step-interval schedulers step before on_train_batch_end, and epoch-interval ones
+            # (except ReduceLROnPlateau, which waits for the epoch's metrics) after the epoch's last batch.
+            epoch_schedulers=any(c.interval == "epoch" and not c.is_plateau for c in schedulers),
+            log_every=t.log_every_n_steps if t.loggers else 0,
+        )
+
+    def run_epoch(self, preemption: PreemptionHandler | None = None) -> None:
+        t, p, data, metrics, step = self.trainer, self.progress, self.data, self.metrics, self.step
+        if not self._begin_epoch():
+            return
+        start = p.batch_in_epoch  # > 0 only when resuming mid-epoch
+        loader, n_batches = data.train_loader, data.num_training_batches
+        # Everything the batch loop needs, as locals.
+        batch_start, batch_end, wants_outputs, boundary, preemption_polls, schedulers, epoch_schedulers, log_every = (
+            self._epoch_parts(preemption)
+        )
+        may_validate = data.will_validate
+        max_steps, k = t.max_steps, step.k
         last_idx = n_batches - 1 if n_batches != math.inf else -1
         to_device = batch_transfer(t, 0, self.input_dtype)
         step.num_batches, step.sized = n_batches, _has_len(loader)
