@@ -587,6 +587,21 @@ def takes_batch_idx(step: Callable[..., Any]) -> bool:
     return "batch_idx" in args or spec.varargs is not None or len(args) >= 2
 
 
+def takes_dataloader_iter(step: Any) -> bool:
+    """Whether a bound step method is Lightning's ``dataloader_iter`` flavor, ``def training_step(self,
+    dataloader_iter)``: a parameter of that name, declared (as Lightning asks). Such a step receives an
+    iterator and fetches its own batches from it (``trainer/dataloader_iter.py``); it gets nothing else,
+    no ``batch_idx``. The call sites ask once per run."""
+    if not callable(step):
+        return False
+    fn = getattr(step, "__wrapped__", step)  # a decorated step: read the function it wraps
+    try:
+        spec = inspect.getfullargspec(fn)
+    except TypeError:  # a builtin or otherwise opaque step
+        return False
+    return "dataloader_iter" in spec.args
+
+
 def _restore_modes(module: nn.Module) -> None:
     """Give every submodule the ``training`` flag saved by the loop before evaluation."""
     saved = getattr(module, "_ember_saved_modes", None)

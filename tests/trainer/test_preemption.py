@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ember
 from ember.trainer import preemption
 from ember.trainer.preemption import PreemptionHandler
+from ember.trainer.progress import FitProgress
 
 
 class _TwoRanks:
@@ -42,7 +43,7 @@ def _handler(strategy: _TwoRanks) -> tuple[PreemptionHandler, list[int]]:
         accumulate_grad_batches=1,
         num_training_batches=1000,
         strategy=strategy,
-        progress=SimpleNamespace(batch_in_epoch=0),
+        progress=FitProgress(),
     )
     handler = PreemptionHandler(trainer, (signal.SIGTERM,))
     stops: list[int] = []

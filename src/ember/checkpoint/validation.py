@@ -22,7 +22,14 @@ from ember.checkpoint.io import CheckpointError
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
-_PROGRESS_INTS = ("current_epoch", "global_step", "batch_in_epoch", "total_batches", "val_checks_in_epoch")
+_PROGRESS_INTS = (
+    "current_epoch",
+    "global_step",
+    "batch_in_epoch",
+    "steps_in_epoch",
+    "total_batches",
+    "val_checks_in_epoch",
+)
 _METRIC_FIELDS = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist", "total", "weight")
 
 

@@ -17,7 +17,7 @@ import torch
 from ember.checkpoint.background import BackgroundWriter
 from ember.checkpoint.writer import BackgroundSave, CheckpointWriter
 from ember.data.resumable import make_resumable
-from ember.module import takes_batch_idx
+from ember.module import takes_batch_idx, takes_dataloader_iter
 from ember.strategies.control import Decision, DecisionMode, check_decision_mode
 from ember.types import REDUCE_OPS, ReduceOp, Stage
 from ember.utils import metric_batch_value, move_to_device
@@ -116,11 +116,13 @@ class Strategy:
         """Move ``module`` to the root device and prepare it for this strategy."""
         self.module = module
         module.to(self.root_device)
-        # As Lightning: a step defined without batch_idx (``def training_step(self, batch)``) gets none.
+        # As Lightning: a step defined without batch_idx (``def training_step(self, batch)``) gets none, and
+        # one that takes ``dataloader_iter`` gets the iterator alone.
         self._without_batch_idx = frozenset(
             name
             for name in _STEPS
-            if callable(getattr(module, name, None)) and not takes_batch_idx(getattr(module, name))
+            if callable(step := getattr(module, name, None))
+            and (not takes_batch_idx(step) or takes_dataloader_iter(step))
         )
 
     def step_args(self, step: str, batch: Any, batch_idx: int, extra: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from ember.data.resumable import resumable_sampler_of
-from ember.module import TrainModule, _restore_modes
+from ember.module import TrainModule, _restore_modes, takes_dataloader_iter
 from ember.profilers.base import wrap
+from ember.trainer.dataloader_iter import DataLoaderIter, Fetched, last_by_count, last_by_lookahead
 from ember.trainer.loaders import batch_transfer
 from ember.trainer.lockstep import COUNT_REST_SECONDS
 from ember.utils import defines_hook, is_overridden, sized_len, to_floats
@@ -136,6 +137,73 @@ class EvaluationLoop:
                 keep.append(out)
         metrics.padding = False
 
+    # ------------------------------------------------------------------ a step that fetches its own batches
+    def _run_iter(
+        self,
+        hook: str,
+        loaders: list[Any],
+        limits: list[float],
+        suffixes: list[str],
+        keep: list[list[Any]] | None,
+        stage: str,
+    ) -> None:
+        """Run ``{hook}_step(self, dataloader_iter)`` until its batches run out (``trainer/dataloader_iter.py``):
+        one iterator over the loaders one after the other (the first ``limit`` batches of each, with the padding
+        batches of ``_run_loader``), the batch hooks around each step with the last batch fetched, and each
+        output of a step appended to ``keep`` under the loader of the last batch it fetched (predict)."""
+        metrics, strategy = self.metrics, self.strategy
+        step_fn = wrap(
+            self.trainer.profiler, f"[Strategy]{type(strategy).__name__}.{hook}_step", getattr(strategy, f"{hook}_step")
+        )
+        batch_start = self.hooks.get(f"on_{hook}_batch_start")
+        batch_end = self.hooks.get(f"on_{hook}_batch_end")
+        fx_start, fx_step, fx_end = f"on_{hook}_batch_start", f"{hook}_step", f"on_{hook}_batch_end"
+        many = len(loaders) > 1  # hooks get dataloader_idx only then, as in Lightning
+        autocast = self.precision.autocast
+        agree = strategy.world_size > 1 and hook != "predict"
+
+        def entries() -> Iterator[tuple[Fetched, bool]]:
+            for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
+                if agree and _unsized(loader):
+                    batches = _agreed(loader, limit, strategy, dl_idx if many else None, stage)
+                else:
+                    batches = _sharded(loader, limit)
+                for batch_idx, (batch, padding) in enumerate(batches):
+                    yield (batch, batch_idx, dl_idx), padding
+
+        def on_fetch(entry: tuple[Fetched, bool]) -> Fetched:
+            # What self.log in the step weighs its value by, and under which loader's name it goes: the batch
+            # fetched last (set before the batch, whose setter counts the loader's batches).
+            fetched, metrics.padding = entry
+            metrics.key_suffix = suffixes[fetched[2]]
+            metrics.batch = fetched[0]
+            metrics.batch_size = None
+            return fetched
+
+        total = sum(limits)
+        stream = last_by_count(entries(), int(total)) if total != math.inf else last_by_lookahead(entries())
+        fetcher = DataLoaderIter(stream, total if total != math.inf else None, on_fetch)
+        metrics.key_suffix = suffixes[0]
+        metrics.batch, metrics.batch_size = None, None
+        while not fetcher.done:
+            args = (fetcher.batch, fetcher.batch_idx, fetcher.dataloader_idx)[: 3 if many else 2]
+            metrics.fx = fx_start
+            for h in batch_start:
+                h(*args)
+            metrics.fx = fx_step
+            try:
+                with autocast():
+                    out = step_fn(fetcher, 0)
+            except StopIteration:  # it asked for a batch past the last: the step is dropped, the loop ends
+                break
+            args = (fetcher.batch, fetcher.batch_idx, fetcher.dataloader_idx)[: 3 if many else 2]
+            metrics.fx = fx_end
+            for h in batch_end:
+                h(out, *args)
+            if keep is not None and not metrics.padding:
+                keep[fetcher.dataloader_idx].append(out)
+        metrics.padding = False
+
     # ------------------------------------------------------------------ evaluation
     def run(self, stage: str, loaders: list[Any], limits: list[float]) -> list[dict[str, Any]]:
         """Run ``validation_step`` / ``test_step`` over ``loaders``; return one metric dict per loader.
@@ -157,9 +225,12 @@ class EvaluationLoop:
             self.strategy.prepare_for_evaluation()
             try:
                 with torch.no_grad():
-                    for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
-                        metrics.key_suffix = suffixes[dl_idx]
-                        self._run_loader(hook, loader, limit, dl_idx, many, None, stage)
+                    if takes_dataloader_iter(getattr(self.module, f"{hook}_step")):
+                        self._run_iter(hook, loaders, limits, suffixes, None, stage)
+                    else:
+                        for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
+                            metrics.key_suffix = suffixes[dl_idx]
+                            self._run_loader(hook, loader, limit, dl_idx, many, None, stage)
                 metrics.key_suffix = ""
                 hooks.call(f"on_{hook}_epoch_end")
                 epoch_metrics = metrics.end_stage()
@@ -185,9 +256,17 @@ class EvaluationLoop:
             hooks.call("on_predict_start")
             hooks.call("on_predict_epoch_start")
             with torch.no_grad():
-                for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
-                    results.append([])
-                    self._run_loader("predict", loader, limit, dl_idx, many, results[-1] if keep else None, "predict")
+                if takes_dataloader_iter(self.module.predict_step):
+                    results = [[] for _ in loaders]
+                    self._run_iter(
+                        "predict", loaders, limits, [""] * len(loaders), results if keep else None, "predict"
+                    )
+                else:
+                    for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
+                        results.append([])
+                        self._run_loader(
+                            "predict", loader, limit, dl_idx, many, results[-1] if keep else None, "predict"
+                        )
             hooks.call("on_predict_epoch_end")
             hooks.call("on_predict_end")
         finally:

@@ -28,11 +28,13 @@ import itertools
 import logging
 import math
 import warnings
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ember.module import takes_dataloader_iter
 from ember.profilers.base import iterate, wrap
 from ember.rng import apply_rng, capture_rng
+from ember.trainer.dataloader_iter import DataLoaderIter, last_by_count, last_by_lookahead
 from ember.trainer.loaders import batch_transfer, set_loader_epoch
 from ember.trainer.lockstep import Lockstep, uneven_message
 from ember.trainer.step import as_output_dict
@@ -57,17 +59,17 @@ def _has_len(loader: Any) -> bool:
     return sized_len(loader) is not None
 
 
-def _lookahead(iterable: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-    """Yield ``(item, is_last)``: used when a loader has no length, to find the last batch."""
-    it = iter(iterable)
-    try:
-        prev = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield prev, False
-        prev = item
-    yield prev, True
+class _EpochParts(NamedTuple):
+    """What an epoch's batch loop needs, looked up once per epoch: a hook nobody overrides costs nothing per batch."""
+
+    batch_start: list[Callable[..., Any]]  # on_train_batch_start
+    batch_end: list[Callable[..., Any]]  # on_train_batch_end
+    wants_outputs: bool  # whether on_train_batch_end's hooks may read Lightning's {"loss": detached}
+    boundary: list[Callable[..., Any]]  # callbacks that watch the step boundary
+    preemption_polls: bool  # whether every boundary polls the other ranks for a stop signal
+    schedulers: list[Any]  # the schedulers the loop steps (none in manual optimization)
+    epoch_schedulers: bool  # whether some non-plateau scheduler steps per epoch
+    log_every: int  # log_every_n_steps, or 0 without loggers
 
 
 class FitLoop:
@@ -112,12 +114,26 @@ class FitLoop:
         self._warned_empty = False  # an unsized train loader yielded no batch in an epoch
         self._loaded_at = 0  # the epoch whose loaders are in use (reload_dataloaders_every_n_epochs)
         self._said_continue = False  # the "min_epochs / min_steps not met" line was logged this fit
+        #: Whether this run's training_step takes ``dataloader_iter`` (fetches its own batches): decided in ``run``.
+        self.fetches_batches = False
 
     # ------------------------------------------------------------------ fit
     def run(self, resume: Resume | None = None, preemption: PreemptionHandler | None = None) -> None:
         """Train until a limit or a stop, completing ``resume`` (if any) on the way, as in Lightning."""
         t, p, data = self.trainer, self.progress, self.data
         self._warned_uneven = False
+        self.fetches_batches = takes_dataloader_iter(self.step.module.training_step)
+        # Before any stage opens: self.log in training then needs batch_size (as Lightning).
+        self.metrics.training_fetches_batches = self.fetches_batches
+        if self.fetches_batches and getattr(self.step, "evaluates_loss", False) and t.is_global_zero:
+            warnings.warn(
+                f"{type(t.optimizers[0]).__name__}.step calls its closure, and so training_step, several times "
+                "per step, and a training_step(self, dataloader_iter) fetches new batches each time it runs. "
+                "Fetch the step's batches once (keep them for the later calls), or use an optimizer whose step "
+                "takes no closure.",
+                UserWarning,
+                stacklevel=2,
+            )
         if resume is not None:
             resume.training_state()
         if t.num_sanity_val_steps and data.validates:  # on a resume too, as in Lightning
@@ -142,7 +158,7 @@ class FitLoop:
         # that the minimums allow): no train hooks.
         if self._done() or (t.should_stop and self.can_stop()):
             return
-        if p.batch_in_epoch == 0 or p.epoch_finished:
+        if (p.batch_in_epoch == 0 and p.steps_in_epoch == 0) or p.epoch_finished:
             # Values logged in on_train_start (per epoch by default) count toward the first epoch run.
             self.metrics.start_stage("train")
             self._keep_train_stage = True
@@ -150,7 +166,9 @@ class FitLoop:
             self.metrics.resume_stage("train")  # mid-epoch resume: keep the restored accumulations
         self.hooks.call("on_train_start")
         self._loaded_at = p.current_epoch
-        run_epoch = wrap(t.profiler, "run_training_epoch", self.run_epoch)  # (itself when not profiling)
+        # The epoch loop of this run, chosen once: a training_step(self, dataloader_iter) fetches its own batches.
+        epoch = self.run_iter_epoch if self.fetches_batches else self.run_epoch
+        run_epoch = wrap(t.profiler, "run_training_epoch", epoch)  # (itself when not profiling)
         while not self._done():
             if t.should_stop and self.can_stop():  # also a stop requested before the first epoch, as Lightning
                 break
@@ -261,47 +279,68 @@ class FitLoop:
         self.metrics.resume_stage("train")
 
     # ------------------------------------------------------------------ one epoch
-    def run_epoch(self, preemption: PreemptionHandler | None = None) -> None:
-        t, p, data, metrics, step = self.trainer, self.progress, self.data, self.metrics, self.step
+    def _begin_epoch(self) -> bool:
+        """An epoch's start: reload the loaders when due, open the training stage, ``on_train_epoch_start``
+        (not on a mid-epoch resume: that epoch already started, as in Lightning). False when the epoch was
+        finished already (resumed from a checkpoint written at its end) and only its bookkeeping is left."""
+        t, p, data, metrics = self.trainer, self.progress, self.data, self.metrics
+        fresh = p.batch_in_epoch == 0 and p.steps_in_epoch == 0  # otherwise resuming mid-epoch
         every = t.reload_dataloaders_every_n_epochs
-        if every and p.current_epoch - self._loaded_at >= every and not p.epoch_finished and p.batch_in_epoch == 0:
+        if every and p.current_epoch - self._loaded_at >= every and not p.epoch_finished and fresh:
             data.reload()
             self._loaded_at = p.current_epoch
-        if p.epoch_finished:  # resumed from a checkpoint written at this epoch's end: only its bookkeeping is left
+        if p.epoch_finished:
             self._finish_epoch(whole=True)
-            return
-        start = p.batch_in_epoch  # > 0 only when resuming mid-epoch
-        if start == 0 and not self._keep_train_stage:
+            return False
+        if fresh and not self._keep_train_stage:
             metrics.start_stage("train")
         else:
             metrics.resume_stage("train")
         self._keep_train_stage = False
-        if start == 0:  # a mid-epoch resume continues the epoch: it already started (as in Lightning)
+        if fresh:
             self.hooks.call("on_train_epoch_start")
         t.strategy.sync_trainable_parameters()  # after on_train_epoch_start, where finetuning unfreezes
-        loader, n_batches = data.train_loader, data.num_training_batches
-        set_loader_epoch(loader, p.current_epoch)
+        set_loader_epoch(data.train_loader, p.current_epoch)
+        return True
 
-        # Everything the batch loop needs, looked up once: a hook nobody overrides costs nothing per batch.
-        batch_start = self.hooks.get("on_train_batch_start")
+    def _epoch_parts(self, preemption: PreemptionHandler | None) -> _EpochParts:
+        """What the batch loop needs, looked up once per epoch, after ``on_train_epoch_start``."""
+        t, step = self.trainer, self.step
         batch_end = self.hooks.get("on_train_batch_end")
-        # Building Lightning's {"loss": detached} outputs costs a detach and a dict per step: only
-        # when a hook may read them (the module's own, or a callback that does not opt out).
-        wants_outputs = step.automatic and any(
-            getattr(getattr(getattr(h, "func", h), "__self__", None), "uses_step_outputs", True) for h in batch_end
-        )
-        # After a batch's bookkeeping and any validation: where checkpoints resume exactly (checkpoint/contents.py).
-        boundary = [cb.on_train_step_boundary for cb in t.callbacks if hasattr(cb, "on_train_step_boundary")]
-        # One process only needs to look when a signal arrived; several agree periodically (preemption.py).
-        preemption_polls = preemption is not None and t.strategy.world_size > 1
-        may_validate = data.will_validate
-        max_steps, k = t.max_steps, t.accumulate_grad_batches
-        step.k = k  # read once per epoch, after on_train_epoch_start (GradientAccumulationScheduler sets it)
+        step.k = t.accumulate_grad_batches  # read once per epoch (GradientAccumulationScheduler sets it)
         schedulers = self.optim.schedulers if step.automatic else []  # manual optimization steps its own
-        # As Lightning: step-interval schedulers step before on_train_batch_end, and epoch-interval ones
-        # (except ReduceLROnPlateau, which waits for the epoch's metrics) after the epoch's last batch.
-        epoch_schedulers = any(c.interval == "epoch" and not c.is_plateau for c in schedulers)
-        log_every = t.log_every_n_steps if t.loggers else 0
+        return _EpochParts(
+            batch_start=self.hooks.get("on_train_batch_start"),
+            batch_end=batch_end,
+            # Building Lightning's {"loss": detached} outputs costs a detach and a dict per step: only
+            # when a hook may read them (the module's own, or a callback that does not opt out).
+            wants_outputs=step.automatic
+            and any(
+                getattr(getattr(getattr(h, "func", h), "__self__", None), "uses_step_outputs", True) for h in batch_end
+            ),
+            # After a batch's bookkeeping and any validation: where checkpoints resume exactly (checkpoint/contents.py).
+            boundary=[cb.on_train_step_boundary for cb in t.callbacks if hasattr(cb, "on_train_step_boundary")],
+            # One process only needs to look when a signal arrived; several agree periodically (preemption.py).
+            preemption_polls=preemption is not None and t.strategy.world_size > 1,
+            schedulers=schedulers,
+            # As Lightning: step-interval schedulers step before on_train_batch_end, and epoch-interval ones
+            # (except ReduceLROnPlateau, which waits for the epoch's metrics) after the epoch's last batch.
+            epoch_schedulers=any(c.interval == "epoch" and not c.is_plateau for c in schedulers),
+            log_every=t.log_every_n_steps if t.loggers else 0,
+        )
+
+    def run_epoch(self, preemption: PreemptionHandler | None = None) -> None:
+        t, p, data, metrics, step = self.trainer, self.progress, self.data, self.metrics, self.step
+        if not self._begin_epoch():
+            return
+        start = p.batch_in_epoch  # > 0 only when resuming mid-epoch
+        loader, n_batches = data.train_loader, data.num_training_batches
+        # Everything the batch loop needs, as locals.
+        batch_start, batch_end, wants_outputs, boundary, preemption_polls, schedulers, epoch_schedulers, log_every = (
+            self._epoch_parts(preemption)
+        )
+        may_validate = data.will_validate
+        max_steps, k = t.max_steps, step.k
         last_idx = n_batches - 1 if n_batches != math.inf else -1
         to_device = batch_transfer(t, 0, self.input_dtype)
         step.num_batches, step.sized = n_batches, _has_len(loader)
@@ -316,7 +355,7 @@ class FitLoop:
             if t.strategy.world_size > 1:
                 stream = lockstep = Lockstep(batches, t.strategy)
             else:
-                stream = _lookahead(batches)
+                stream = last_by_lookahead(batches)
         # With a profiler: each next batch and each batch's step timed (without: the same objects).
         stream = iterate(t.profiler, "[FitLoop].train_dataloader_next", stream)
         run_step = wrap(t.profiler, "run_training_batch", step)
@@ -397,6 +436,126 @@ class FitLoop:
         # as one uninterrupted run with that limit would. One should_stop ended is over (as Lightning).
         self._end_epoch(whole, unfinished=cut and not whole)
 
+    def run_iter_epoch(self, preemption: PreemptionHandler | None = None) -> None:
+        """One epoch of a ``training_step(self, dataloader_iter)``, which fetches its own batches from a
+        :class:`~ember.trainer.dataloader_iter.DataLoaderIter` (the rules: ``trainer/dataloader_iter.py``).
+
+        Steps and batches are counted apart: ``steps_in_epoch`` against ``num_training_batches``, the validation
+        interval and accumulation windows; ``batch_in_epoch`` for the data position. What follows each step is
+        :meth:`run_epoch`'s; it is written out in both so that the usual loop pays nothing per batch for this
+        one (a change to either is due in the other).
+        """
+        t, p, data, metrics, step, optim = self.trainer, self.progress, self.data, self.metrics, self.step, self.optim
+        if not self._begin_epoch():
+            return
+        parts = self._epoch_parts(preemption)
+        batch_start, batch_end = parts.batch_start, parts.batch_end
+        schedulers, log_every = parts.schedulers, parts.log_every
+        loader, n_batches = data.train_loader, data.num_training_batches
+        start, first_step = p.batch_in_epoch, p.steps_in_epoch  # > 0 when resuming mid-epoch
+        may_validate, max_steps, k = data.will_validate, t.max_steps, step.k
+        # A short last accumulation window is one of steps, cut by num_training_batches.
+        step.num_batches, step.sized = n_batches, n_batches != math.inf
+        numbered = ((batch, batch_idx, 0) for batch_idx, batch in enumerate(loader, start))
+        lockstep = None
+        length: float | None = None
+        if n_batches != math.inf and _has_len(loader):
+            length = n_batches - start  # its end is known by count, without fetching past it
+            stream: Iterable[tuple[Any, bool]] = last_by_count(numbered, int(length))
+        else:
+            batches = numbered if n_batches == math.inf else itertools.islice(numbered, int(n_batches) - start)
+            # Several ranks agree on the last batch, as for the usual step (lockstep.py), so that they end the
+            # epoch together as long as their steps fetch alike.
+            if t.strategy.world_size > 1:
+                stream = lockstep = Lockstep(batches, t.strategy)
+            else:
+                stream = last_by_lookahead(batches)
+        fetcher = DataLoaderIter(iterate(t.profiler, "[FitLoop].train_dataloader_next", stream), length)
+        run_step = wrap(t.profiler, "run_training_batch", step)
+        metrics.batch = None  # no batch is the step's own: self.log in training says its batch_size
+        step_idx = first_step
+        is_last = refused = cut = stopped = validated = False
+        while step_idx < n_batches and not fetcher.done:
+            p.is_last_batch = False
+            self.log_step = p.global_step
+            if batch_start:  # as Lightning: the last batch fetched, before this step fetches (None at first)
+                metrics.fx = "on_train_batch_start"
+                if any(h(fetcher.batch, fetcher.batch_idx) == -1 for h in batch_start):
+                    p.is_last_batch = refused = True
+                    if parts.epoch_schedulers:
+                        optim.step_schedulers("epoch", p.current_epoch + 1, metrics.callback_metrics, plateau=False)
+                    break
+            metrics.fx = "training_step"
+            taken = optim.steps_taken
+            try:
+                outputs, steps = run_step(fetcher, step_idx, step_idx + 1 == n_batches)
+            except StopIteration:  # it asked for a batch past the last: the step is dropped, the epoch ends
+                stopped = True
+                if optim.steps_taken != taken:  # (manual optimization stepped before it ran out)
+                    p.global_step += 1
+                break
+            step_idx += 1
+            p.steps_in_epoch = step_idx
+            p.batch_in_epoch = start + fetcher.fetched
+            p.total_batches += 1
+            is_last = fetcher.done or step_idx == n_batches
+            p.is_last_batch = is_last
+            if steps:
+                p.global_step += 1
+            if schedulers:
+                if steps:
+                    optim.step_schedulers("step", p.global_step, metrics.callback_metrics, plateau=False)
+                if is_last and parts.epoch_schedulers:
+                    optim.step_schedulers("epoch", p.current_epoch + 1, metrics.callback_metrics, plateau=False)
+            self.writes_step_metrics = bool(steps and log_every) and (p.global_step % log_every == 0 or t.should_stop)
+            if batch_end:  # as Lightning: the last batch this step fetched
+                metrics.fx = "on_train_batch_end"
+                if parts.wants_outputs:
+                    outputs = as_output_dict(outputs)
+                for h in batch_end:
+                    h(outputs, fetcher.batch, fetcher.batch_idx)
+            if self.writes_step_metrics or (t.should_stop and steps and log_every):
+                self.writes_step_metrics = False
+                self.logs.step_metrics()
+            validated = may_validate and self._iter_val_due(step_idx - 1, is_last)
+            if validated:
+                self._validate(zero_grad=not step.automatic or k == 1 or step_idx % k == 0 or is_last)
+            if steps and schedulers:
+                optim.step_schedulers("step", p.global_step, metrics.callback_metrics, plateau=True)
+            for h in parts.boundary:
+                h(t, t.module)
+            if preemption is not None and (parts.preemption_polls or preemption.received is not None):
+                preemption.check()
+            cut = max_steps != -1 and p.global_step >= max_steps
+            if cut or (t.should_stop and self.can_stop()):
+                if not is_last and self._val_due_at_epoch_end() and p.val_checks_in_epoch == 0:
+                    self._validate()
+                break
+        if stopped:
+            # The data ran out inside a step: the epoch ends as after its last batch (Lightning skips the
+            # epoch-interval schedulers and the epoch's validation then: README, differences).
+            p.batch_in_epoch = start + fetcher.fetched
+            p.is_last_batch = True
+            if parts.epoch_schedulers:
+                optim.step_schedulers("epoch", p.current_epoch + 1, metrics.callback_metrics, plateau=False)
+            if step_idx > first_step and not validated and may_validate and self._iter_val_due(step_idx, True):
+                self._validate()
+        if lockstep is not None and lockstep.uneven:
+            self._report_uneven(lockstep, start, p.batch_in_epoch)
+        if not (refused or start or first_step or step_idx or fetcher.fetched):  # the loader yielded nothing
+            self._no_batch(length is not None)
+        whole = fetcher.done or stopped or refused or step_idx >= n_batches
+        self._end_epoch(whole, unfinished=cut and not whole)
+
+    def _iter_val_due(self, step_idx: int, is_last: bool) -> bool:
+        """Whether validation is due after step ``step_idx`` of a ``dataloader_iter`` epoch: as for the usual
+        step, and also (as Lightning for this flavor) at every epoch's end whatever the interval, since
+        the end shows only once the step fetched the last batch."""
+        if not is_last:
+            return self._val_due(step_idx, is_last)
+        n = self.trainer.check_val_every_n_epoch
+        return self.data.will_validate and (n is None or (self.progress.current_epoch + 1) % n == 0)
+
     def _no_batch(self, sized: bool) -> None:
         """An epoch without a single batch: an error for a loader with a length (its length lied); for one
         without, the epoch ends empty as in Lightning (a stream may have nothing this epoch), said once per fit."""
@@ -446,7 +605,7 @@ class FitLoop:
         p = self.progress
         p.epoch_finished = False
         p.current_epoch += 1
-        p.batch_in_epoch = 0
+        p.batch_in_epoch = p.steps_in_epoch = 0
         p.val_checks_in_epoch = 0
         self.log_step = p.global_step
         if whole and self.optim.schedulers and self.step.automatic:

@@ -189,6 +189,10 @@ class MetricCollector:
         #: one so that every rank takes the same steps): what is logged then counts toward no epoch value,
         #: and only synced step values are kept.
         self.padding = False
+        #: Set by the fit loop when ``training_step`` takes ``dataloader_iter``: no one batch is the step's, so
+        #: in training every ``self.log`` must say its ``batch_size`` (as in Lightning).
+        self.training_fetches_batches = False
+        self._needs_batch_size = False  # in training, with the above
 
     @property
     def batch(self) -> Any:
@@ -248,6 +252,7 @@ class MetricCollector:
         self._epoch_open = True
         self.padding = False
         self._counting = stage in _EVAL_STAGES
+        self._needs_batch_size = self.training_fetches_batches and stage == "train"
 
     def resume_stage(self, stage: str) -> None:
         """Switch back to ``stage`` keeping its accumulations (training after a mid-epoch validation)."""
@@ -256,6 +261,7 @@ class MetricCollector:
         self._epoch_open = True
         self.padding = False
         self._counting = stage in _EVAL_STAGES
+        self._needs_batch_size = self.training_fetches_batches and stage == "train"
 
     def state_dict(self) -> list[dict[str, Any]]:
         """The running sums behind the training epoch's ``on_epoch`` metrics (what a mid-epoch checkpoint
@@ -299,6 +305,13 @@ class MetricCollector:
         add_dataloader_idx: bool = True,
         enable_graph: bool = False,
     ) -> None:
+        if batch_size is None and self._needs_batch_size:
+            raise ValueError(
+                f"self.log({name!r}, ...) in training, whose training_step takes dataloader_iter: the step "
+                "fetches its own batches, so the Trainer cannot tell how many samples the value covers. Pass "
+                f"self.log({name!r}, ..., batch_size=n), n the number of samples it was computed over (as "
+                "Lightning requires)."
+            )
         loader = self.key_suffix
         key = name + loader if loader and add_dataloader_idx else name
         entry = self._entries.get(key)

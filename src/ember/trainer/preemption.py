@@ -145,7 +145,8 @@ class PreemptionHandler:
         clock = self._clock
         if clock is not None and clock.signum is not None:
             clock.restart()  # a boundary: the run is alive; the grace period starts again
-        k, done = t.accumulate_grad_batches, t.progress.batch_in_epoch
+        # Windows count steps: a training_step(self, dataloader_iter) counts them apart from its batches.
+        k, done = t.accumulate_grad_batches, t.progress.steps_in_epoch or t.progress.batch_in_epoch
         if k > 1 and done % k and done != t.num_training_batches:
             return  # inside a gradient-accumulation window (same counters on every rank): stop once it closes
         strategy = t.strategy

@@ -12,12 +12,15 @@ class FitProgress:
 
     ``global_step`` counts batches on which the optimizer(s) stepped (once per batch, however many
     optimizers there are). ``batch_in_epoch`` counts batches consumed in the current epoch, which is
-    what an exact mid-epoch resume skips.
+    what an exact mid-epoch resume skips. ``steps_in_epoch`` counts the steps of a ``training_step(self,
+    dataloader_iter)``, which fetches its own batches, any number per step; the usual step takes one batch
+    per step, which ``batch_in_epoch`` counts, and leaves it 0.
     """
 
     current_epoch: int = 0
     global_step: int = 0
     batch_in_epoch: int = 0
+    steps_in_epoch: int = 0
     total_batches: int = 0
     val_checks_in_epoch: int = 0
     epoch_finished: bool = False

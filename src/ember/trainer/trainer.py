@@ -3,7 +3,6 @@ share (prepare -> setup -> restore -> run -> teardown), and public state."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
@@ -20,7 +19,7 @@ from ember.checkpoint.writer import BackgroundSave
 from ember.data import DataModule
 from ember.hparams import drop_unpicklable
 from ember.loggers.logger import DummyLogger, Logger
-from ember.module import TrainModule
+from ember.module import TrainModule, takes_dataloader_iter
 from ember.profilers import Profiler
 from ember.strategies.strategy import Strategy
 from ember.trainer import arguments
@@ -498,7 +497,7 @@ class Trainer(TrainerProperties):
                 recent checkpoint when one exists, else start fresh. A restart of a torchrun or SLURM
                 job resumes from the job's own latest checkpoint on its own (``ember/checkpoint/auto_resume.py``).
         """
-        module = self._check_module(module)
+        module = self._check_module(module, ("training_step", "validation_step"))
         if isinstance(train_dataloaders, DataModule) and datamodule is None:  # Lightning's fit(model, dm)
             train_dataloaders, datamodule = None, train_dataloaders
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
@@ -540,7 +539,7 @@ class Trainer(TrainerProperties):
     ) -> list[Any] | None:
         """Run ``predict_step``; returns the outputs (a list per loader when there are several), or None
         with ``return_predictions=False``, which keeps no output (for predictions a callback writes out)."""
-        module = self._module_for_eval(module)
+        module = self._module_for_eval(module, "predict_step")
         if isinstance(dataloaders, DataModule) and datamodule is None:  # Lightning's predict(model, dm)
             dataloaders, datamodule = None, dataloaders
         if return_predictions not in (None, True, False):
@@ -558,39 +557,37 @@ class Trainer(TrainerProperties):
         ckpt_path: str | None,
         verbose: bool,
     ) -> list[dict[str, float]]:
-        module = self._module_for_eval(module)
+        module = self._module_for_eval(module, "validation_step" if stage == "validate" else "test_step")
         self._verbose = bool(verbose)
         if isinstance(dataloaders, DataModule) and datamodule is None:  # Lightning's validate/test(model, dm)
             dataloaders, datamodule = None, dataloaders
         self.state = "validating" if stage == "validate" else "testing"
         return self.strategy.launch(self._run, stage, module, (dataloaders,), datamodule, ckpt_path)
 
-    def _module_for_eval(self, module: TrainModule | None) -> TrainModule:
+    def _module_for_eval(self, module: TrainModule | None, step: str) -> TrainModule:
         if module is None:
             if self.module is None:
                 raise ValueError("No module given and none was fitted with this Trainer: pass the module.")
             module = self.module
-        return self._check_module(module)
+        return self._check_module(module, (step,))
 
-    def _check_module(self, module: Any) -> TrainModule:
-        """The TrainModule to run (the one inside a ``torch.compile`` result, compiled), checked."""
+    def _check_module(self, module: Any, steps: tuple[str, ...]) -> TrainModule:
+        """The TrainModule to run (the one inside a ``torch.compile`` result, compiled), checked for a run of
+        ``steps``."""
         module = unwrap_compiled(module)
         if not isinstance(module, TrainModule):
             raise TypeError(f"Expected an ember.TrainModule, got {type(module).__name__}. Subclass ember.TrainModule.")
         if "_trainer" not in module.__dict__:  # set by TrainModule.__init__
             raise RuntimeError(f"{type(module).__name__}.__init__ did not call super().__init__(); call it first.")
-        for step in ("training_step", "validation_step", "test_step", "predict_step"):
-            fn = getattr(module, step, None)
-            try:
-                takes_iterator = callable(fn) and "dataloader_iter" in inspect.signature(fn).parameters
-            except (TypeError, ValueError):  # a builtin or otherwise opaque step
-                takes_iterator = False
-            if takes_iterator:
-                raise NotImplementedError(
-                    f"{type(module).__name__}.{step} takes `dataloader_iter`, Lightning's experimental step "
-                    "signature, which ember does not support yet: define "
-                    f"{step}(self, batch, batch_idx) and let the Trainer fetch the batches."
-                )
+        if self.strategy.strategy_name == "dp":
+            for step in steps:
+                if takes_dataloader_iter(getattr(module, step, None)):
+                    raise ValueError(
+                        f"strategy='dp' cannot run {type(module).__name__}.{step}(self, dataloader_iter): dp splits "
+                        "each batch across the devices, and an iterator the step fetches its own batches from "
+                        "cannot be split. Use strategy='ddp' (each process fetches its own batches) or 'single', "
+                        f"or define {step}(self, batch, batch_idx) and let the Trainer fetch the batches."
+                    )
         if is_compiled(module) and self.strategy.strategy_name == "dp":
             raise ValueError(
                 "strategy='dp' cannot run a torch.compile'd module: its replicas would share the "
