@@ -23,17 +23,39 @@ def returning(value_fn, base=TrainOnlyModel):
 
 # ---------------------------------------------------------------------- what training_step returns
 def test_training_step_returning_none_skips_the_batch_with_a_warning():
+    # As Lightning (checked against 2.6.6): the batch's backward is skipped, its optimizer step updates
+    # nothing but counts in global_step (and steps a step-interval scheduler), and on_train_batch_end
+    # gets {} as its outputs.
     module = returning(lambda loss, i: None if i == 1 else loss)
-    before = module.layer.weight.detach().clone()
-    trainer = fast_trainer(limit_train_batches=2)
+    seen: list = []
+
+    class Outputs(ember.callbacks.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen.append((batch_idx, trainer.global_step, sorted(outputs), trainer.optimizers[0].param_groups[0]["lr"]))
+
+    def configure_optimizers():
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        return [opt], [{"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), "interval": "step"}]
+
+    module.configure_optimizers = configure_optimizers
+    trainer = fast_trainer(limit_train_batches=3, callbacks=[Outputs()])
+    after_first = {}
+
+    class Snapshot(ember.callbacks.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            after_first.setdefault(batch_idx, module.layer.weight.detach().clone())
+
+    trainer.callbacks.append(Snapshot())
     with pytest.warns(
         UserWarning,
-        match=r"training_step returned None for batch 1: skipping its backward and "
-        r"optimizer step",
+        match=r"training_step returned None for batch 1: skipping its backward, and that of every batch that "
+        r"returns None \(said once per fit\). As in Lightning, the optimizer step still counts in global_step",
     ):
         trainer.fit(module, regression_loader())
-    assert trainer.global_step == 1
-    assert not torch.equal(before, module.layer.weight)
+    assert trainer.global_step == 3
+    assert seen == [(0, 1, ["loss"], 0.05), (1, 2, [], 0.025), (2, 3, ["loss"], 0.0125)]
+    assert torch.equal(after_first[0], after_first[1])  # the None batch changed no weight
+    assert not torch.equal(after_first[1], after_first[2])
 
 
 def test_training_step_returning_none_everywhere_trains_nothing_and_warns_once_per_fit():
@@ -45,10 +67,12 @@ def test_training_step_returning_none_everywhere_trains_nothing_and_warns_once_p
             warnings.simplefilter("always")
             trainer.fit(module, regression_loader())
         assert [str(w.message) for w in caught if "returned None" in str(w.message)] == [
-            "training_step returned None for batch 0: skipping its backward and optimizer step, and those of every "
-            "batch that returns None (said once per fit)."
+            "training_step returned None for batch 0: skipping its backward, and that of every batch that returns "
+            "None (said once per fit). As in Lightning, the optimizer step still counts in global_step; it updates "
+            "with the gradients of the accumulation window's other batches, if any."
         ]
-    assert trainer.global_step == 0 and torch.equal(before, module.layer.weight)
+    # Every batch's step counted (4 batches x 2 epochs), none updated a weight.
+    assert trainer.global_step == 8 and torch.equal(before, module.layer.weight)
 
 
 def test_none_inside_an_accumulation_window_skips_only_that_batch():

@@ -14,8 +14,9 @@ Automatic optimization, per batch::
 
 There is one path: overriding a module hook (``optimizer_step``, ``optimizer_zero_grad``,
 ``backward``, ``configure_gradient_clipping``) changes what that point does, nothing else. Each step
-returns the batch's outputs and how many optimizer steps it took (0 when ``training_step`` returned
-None), which the fit loop counts into ``global_step``.
+returns the batch's outputs and how many optimizer steps it took (as in Lightning, a window whose
+batches all returned None from ``training_step`` takes a step that updates nothing but counts), which
+the fit loop counts into ``global_step``.
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ def check_loss(output: Any) -> torch.Tensor | None:
 
 
 def as_output_dict(output: Any) -> Any:
-    """What ``on_train_batch_end`` receives in automatic optimization: a dict with a detached ``loss``."""
+    """What ``on_train_batch_end`` receives in automatic optimization: a dict with a detached ``loss`` (an
+    empty one when ``training_step`` returned None, as Lightning)."""
+    if output is None:
+        return {}
     if isinstance(output, torch.Tensor):
         return {"loss": output.detach()}
     if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
@@ -234,7 +238,9 @@ class TrainingStep:
                 f"{batch_idx}): pass it to optimizer.step(closure=optimizer_closure), or call it "
                 "yourself to skip the step. It runs training_step and backward."
             )
-        return closure.outputs, 0 if closure.skipped else 1
+        # As Lightning, the step counts (global_step, step-interval schedulers) even when every batch of its
+        # window returned None and nothing is updated.
+        return closure.outputs, 1
 
     # ------------------------------------------------------------------ the closure's parts
     def forward_backward(self, batch: Any, batch_idx: int, pos: int, warn: bool = True) -> tuple[Any, Any]:
@@ -263,8 +269,9 @@ class TrainingStep:
             if warn and not self._warned_none:
                 self._warned_none = True
                 warnings.warn(
-                    f"training_step returned None for batch {batch_idx}: skipping its backward and "
-                    "optimizer step, and those of every batch that returns None (said once per fit).",
+                    f"training_step returned None for batch {batch_idx}: skipping its backward, and that of every "
+                    "batch that returns None (said once per fit). As in Lightning, the optimizer step still counts "
+                    "in global_step; it updates with the gradients of the accumulation window's other batches, if any.",
                     UserWarning,
                     stacklevel=4,
                 )
