@@ -2,7 +2,8 @@
 
 Every rank writes ``<out>/rank<r>.pt`` (weights, epoch metrics, pid) when fit returns, and
 ``<out>/pid<r>`` as soon as it starts, so a test can check that no process outlived the job.
-``--fail raise|kill --fail-rank r`` makes rank ``r`` raise or SIGKILL itself at step 3.
+``--fail raise|kill --fail-rank r`` makes rank ``r`` raise or SIGKILL itself at step 3, after writing
+the time it fails (``time.time()``) to ``<out>/failed_at``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,9 @@ class Net(ember.TrainModule):
 
     def training_step(self, batch, batch_idx):
         if batch_idx == 3 and self.global_rank == self.fail_rank:
+            if self.out and self.fail in ("raise", "kill"):
+                with open(os.path.join(self.out, "failed_at"), "w") as f:
+                    f.write(repr(time.time()))
             if self.fail == "raise":
                 raise ValueError("boom: a deliberate failure at step 3")
             if self.fail == "kill":

@@ -138,7 +138,6 @@ def test_ddp_spawn_hands_back_weights_and_metrics(tmp_path):
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 @pytest.mark.parametrize("fail", ["raise", "kill"])
 def test_a_failing_rank_stops_the_whole_job_quickly_and_is_reported_once(tmp_path, strategy, fail):
-    began = time.monotonic()
     code, log = finish(
         start(
             [
@@ -158,9 +157,13 @@ def test_a_failing_rank_stops_the_whole_job_quickly_and_is_reported_once(tmp_pat
         ),
         limit=30,
     )
-    took = time.monotonic() - began
+    ended = time.time()
     assert code != 0, log
-    assert took < 10 + 3, f"took {took:.1f} s (about 3 s of it is starting Python twice)\n{log}"
+    # Quickly: seconds after the failure, not a collective timeout later (starting the two Pythons before
+    # it, slower on a loaded machine, is not counted).
+    after_failure = ended - float((tmp_path / "failed_at").read_text())
+    print(f"the job ended {after_failure:.1f} s after rank 1 failed")
+    assert after_failure < 8, f"the job ended {after_failure:.1f} s after rank 1 failed\n{log}"
     if fail == "raise":
         assert log.count("ValueError: boom: a deliberate failure at step 3") == 1, log
         assert log.count("raised on rank 1 of 2") == 1, log
