@@ -1,10 +1,11 @@
 """Suite-wide guards: a test that leaks a thread, a child process or a process group fails, and
 a test that starts a process without the ``processes`` mark fails.
 
-The suite runs in two tiers (README's test command): the in-process tests (``-m "not
-processes"``), then the tests that start processes (ranks, scripts, torchrun, loader workers),
-each tier spread over the cores by pytest-xdist. A test lands in the right tier only if it is
-marked, so starting a process unmarked is an error that names the mark to add.
+The tests that start processes (ranks, scripts, torchrun, loader workers) are marked ``processes``:
+README's test command (``.ci/test``) runs them first, longest first, and the in-process tests after
+them, spread over the cores by pytest-xdist; ``-m processes`` / ``-m "not processes"`` select either
+tier. A test is ordered right only if it is marked, so starting a process unmarked is an error that
+names the mark to add.
 """
 
 from __future__ import annotations
@@ -102,23 +103,26 @@ def _processes_are_marked(request, monkeypatch):
         pytest.fail(
             f"this test started processes ({started[:3]}) but is not marked: add "
             "`@pytest.mark.processes` (with a `pytest.mark.timeout` of its own if 120 s is too "
-            "short), so it runs in the multi-process tier"
+            "short), so it runs with the tests that start processes"
         )
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Modules whose tests may run longest go first (by their largest ``timeout`` mark), each
-    module's tests kept together and in their order.
+    """Modules with tests that start processes go first, and among either kind those whose tests may
+    run longest (by their largest ``timeout`` mark), each module's tests kept together and in their order.
 
-    Under pytest-xdist (README's test command) a 60 s job test that starts
-    last would leave the other workers idle while it runs; started first, it overlaps the short
-    tests. Keeping a module together keeps its module-scoped fixtures (one multi-rank run shared by
-    several tests) set up once per worker.
+    Under pytest-xdist (README's test command) a 60 s job test that starts last would leave the other
+    workers idle while it runs; started first, it overlaps the short tests, and the many short
+    in-process tests even out the end. Keeping a module together keeps its module-scoped fixtures (one
+    multi-rank run shared by several tests) set up once per worker.
     """
     budget: dict[object, float] = {}
+    starts_processes: set[object] = set()
     for item in items:
         marker = item.get_closest_marker("timeout")
         seconds = float(marker.args[0]) if marker is not None and marker.args else 0.0
         budget[item.parent] = max(budget.get(item.parent, 0.0), seconds)
-    items.sort(key=lambda item: -budget[item.parent])
+        if item.get_closest_marker("processes") is not None:
+            starts_processes.add(item.parent)
+    items.sort(key=lambda item: (item.parent not in starts_processes, -budget[item.parent]))
