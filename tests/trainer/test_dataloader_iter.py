@@ -325,6 +325,30 @@ def test_gradient_accumulation_counts_steps():
     assert [c.split("gs=")[1] for c in hooks(module.calls) if c.startswith("end")] == ["0", "1", "1", "2"]
 
 
+@pytest.mark.parametrize(
+    "accumulate,expected", [(1, [(0, 2), (0, 4), (1, 7), (1, 9)]), (2, [(0, 1), (0, 2), (1, 3), (1, 4)])]
+)
+def test_a_step_scheduler_frequency_counts_the_epochs_steps(accumulate, expected):
+    class Scheduled(Pulls):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5**i)
+            original = sched.step
+
+            def step(*args, **kwargs):
+                stepped_at.append((self.trainer.current_epoch, self.trainer.global_step))
+                return original(*args, **kwargs)
+
+            sched.step = step
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 2}}
+
+    stepped_at: list[tuple[int, int]] = []
+    # 5 steps of 2 batches an epoch: the frequency counts the epoch's steps (Lightning's batch_idx for this
+    # flavor), from 0 again each epoch, on steps where the optimizer steps (as Lightning 2.6.6).
+    fit(Scheduled(k=2), loader(20), max_epochs=2, accumulate_grad_batches=accumulate)
+    assert stepped_at == expected
+
+
 def test_log_every_n_steps_counts_optimizer_steps():
     class Logs(Pulls):
         def training_step(self, dataloader_iter):
