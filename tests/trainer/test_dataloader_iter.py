@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import warnings
 from typing import Any
 
 import pytest
@@ -670,6 +671,33 @@ def test_dp_runs_the_usual_step_of_a_module_whose_other_steps_take_the_iterator(
     trainer = fast_trainer(strategy="dp", devices=2)
     trainer.fit(IterEvalOnly(), DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4))
     assert trainer.global_step == 2
+
+
+class IterValidation(BoringModel):
+    """The usual training_step; validation_step fetches its own batches."""
+
+    def validation_step(self, dataloader_iter):
+        next(dataloader_iter)
+
+
+def regression(n: int = 8) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(n, 4), torch.randn(n, 1)), batch_size=4)
+
+
+@pytest.mark.parametrize("val", ["none", "limit 0"])
+def test_dp_fits_a_module_whose_validation_step_takes_the_iterator_when_the_fit_does_not_validate(val):
+    trainer = fast_trainer(strategy="dp", devices=2, limit_val_batches=0 if val == "limit 0" else 1.0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IterValidation defines validation_step, but this fit has no")
+        trainer.fit(IterValidation(), regression(), regression() if val == "limit 0" else None)
+    assert trainer.global_step == 2
+
+
+def test_dp_refuses_a_validation_step_taking_the_iterator_before_training_when_the_fit_validates():
+    trainer = fast_trainer(strategy="dp", devices=2)
+    with pytest.raises(ValueError, match=r"strategy='dp' cannot run IterValidation\.validation_step\(self, dataloader"):
+        trainer.fit(IterValidation(), regression(), regression())
+    assert trainer.global_step == 0
 
 
 def test_an_optimizer_that_calls_its_closure_several_times_is_warned_about():
