@@ -152,6 +152,19 @@ def test_step_scheduler_frequency_counts_the_epochs_batches(frequency, k, batche
     assert lr_of(trainer) == 0.5 ** len(expected)
 
 
+def test_a_batch_refused_by_on_train_batch_start_steps_no_step_scheduler():
+    # README, differences: the refused batch 3 ran no optimizer step, so no scheduler steps for it (Lightning
+    # 2.6.6 steps this one there, (batch_idx + 1) % 2 == 0: [(0, 2), (0, 3), (1, 5), (1, 6)]).
+    class Refuses(RecordsSchedulerSteps):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if batch_idx == 3 else None
+
+    module = Refuses(2)
+    trainer = fast_trainer(max_epochs=2, limit_train_batches=6)
+    trainer.fit(module, regression_loader(n=64, batch_size=4))
+    assert trainer.global_step == 6 and module.stepped_at == [(0, 2), (1, 5)]
+
+
 def test_a_step_scheduler_frequency_no_multiple_of_accumulation_is_warned_about_once():
     module = RecordsSchedulerSteps(3)
     trainer = fast_trainer(max_epochs=2, accumulate_grad_batches=2, limit_train_batches=5)
