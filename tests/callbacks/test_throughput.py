@@ -105,3 +105,60 @@ def test_short_epochs_still_report_and_no_logger_is_fine():
     cb = ThroughputMonitor()
     fit(cb, data_s=0.0, compute_s=0.0, n=5, logger=False)
     assert cb.last_metrics["throughput/batches_per_sec"] > 0
+
+
+class FetchesItsBatch(ember.TrainModule):
+    """A ``training_step(self, dataloader_iter)`` fetching one batch per step, or refusing the batch at ``refuse``."""
+
+    def __init__(self, refuse: int | None = None) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(2, 1)
+        self.refuse = refuse
+
+    def training_step(self, dataloader_iter):
+        (x, y), _, _ = next(dataloader_iter)
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class UsualStep(FetchesItsBatch):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx == self.refuse else None
+
+
+@pytest.mark.parametrize(
+    "cls,refuse", [(FetchesItsBatch, None), (UsualStep, None), (UsualStep, 5)], ids=["iter", "usual", "refused"]
+)
+def test_samples_are_counted_from_the_batch_each_step_ran(cls, refuse):
+    # 20 samples in batches of 3 (the last of 2). A dataloader_iter step's batch hooks get, at its start, the
+    # previous step's batch (None at first): counting there saw None, then each batch one step late and
+    # never the last. As Lightning's ThroughputMonitor, the batch is counted when the step ends.
+    sizes: list[int] = []
+
+    def size(batch):
+        sizes.append(batch[0].shape[0])  # (a batch_size_fn that expects a batch, as users write them)
+        return sizes[-1]
+
+    cb = ThroughputMonitor(batch_size_fn=size)
+    data = torch.utils.data.TensorDataset(torch.randn(20, 2), torch.randn(20, 1))
+    trainer = ember.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        logger=False,
+        callbacks=[cb],
+    )
+    trainer.fit(cls(refuse), torch.utils.data.DataLoader(data, batch_size=3))
+    expected = [3] * 5 if refuse == 5 else [3] * 6 + [2]  # a refused batch never ran, nor did the rest
+    assert sizes == expected
+    m = cb.last_metrics
+    assert m["throughput/samples_per_sec"] == pytest.approx(
+        sum(expected) / len(expected) * m["throughput/batches_per_sec"]
+    )

@@ -279,6 +279,59 @@ def test_preemption_waits_for_the_accumulation_window_to_close(tmp_path):
     assert_same_weights(resumed, ref)
 
 
+class EverySixBatches(DropoutNet):
+    """A step scheduler with frequency=6 under accumulate_grad_batches=2: it steps after each epoch's 6th and
+    12th batch (the frequency counts the epoch's batches, as in Lightning)."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 6}}
+
+
+class RecordLR(Callback):
+    def __init__(self) -> None:
+        self.lrs: list[tuple[int, int, float]] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.lrs.append((trainer.current_epoch, batch_idx, trainer.optimizers[0].param_groups[0]["lr"]))
+
+
+def test_mid_epoch_resume_keeps_the_step_scheduler_frequency_of_the_epochs_batches(tmp_path):
+    def run(root: str, callbacks: list[Callback], ckpt_path: str | None = None) -> tuple[DropoutNet, ember.Trainer]:
+        ember.seed_everything(0)
+        module = EverySixBatches()
+        trainer = ember.Trainer(
+            accelerator="cpu",
+            max_epochs=EPOCHS,
+            accumulate_grad_batches=2,
+            enable_progress_bar=False,
+            logger=False,
+            num_sanity_val_steps=0,
+            callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=4), *callbacks],
+        )
+        trainer.fit(module, DataLoader(dataset(), batch_size=BATCH, shuffle=True), ckpt_path=ckpt_path)
+        return module, trainer
+
+    ref_lrs = RecordLR()
+    ref, _ = run(str(tmp_path / "ref"), [ref_lrs])
+    # 12 batches an epoch, 6 optimizer steps: halved after batches 6 and 12 of every epoch (Lightning 2.6.6's
+    # schedule; counting global steps would halve after every sixth step, once an epoch).
+    halvings = [(e, b) for (e, b, lr), (_, _, before) in zip(ref_lrs.lrs[1:], ref_lrs.lrs) if lr != before]
+    assert halvings == [(0, 5), (0, 11), (1, 5), (1, 11), (2, 5), (2, 11)]
+    assert ref_lrs.lrs[-1][2] == 0.01 * 0.5**6
+
+    root = str(tmp_path / "run")
+    with pytest.raises(RuntimeError, match="stop at step 10"):
+        run(root, [StopAt(10)])  # last.ckpt at step 8: epoch 1 after its 4th batch, between two halvings
+    saved = torch.load(os.path.join(root, "ckpts", "last.ckpt"), weights_only=True)["progress"]
+    assert (saved["current_epoch"], saved["batch_in_epoch"], saved["global_step"]) == (1, 4, 8)
+    lrs = RecordLR()
+    resumed, _ = run(root, [lrs], ckpt_path="last")
+    assert lrs.lrs == ref_lrs.lrs[-len(lrs.lrs) :] and lrs.lrs[0][:2] == (1, 4)
+    assert_same_weights(resumed, ref)
+
+
 def test_checkpoint_from_two_ranks_resumes_on_one_from_the_next_unseen_sample(tmp_path):
     """Simulated 2 -> 1: positions count samples of the global order, so a smaller world continues it."""
     root = str(tmp_path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import warnings
 from typing import Any
 
 import pytest
@@ -323,6 +324,30 @@ def test_gradient_accumulation_counts_steps():
     module = Pulls(k=2)
     fit(module, loader(16), accumulate_grad_batches=2)
     assert [c.split("gs=")[1] for c in hooks(module.calls) if c.startswith("end")] == ["0", "1", "1", "2"]
+
+
+@pytest.mark.parametrize(
+    "accumulate,expected", [(1, [(0, 2), (0, 4), (1, 7), (1, 9)]), (2, [(0, 1), (0, 2), (1, 3), (1, 4)])]
+)
+def test_a_step_scheduler_frequency_counts_the_epochs_steps(accumulate, expected):
+    class Scheduled(Pulls):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5**i)
+            original = sched.step
+
+            def step(*args, **kwargs):
+                stepped_at.append((self.trainer.current_epoch, self.trainer.global_step))
+                return original(*args, **kwargs)
+
+            sched.step = step
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 2}}
+
+    stepped_at: list[tuple[int, int]] = []
+    # 5 steps of 2 batches an epoch: the frequency counts the epoch's steps (Lightning's batch_idx for this
+    # flavor), from 0 again each epoch, on steps where the optimizer steps (as Lightning 2.6.6).
+    fit(Scheduled(k=2), loader(20), max_epochs=2, accumulate_grad_batches=accumulate)
+    assert stepped_at == expected
 
 
 def test_log_every_n_steps_counts_optimizer_steps():
@@ -646,6 +671,33 @@ def test_dp_runs_the_usual_step_of_a_module_whose_other_steps_take_the_iterator(
     trainer = fast_trainer(strategy="dp", devices=2)
     trainer.fit(IterEvalOnly(), DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4))
     assert trainer.global_step == 2
+
+
+class IterValidation(BoringModel):
+    """The usual training_step; validation_step fetches its own batches."""
+
+    def validation_step(self, dataloader_iter):
+        next(dataloader_iter)
+
+
+def regression(n: int = 8) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(n, 4), torch.randn(n, 1)), batch_size=4)
+
+
+@pytest.mark.parametrize("val", ["none", "limit 0"])
+def test_dp_fits_a_module_whose_validation_step_takes_the_iterator_when_the_fit_does_not_validate(val):
+    trainer = fast_trainer(strategy="dp", devices=2, limit_val_batches=0 if val == "limit 0" else 1.0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IterValidation defines validation_step, but this fit has no")
+        trainer.fit(IterValidation(), regression(), regression() if val == "limit 0" else None)
+    assert trainer.global_step == 2
+
+
+def test_dp_refuses_a_validation_step_taking_the_iterator_before_training_when_the_fit_validates():
+    trainer = fast_trainer(strategy="dp", devices=2)
+    with pytest.raises(ValueError, match=r"strategy='dp' cannot run IterValidation\.validation_step\(self, dataloader"):
+        trainer.fit(IterValidation(), regression(), regression())
+    assert trainer.global_step == 0
 
 
 def test_an_optimizer_that_calls_its_closure_several_times_is_warned_about():

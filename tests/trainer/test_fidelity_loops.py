@@ -6,6 +6,7 @@ with accumulation, and schedulers in manual optimization."""
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader
 
 import ember
 from ember.callbacks import ModelCheckpoint
-from tests.helpers.models import BoringModel, fast_trainer, regression_loader
+from tests.helpers.models import BoringModel, TrainOnlyModel, fast_trainer, regression_data, regression_loader
 
 
 # ---------------------------------------------------------------------- the module's loader hooks
@@ -93,6 +94,73 @@ def test_a_val_dataloader_returning_none_is_refused(entry):
 
     with pytest.raises(TypeError, match=r"NoneVal.val_dataloader\(\) returned None; it must return a DataLoader"):
         getattr(fast_trainer(), entry)(NoneVal())
+
+
+EMPTY = "The {} dataloader \\(list\\) has length 0, so no batch of it runs. Make sure this was your intention"
+
+
+class EmptyVal(LoaderModel):
+    """val_dataloader() returns [] and every hook is recorded."""
+
+    def val_dataloader(self) -> Any:
+        self.requested.append("val")
+        return []
+
+    def on_validation_start(self) -> None:
+        self.requested.append("on_validation_start")
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.requested.append("validation_step")
+
+
+def test_a_val_dataloader_returning_an_empty_list_is_one_loader_without_batches():
+    # As Lightning 2.6.6: [] is one loader of length 0 (num_val_batches == [0], val_dataloaders == []), with a
+    # warning; the sanity check's hooks run but no validation does, then or during training.
+    seen = []
+
+    class Sanity(ember.callbacks.Callback):
+        def on_sanity_check_end(self, trainer, module):
+            seen.append((trainer.num_val_batches, trainer.num_sanity_val_batches))
+
+    module = EmptyVal()
+    trainer = fast_trainer(max_epochs=2, num_sanity_val_steps=2, callbacks=[Sanity()])
+    with pytest.warns(UserWarning, match=EMPTY.format("validation")) as caught:
+        trainer.fit(module)
+    assert len([w for w in caught if "has length 0" in str(w.message)]) == 1
+    assert module.requested == ["val", "train"]
+    assert seen == [([0], [0])]
+    assert trainer.num_val_batches == [0] and trainer.val_dataloaders == []
+    assert trainer.global_step == 4 and trainer.enable_validation is True
+
+
+@pytest.mark.parametrize("empty", [[], "loader"], ids=["list", "DataLoader"])
+@pytest.mark.parametrize("entry", ["validate", "test", "predict"])
+def test_evaluating_an_empty_list_runs_nothing_and_warns(entry, empty):
+    # As Lightning 2.6.6: one loader without batches, no hook runs; validate and test return [], predict None.
+    # So for a DataLoader of length 0.
+    module = EmptyVal()
+    trainer = fast_trainer()
+    kind = {"validate": "validation"}.get(entry, entry)
+    if empty == "loader":
+        empty = DataLoader(regression_data(0), batch_size=4)
+    with pytest.warns(UserWarning, match=EMPTY.format(kind).replace("list", type(empty).__name__)):
+        result = getattr(trainer, entry)(module, dataloaders=empty)
+    assert result == (None if entry == "predict" else [])
+    assert "on_validation_start" not in module.requested
+    if entry != "validate":
+        assert getattr(trainer, f"num_{entry}_batches") == [0]
+
+
+def test_an_empty_list_for_a_module_without_validation_step_is_nothing_to_validate():
+    # Data for a module without validation_step is refused (ember; Lightning warns and skips), but an empty
+    # list holds none: the fit goes on, as Lightning's, and says nothing of a loader nothing would run.
+    trainer = fast_trainer()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="The validation dataloader")
+        trainer.fit(TrainOnlyModel(), regression_loader(16), [])
+    assert trainer.num_val_batches == [] and trainer.global_step == 2
+    with pytest.raises(ValueError, match="Validation data was given but TrainOnlyModel defines no validation_step"):
+        fast_trainer().fit(TrainOnlyModel(), regression_loader(16), regression_loader(8))
 
 
 def test_a_datamodule_without_val_dataloader_fits_without_validation():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -79,7 +80,7 @@ def test_dict_without_scheduler():
     [
         ("step", 1, 1, 4),  # 4 optimizer steps
         ("step", 2, 1, 2),
-        ("step", 3, 2, 2),  # 8 steps -> stepped after steps 3 and 6
+        ("step", 3, 2, 2),  # 4 batches per epoch -> stepped after each epoch's third batch
         ("epoch", 1, 3, 3),
         ("epoch", 2, 3, 1),  # after epoch 2 only
         ("epoch", 2, 4, 2),
@@ -104,6 +105,87 @@ def test_scheduler_config_interval_and_frequency(interval, frequency, epochs, ex
     trainer.fit(module_returning(make), regression_loader())
     assert len(calls) == expected_steps
     assert lr_of(trainer) == pytest.approx(0.5**expected_steps)
+
+
+class RecordsSchedulerSteps(TrainOnlyModel):
+    """A LambdaLR halving per step with ``interval="step"`` and ``frequency``; records (epoch, global_step)
+    at each of its steps."""
+
+    def __init__(self, frequency: int) -> None:
+        super().__init__()
+        self.frequency = frequency
+        self.stepped_at: list[tuple[int, int]] = []
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5**i)
+        original = sched.step
+
+        def step(*args, **kwargs):
+            self.stepped_at.append((self.trainer.current_epoch, self.trainer.global_step))
+            return original(*args, **kwargs)
+
+        sched.step = step
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": self.frequency}}
+
+
+# (epoch, global_step) of each scheduler step, as Lightning 2.6.6 gives them for the same fits: the frequency
+# counts the epoch's batches (batch_idx + 1, from 0 again each epoch) and is checked only on batches where
+# the optimizer steps (the end of an accumulation window, or the epoch's last batch).
+@pytest.mark.parametrize(
+    "frequency,k,batches,expected",
+    [
+        (3, 1, 5, [(0, 3), (1, 8)]),  # not every third global step: batch 3 of each epoch
+        (2, 2, 5, [(0, 1), (0, 2), (1, 4), (1, 5)]),  # batches 2 and 4 end windows
+        (4, 2, 10, [(0, 2), (0, 4), (1, 7), (1, 9)]),
+        (2, 3, 7, [(0, 2), (1, 5)]),  # steps end batches 3, 6 and 7: only 6 is even
+        (3, 2, 5, []),  # steps end batches 2, 4 and 5: none a multiple of 3
+    ],
+)
+def test_step_scheduler_frequency_counts_the_epochs_batches(frequency, k, batches, expected):
+    module = RecordsSchedulerSteps(frequency)
+    trainer = fast_trainer(max_epochs=2, accumulate_grad_batches=k, limit_train_batches=batches)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="A step-interval LR scheduler", category=UserWarning)
+        trainer.fit(module, regression_loader(n=64, batch_size=4))
+    assert module.stepped_at == expected
+    assert lr_of(trainer) == 0.5 ** len(expected)
+
+
+def test_a_batch_refused_by_on_train_batch_start_steps_no_step_scheduler():
+    # README, differences: the refused batch 3 ran no optimizer step, so no scheduler steps for it (Lightning
+    # 2.6.6 steps this one there, (batch_idx + 1) % 2 == 0: [(0, 2), (0, 3), (1, 5), (1, 6)]).
+    class Refuses(RecordsSchedulerSteps):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if batch_idx == 3 else None
+
+    module = Refuses(2)
+    trainer = fast_trainer(max_epochs=2, limit_train_batches=6)
+    trainer.fit(module, regression_loader(n=64, batch_size=4))
+    assert trainer.global_step == 6 and module.stepped_at == [(0, 2), (1, 5)]
+
+
+def test_a_step_scheduler_frequency_no_multiple_of_accumulation_is_warned_about_once():
+    module = RecordsSchedulerSteps(3)
+    trainer = fast_trainer(max_epochs=2, accumulate_grad_batches=2, limit_train_batches=5)
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(module, regression_loader(n=64, batch_size=4))
+    messages = [str(w.message) for w in caught if "step-interval LR scheduler" in str(w.message)]
+    assert messages == [
+        "A step-interval LR scheduler (LambdaLR) has frequency=3, which is no multiple of "
+        "accumulate_grad_batches=2. As in Lightning, the frequency counts the epoch's batches (batch_idx + 1) and "
+        "is checked only on batches where the optimizer steps, so the scheduler steps every 6 batches (3 optimizer "
+        "steps), counted again from each epoch's start: never in an epoch of fewer batches, except on its last one "
+        "when the frequency divides its number. For a step every N optimizer steps, set frequency=N*2."
+    ]
+
+
+@pytest.mark.parametrize("frequency,k", [(1, 2), (4, 2), (3, 1)])
+def test_a_step_scheduler_frequency_that_fits_the_accumulation_is_not_warned_about(frequency, k):
+    trainer = fast_trainer(max_epochs=1, accumulate_grad_batches=k)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="A step-interval LR scheduler", category=UserWarning)
+        trainer.fit(RecordsSchedulerSteps(frequency), regression_loader(n=64, batch_size=4))
 
 
 def test_step_interval_scheduler_steps_after_the_optimizer_step():

@@ -150,6 +150,57 @@ def test_16_mixed_skips_steps_whose_gradients_overflow():
     assert trainer._precision.scaler.get_scale() < 65536.0
 
 
+class SkipsWindows(BoringModel):
+    """training_step returns None on ``none_at``; records on_before_optimizer_step (global step, whether there
+    are gradients) and configure_gradient_clipping, and the weights at each hook."""
+
+    def __init__(self, none_at: set[int]) -> None:
+        super().__init__()
+        self.none_at = none_at
+        self.calls: list[str] = []
+        self.weights: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx in self.none_at else super().training_step(batch, batch_idx) * 1e-2
+
+    def on_before_optimizer_step(self, optimizer):
+        grad = self.layer.weight.grad
+        self.calls.append(f"before_step gs={self.trainer.global_step} grad={grad is not None}")
+        self.weights.append(self.layer.weight.detach().clone())
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.calls.append(f"clip {gradient_clip_val}")
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", pytest.param("16-mixed", marks=needs_cpu_fp16)])
+def test_a_window_whose_batches_all_returned_none_still_runs_the_pre_step_hooks(precision):
+    # As Lightning 2.6.6 (under each precision it runs on the CPU): the step of a window whose batches all
+    # returned None counts, and on_before_optimizer_step and configure_gradient_clipping run for it, on no
+    # gradients. Under 16-mixed nothing was scaled, so nothing is unscaled: the scaler's next step works.
+    torch.manual_seed(0)
+    module = SkipsWindows({0, 1, 4, 5})
+    trainer = fast_trainer(
+        precision=precision, accumulate_grad_batches=2, gradient_clip_val=1.0, limit_train_batches=8, max_epochs=1
+    )
+    with pytest.warns(UserWarning, match="training_step returned None for batch 0"):
+        trainer.fit(module, regression_loader(n=64))
+    assert module.calls == [
+        "before_step gs=0 grad=False",
+        "clip 1.0",
+        "before_step gs=1 grad=True",
+        "clip 1.0",
+        "before_step gs=2 grad=False",
+        "clip 1.0",
+        "before_step gs=3 grad=True",
+        "clip 1.0",
+    ]
+    assert trainer.global_step == 4
+    w = module.weights + [module.layer.weight.detach()]
+    assert torch.equal(w[0], w[1]) and not torch.equal(w[1], w[2])  # the first window updated nothing
+    assert torch.equal(w[2], w[3]) and not torch.equal(w[3], w[4])  # nor the third; the fourth did
+
+
 @pytest.mark.parametrize(
     "alias,name",
     [

@@ -24,6 +24,11 @@ class ThroughputMonitor(Callback):
     Per batch this costs two clock reads and a look at the batch's first tensor; the numbers are
     only divided out when they are logged.
 
+    Samples are counted when a batch ends, from the batch ``on_train_batch_end`` gets (as Lightning's
+    ``ThroughputMonitor``). With a ``training_step(self, dataloader_iter)`` that is the last batch the step
+    fetched: a step that fetches one batch is counted exactly, one that fetches several counts as one
+    batch of its last batch's size (as in Lightning), and the fetching is part of "compute".
+
     Logged (with ``prefix``, default "throughput/"): ``samples_per_sec``, ``batches_per_sec``,
     ``data_wait_frac`` (share of the time spent waiting for data), ``data_ms_per_batch`` and
     ``compute_ms_per_batch``, all over the batches since the previous write; also at the end of each
@@ -62,13 +67,15 @@ class ThroughputMonitor(Callback):
         now = time.perf_counter()
         self._wait += now - self._last_end
         self._batch_start = now
-        self._samples += self.batch_size_fn(batch)
 
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         now = time.perf_counter()
         self._compute += now - self._batch_start
+        # Here, not at the batch's start: a dataloader_iter step has fetched its batch by now (at its start the
+        # hooks get the previous step's, None at first), and a batch on_train_batch_start refused never ran.
+        self._samples += self.batch_size_fn(batch)
         self._batches += 1
         if logs_after_this_batch(trainer):
             self._emit(trainer, logger_step(trainer))

@@ -209,11 +209,11 @@ class EvaluationLoop:
         """Run ``validation_step`` / ``test_step`` over ``loaders``; return one metric dict per loader.
 
         ``stage`` is "validate", "test" or "sanity" (a validation whose metrics are thrown away).
-        With no batch to run at all, no hook runs (as in Lightning) and the result is empty.
+        With no batch to run at all, no hook runs and the result is an empty list (as in Lightning).
         """
         many = len(loaders) > 1
         if not any(limits):
-            return [{} for _ in loaders]
+            return []
         hook = "validation" if stage in ("validate", "sanity") else "test"
         metrics, hooks = self.metrics, self.hooks
         metrics.start_stage(stage)
@@ -244,9 +244,10 @@ class EvaluationLoop:
     # ------------------------------------------------------------------ predict
     def predict(self, loaders: list[Any], limits: list[float], keep: bool = True) -> list[list[Any]]:
         """Run ``predict_step`` over ``loaders``; return one list of outputs per loader (empty lists when
-        ``keep`` is False: ``return_predictions=False`` holds no output in memory)."""
+        ``keep`` is False: ``return_predictions=False`` holds no output in memory); none at all when there is
+        no batch to run (then ``Trainer.predict`` returns None, as in Lightning)."""
         if not any(limits):
-            return [[] for _ in loaders]
+            return []
         many = len(loaders) > 1
         hooks = self.hooks
         self._to_eval("predict")

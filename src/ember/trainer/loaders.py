@@ -38,14 +38,30 @@ def num_batches(loader: Any, limit: int | float) -> float:
 def as_list(loaders: Any) -> list[Any]:
     """Evaluation's loaders as a list (None: empty): one loader, a list, tuple or dict of them (in order), or a
     ``CombinedLoader``: in ``sequential`` mode its loaders one after the other (each its own
-    ``dataloader_idx``, as a list), in the other modes one loader of combined batches."""
+    ``dataloader_idx``, as a list), in the other modes one loader of combined batches. An empty list, tuple
+    or dict is one loader without batches, as in Lightning (``num_val_batches == [0]``)."""
     if loaders is None:
         return []
     if isinstance(loaders, CombinedLoader):
         return loaders.flattened if loaders.mode == "sequential" else [loaders]
-    if isinstance(loaders, Mapping):
+    if isinstance(loaders, Mapping) and loaders:
         return list(loaders.values())
-    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+    return list(loaders) if isinstance(loaders, (list, tuple)) and loaders else [loaders]
+
+
+def warn_empty(trainer: Trainer, loaders: list[Any], kind: str) -> None:
+    """As Lightning (rank zero): say that an evaluation loader has length 0, so it runs no step."""
+    if not trainer.is_global_zero:
+        return
+    for i, loader in enumerate(loaders):
+        if sized_len(loader) == 0:
+            which = f" {i}" if len(loaders) > 1 else ""
+            warnings.warn(
+                f"The {kind} dataloader{which} ({type(loader).__name__}) has length 0, so no batch of it runs. "
+                "Make sure this was your intention: check its dataset, and batch_size with drop_last=True.",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 class CombinedBatches:
@@ -74,7 +90,10 @@ class CombinedBatches:
 
 def process(trainer: Trainer, loader: Any, stage: Stage) -> Any:
     """``loader`` as the strategy runs it for ``stage``; a CombinedLoader's inner loaders each (every one
-    sharded under ddp and, for fit, resumable, as Lightning processes each)."""
+    sharded under ddp and, for fit, resumable, as Lightning processes each). An empty evaluation loader
+    is kept as it is: it has nothing to shard."""
+    if stage != "fit" and sized_len(loader) == 0:
+        return loader
     if isinstance(loader, CombinedLoader):
         loader.flattened = [trainer.strategy.process_dataloader(d, stage) for d in loader.flattened]
         return CombinedBatches(loader)
@@ -135,6 +154,7 @@ def eval_loaders(
     loaders = as_list(request(trainer, given, attr))
     if not loaders:
         raise ValueError(f"{stage} needs data: pass dataloaders or a datamodule.")
+    warn_empty(trainer, loaders, {"validate": "validation"}.get(stage, stage))
     loaders = [process(trainer, d, stage) for d in loaders]
     for d in loaders:  # as Lightning: the epoch of the last fit (0 for a new Trainer)
         set_loader_epoch(d, trainer.current_epoch)
@@ -296,11 +316,13 @@ class FitData:
         if not self.validates:
             return
         loaders = as_list(request(t, self._given[1], "val_dataloader"))
-        if loaders and not is_overridden("validation_step", t.module, TrainModule):
-            raise ValueError(
-                f"Validation data was given but {type(t.module).__name__} defines no validation_step. "
-                "Define validation_step or do not pass val_dataloaders."
-            )
+        if not is_overridden("validation_step", t.module, TrainModule):
+            if any(sized_len(d) != 0 for d in loaders):
+                raise ValueError(
+                    f"Validation data was given but {type(t.module).__name__} defines no validation_step. "
+                    "Define validation_step or do not pass val_dataloaders."
+                )
+            return  # no step and no data (an empty list): nothing to validate, nothing to say
         self._set_val(loaders)
 
     def request_train(self) -> None:
@@ -359,6 +381,7 @@ class FitData:
 
     def _set_val(self, loaders: list[Any]) -> None:
         t = self._trainer
+        warn_empty(t, loaders, "validation")
         if t.overfit_batches:
             loaders = [unshuffled(v, "val") for v in loaders]
         self.val_loaders = [process(t, v, "validate") for v in loaders]

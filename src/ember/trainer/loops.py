@@ -11,7 +11,8 @@ A fit, as in Lightning::
     per epoch: on_train_epoch_start, per batch:
         on_before_batch_transfer -> transfer_batch_to_device -> on_after_batch_transfer -> on_train_batch_start
         the step (step.py); global_step += 1 when the optimizer stepped
-        step-interval schedulers (lr_scheduler_step); after the epoch's last batch, epoch-interval ones
+        step-interval schedulers (lr_scheduler_step) whose frequency divides batch_idx + 1; after the epoch's
+        last batch, epoch-interval ones
         on_train_batch_end -> step metrics to the loggers every log_every_n_steps
         [validation due] on_validation_model_zero_grad, validation, its epoch metrics to the loggers
         step-interval ReduceLROnPlateau schedulers (after the validation whose metrics they may monitor)
@@ -114,6 +115,7 @@ class FitLoop:
         self._warned_empty = False  # an unsized train loader yielded no batch in an epoch
         self._loaded_at = 0  # the epoch whose loaders are in use (reload_dataloaders_every_n_epochs)
         self._said_continue = False  # the "min_epochs / min_steps not met" line was logged this fit
+        self._warned_frequency = False  # a step scheduler's frequency is no multiple of accumulate_grad_batches
         #: Whether this run's training_step takes ``dataloader_iter`` (fetches its own batches): decided in ``run``.
         self.fetches_batches = False
 
@@ -309,6 +311,8 @@ class FitLoop:
         batch_end = self.hooks.get("on_train_batch_end")
         step.k = t.accumulate_grad_batches  # read once per epoch (GradientAccumulationScheduler sets it)
         schedulers = self.optim.schedulers if step.automatic else []  # manual optimization steps its own
+        if step.k > 1 and not self._warned_frequency:
+            self._check_frequencies(schedulers, step.k)
         return _EpochParts(
             batch_start=self.hooks.get("on_train_batch_start"),
             batch_end=batch_end,
@@ -327,6 +331,29 @@ class FitLoop:
             # (except ReduceLROnPlateau, which waits for the epoch's metrics) after the epoch's last batch.
             epoch_schedulers=any(c.interval == "epoch" and not c.is_plateau for c in schedulers),
             log_every=t.log_every_n_steps if t.loggers else 0,
+        )
+
+    def _check_frequencies(self, schedulers: list[Any], k: int) -> None:
+        """Say once per fit when a step-interval scheduler's ``frequency`` is no multiple of ``k``
+        (``accumulate_grad_batches``): as in Lightning it counts the epoch's batches and is checked only on
+        batches where the optimizer steps, so it is met every lcm(frequency, k) batches, not every frequency."""
+        odd = [c for c in schedulers if c.interval == "step" and c.frequency > 1 and c.frequency % k]
+        if not odd:
+            return
+        self._warned_frequency = True
+        if not self.trainer.is_global_zero:
+            return
+        f = odd[0].frequency
+        every = math.lcm(f, k)
+        warnings.warn(
+            f"A step-interval LR scheduler ({type(odd[0].scheduler).__name__}) has frequency={f}, which is no "
+            f"multiple of accumulate_grad_batches={k}. As in Lightning, the frequency counts the epoch's batches "
+            f"(batch_idx + 1) and is checked only on batches where the optimizer steps, so the scheduler steps "
+            f"every {every} batches ({every // k} optimizer steps), counted again from each epoch's start: never in "
+            f"an epoch of fewer batches, except on its last one when the frequency divides its number. For a step "
+            f"every N optimizer steps, set frequency=N*{k}.",
+            UserWarning,
+            stacklevel=4,
         )
 
     def run_epoch(self, preemption: PreemptionHandler | None = None) -> None:
@@ -389,8 +416,8 @@ class FitLoop:
             if steps:
                 p.global_step += 1  # before on_train_batch_end, as in Lightning
             if schedulers:
-                if steps:
-                    self.optim.step_schedulers("step", p.global_step, metrics.callback_metrics, plateau=False)
+                if steps:  # as Lightning: a frequency counts the epoch's batches, not optimizer steps
+                    self.optim.step_schedulers("step", batch_idx + 1, metrics.callback_metrics, plateau=False)
                 if is_last and epoch_schedulers:
                     self.optim.step_schedulers("epoch", p.current_epoch + 1, metrics.callback_metrics, plateau=False)
             # As Lightning: every log_every_n_steps, and every step once a stop is requested.
@@ -408,7 +435,7 @@ class FitLoop:
                 # Inside an accumulation window the gradients are kept for the window's step.
                 self._validate(zero_grad=not step.automatic or k == 1 or (batch_idx + 1) % k == 0 or is_last)
             if steps and schedulers:  # after the validation whose metrics they may monitor (as Lightning)
-                self.optim.step_schedulers("step", p.global_step, metrics.callback_metrics, plateau=True)
+                self.optim.step_schedulers("step", batch_idx + 1, metrics.callback_metrics, plateau=True)
             for h in boundary:
                 h(t, t.module)
             if preemption is not None and (preemption_polls or preemption.received is not None):
@@ -503,8 +530,8 @@ class FitLoop:
             if steps:
                 p.global_step += 1
             if schedulers:
-                if steps:
-                    optim.step_schedulers("step", p.global_step, metrics.callback_metrics, plateau=False)
+                if steps:  # (the epoch's steps counted: Lightning's batch_idx for this flavor)
+                    optim.step_schedulers("step", step_idx, metrics.callback_metrics, plateau=False)
                 if is_last and parts.epoch_schedulers:
                     optim.step_schedulers("epoch", p.current_epoch + 1, metrics.callback_metrics, plateau=False)
             self.writes_step_metrics = bool(steps and log_every) and (p.global_step % log_every == 0 or t.should_stop)
@@ -521,7 +548,7 @@ class FitLoop:
             if validated:
                 self._validate(zero_grad=not step.automatic or k == 1 or step_idx % k == 0 or is_last)
             if steps and schedulers:
-                optim.step_schedulers("step", p.global_step, metrics.callback_metrics, plateau=True)
+                optim.step_schedulers("step", step_idx, metrics.callback_metrics, plateau=True)
             for h in parts.boundary:
                 h(t, t.module)
             if preemption is not None and (parts.preemption_polls or preemption.received is not None):

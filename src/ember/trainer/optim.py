@@ -289,7 +289,9 @@ class OptimizerState:
             cfg.scheduler.load_state_dict(saved)
 
     def step_schedulers(self, interval: str, count: int, metrics: dict[str, Any], plateau: bool | None = None) -> None:
-        """Step schedulers of ``interval`` whose frequency divides ``count`` (steps or epochs done).
+        """Step schedulers of ``interval`` whose frequency divides ``count``: for ``"step"``, the epoch's batches
+        done (``batch_idx + 1``, called only on a batch where the optimizer stepped, as Lightning); for
+        ``"epoch"``, the epochs done.
 
         ``plateau``: only ReduceLROnPlateau-like schedulers (True), only the others (False), or all.
         A module overriding ``lr_scheduler_step`` steps them itself.

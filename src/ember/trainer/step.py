@@ -122,8 +122,13 @@ class _Closure:
             self.called, self.outputs = True, outputs
         # A window whose last batch returned None still steps on its earlier batches' gradients.
         self.skipped = not step.window_has_grad
-        if not self.skipped and (step.pre_step_work or not step.sized):
-            step.before_optimizer_step(self._pos)
+        if not self.skipped:
+            if step.pre_step_work or not step.sized:
+                step.before_optimizer_step(self._pos)
+        elif step.pre_step_work:
+            # Every batch of the window returned None: as Lightning, on_before_optimizer_step and the clipping
+            # still run (on no gradients); nothing was scaled, so nothing is unscaled.
+            step.before_optimizer_step(self._pos, unscale=False)
         return loss
 
     def _window_gradients(self) -> None:
@@ -295,8 +300,9 @@ class TrainingStep:
         self.window_has_grad = True
         return outputs, loss
 
-    def before_optimizer_step(self, pos: int) -> None:
-        """Between the window's last backward and the step: unscale, ``on_before_optimizer_step``, clip."""
+    def before_optimizer_step(self, pos: int, unscale: bool = True) -> None:
+        """Between the window's last backward and the step: unscale (``unscale``: when there was a backward to
+        unscale), ``on_before_optimizer_step``, clip."""
         optimizer = self._optimizer
         if not self.sized and pos + 1 < self.k:
             # A short final window of a loader without a length: rescale the 1/k-scaled gradients.
@@ -306,7 +312,7 @@ class TrainingStep:
                         p.grad.mul_(self.k / (pos + 1))
         if not self.pre_step_work:
             return
-        if self.precision.scaler is not None:
+        if self.precision.scaler is not None and unscale:
             self.precision.unscale(optimizer)
         if self._h_before_step:
             self.metrics.fx = "on_before_optimizer_step"

@@ -322,6 +322,8 @@ class Trainer(TrainerProperties):
             )
         self.fit_state.start_fit(FitData(self, *loaders))
         self._data.warn_validation_step_without_data()
+        if self._data.validates:  # (a fit without validation data never runs validation_step)
+            self._refuse_dp_iter_steps(module, ("validation_step",))
         self._precision.convert_module(module)
         # Resuming, in Lightning's order (checkpoint/restore.py): the weights, the datamodule's and the callbacks' state
         # now, before configure_optimizers; the training state and the data position in FitLoop.run.
@@ -497,7 +499,8 @@ class Trainer(TrainerProperties):
                 recent checkpoint when one exists, else start fresh. A restart of a torchrun or SLURM
                 job resumes from the job's own latest checkpoint on its own (``ember/checkpoint/auto_resume.py``).
         """
-        module = self._check_module(module, ("training_step", "validation_step"))
+        # (validation_step is checked once the fit knows whether it validates: Trainer._fit)
+        module = self._check_module(module, ("training_step",))
         if isinstance(train_dataloaders, DataModule) and datamodule is None:  # Lightning's fit(model, dm)
             train_dataloaders, datamodule = None, train_dataloaders
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
@@ -579,15 +582,7 @@ class Trainer(TrainerProperties):
             raise TypeError(f"Expected an ember.TrainModule, got {type(module).__name__}. Subclass ember.TrainModule.")
         if "_trainer" not in module.__dict__:  # set by TrainModule.__init__
             raise RuntimeError(f"{type(module).__name__}.__init__ did not call super().__init__(); call it first.")
-        if self.strategy.strategy_name == "dp":
-            for step in steps:
-                if takes_dataloader_iter(getattr(module, step, None)):
-                    raise ValueError(
-                        f"strategy='dp' cannot run {type(module).__name__}.{step}(self, dataloader_iter): dp splits "
-                        "each batch across the devices, and an iterator the step fetches its own batches from "
-                        "cannot be split. Use strategy='ddp' (each process fetches its own batches) or 'single', "
-                        f"or define {step}(self, batch, batch_idx) and let the Trainer fetch the batches."
-                    )
+        self._refuse_dp_iter_steps(module, steps)
         if is_compiled(module) and self.strategy.strategy_name == "dp":
             raise ValueError(
                 "strategy='dp' cannot run a torch.compile'd module: its replicas would share the "
@@ -595,3 +590,16 @@ class Trainer(TrainerProperties):
                 "module uncompiled."
             )
         return module
+
+    def _refuse_dp_iter_steps(self, module: TrainModule, steps: tuple[str, ...]) -> None:
+        """Under dp, refuse any of ``steps`` (steps this run will call) that takes ``dataloader_iter``."""
+        if self.strategy.strategy_name != "dp":
+            return
+        for step in steps:
+            if takes_dataloader_iter(getattr(module, step, None)):
+                raise ValueError(
+                    f"strategy='dp' cannot run {type(module).__name__}.{step}(self, dataloader_iter): dp splits "
+                    "each batch across the devices, and an iterator the step fetches its own batches from "
+                    "cannot be split. Use strategy='ddp' (each process fetches its own batches) or 'single', "
+                    f"or define {step}(self, batch, batch_idx) and let the Trainer fetch the batches."
+                )
