@@ -344,3 +344,58 @@ def test_errors_still_tear_down():
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit(Boom(), regression_loader())
     assert calls == ["fit"] and trainer.state == "finished"
+
+
+# ---------------------------------------------------------------------- dataloader_idx and several loaders
+class _Eval(TrainOnlyModel):
+    def validation_step(self, batch, batch_idx):
+        return None
+
+
+def test_several_loaders_need_a_step_that_takes_dataloader_idx():
+    # As Lightning (a RuntimeError before any evaluation hook runs), in ember's words.
+    trainer = fast_trainer()
+    loaders = [regression_loader(), regression_loader()]
+    with pytest.raises(
+        RuntimeError,
+        match=r"There are several val dataloaders, but _Eval.validation_step\(\) takes no dataloader_idx: add "
+        r"`dataloader_idx=0` to its arguments",
+    ):
+        trainer.validate(_Eval(), loaders)
+
+    class Hooked(_Eval):
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            return None
+
+        def on_validation_batch_end(self, outputs, batch, batch_idx):
+            pass
+
+    with pytest.raises(RuntimeError, match=r"Hooked.on_validation_batch_end\(\) takes no dataloader_idx"):
+        trainer.validate(Hooked(), loaders)
+
+    class Varargs(_Eval):
+        def validation_step(self, batch, batch_idx, *args):
+            self.seen = getattr(self, "seen", set()) | set(args)
+
+    module = Varargs()
+    trainer.validate(module, loaders)  # *args takes it, as in Lightning
+    assert module.seen == {0, 1}
+
+
+def test_one_loader_and_a_step_that_requires_dataloader_idx():
+    class Requires(_Eval):
+        def test_step(self, batch, batch_idx, dataloader_idx):
+            return None
+
+    with pytest.raises(
+        RuntimeError,
+        match=r"There is one test dataloader, but Requires.test_step\(\) requires dataloader_idx, which is given "
+        r"only with several: give it a default \(`dataloader_idx=0`\) or remove it.",
+    ):
+        fast_trainer().test(Requires(), regression_loader())
+
+    class Defaults(_Eval):
+        def predict_step(self, batch, batch_idx, dataloader_idx=0):
+            return batch_idx
+
+    assert fast_trainer().predict(Defaults(), regression_loader()) == [0, 1, 2, 3]

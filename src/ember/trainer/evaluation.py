@@ -22,6 +22,7 @@ its outputs are the dataset's, each sample once, and each rank runs its own batc
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import time
 from collections.abc import Iterator
@@ -215,6 +216,8 @@ class EvaluationLoop:
         if not any(limits):
             return []
         hook = "validation" if stage in ("validate", "sanity") else "test"
+        iterator_step = takes_dataloader_iter(getattr(self.module, f"{hook}_step"))
+        check_dataloader_idx(self.module, hook, many, iterator_step)
         metrics, hooks = self.metrics, self.hooks
         metrics.start_stage(stage)
         self._to_eval(hook)
@@ -225,7 +228,7 @@ class EvaluationLoop:
             self.strategy.prepare_for_evaluation()
             try:
                 with torch.no_grad():
-                    if takes_dataloader_iter(getattr(self.module, f"{hook}_step")):
+                    if iterator_step:
                         self._run_iter(hook, loaders, limits, suffixes, None, stage)
                     else:
                         for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
@@ -249,6 +252,8 @@ class EvaluationLoop:
         if not any(limits):
             return []
         many = len(loaders) > 1
+        iterator_step = takes_dataloader_iter(self.module.predict_step)
+        check_dataloader_idx(self.module, "predict", many, iterator_step)
         hooks = self.hooks
         self._to_eval("predict")
         results: list[list[Any]] = []
@@ -257,7 +262,7 @@ class EvaluationLoop:
             hooks.call("on_predict_start")
             hooks.call("on_predict_epoch_start")
             with torch.no_grad():
-                if takes_dataloader_iter(self.module.predict_step):
+                if iterator_step:
                     results = [[] for _ in loaders]
                     self._run_iter(
                         "predict", loaders, limits, [""] * len(loaders), results if keep else None, "predict"
@@ -346,3 +351,36 @@ def _raise_empty(
 def _unsized(loader: Any) -> bool:
     """Whether ``loader`` has no length."""
     return sized_len(loader) is None
+
+
+def check_dataloader_idx(module: TrainModule, hook: str, many: bool, iterator_step: bool) -> None:
+    """As Lightning, before an evaluation or predict run: with several loaders, ``{hook}_step`` (unless it takes
+    ``dataloader_iter``) and the module's ``on_{hook}_batch_start`` / ``_end`` must take ``dataloader_idx``
+    (``*args`` will do); with one loader they get none, so a ``dataloader_idx`` without a default is refused."""
+    names = [f"on_{hook}_batch_start", f"on_{hook}_batch_end"]
+    if not iterator_step:
+        names.insert(0, f"{hook}_step")
+    for name in names:
+        fn = getattr(module, name, None)
+        if not callable(fn):
+            continue
+        fn = getattr(fn, "__wrapped__", fn)  # a decorated hook: the function it wraps
+        try:
+            spec = inspect.getfullargspec(fn)
+        except TypeError:
+            continue
+        args = spec.args[1:] if inspect.ismethod(fn) else spec.args
+        loader = "test" if hook == "test" else "val" if hook == "validation" else hook
+        if many and "dataloader_idx" not in args and spec.varargs is None:
+            raise RuntimeError(
+                f"There are several {loader} dataloaders, but {type(module).__name__}.{name}() takes no "
+                f"dataloader_idx: add `dataloader_idx=0` to its arguments (it is told which loader each batch is from)."
+            )
+        if not many and "dataloader_idx" in args:
+            defaults = spec.defaults or ()
+            if args.index("dataloader_idx") < len(args) - len(defaults):
+                raise RuntimeError(
+                    f"There is one {loader} dataloader, but {type(module).__name__}.{name}() requires "
+                    "dataloader_idx, which is given only with several: give it a default "
+                    "(`dataloader_idx=0`) or remove it."
+                )
