@@ -64,16 +64,9 @@ def test_print_outside_a_trainer_prints(capsys):
 
 
 def _two_ranks(rank: int, world: int) -> dict:
-    import os
+    from tests.helpers.dist import join_as_rank
 
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     module = Gathers()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -429,14 +429,9 @@ def _ddp_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     import warnings
 
     warnings.simplefilter("ignore")
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    from tests.helpers.dist import join_as_rank
+
+    join_as_rank(rank, world)
     from tests.trainer.test_checkpoint_resume import StopAt, fit
 
     ref, _ = fit(os.path.join(root, "ref"), strategy="ddp", devices=world, max_epochs=1)

@@ -173,14 +173,9 @@ def _ddp_problems(rank: int, world: int, root: str) -> list[str]:
     """On each of 2 gloo ranks: fits that must stop at start-up, on every rank alike (rank zero looks)."""
     import warnings
 
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    from tests.helpers.dist import join_as_rank
+
+    join_as_rank(rank, world)
     warnings.simplefilter("ignore")
     seen = []
     for dirpath, ckpt_path in ((os.path.join(root, "a_file", "ck"), None), (os.path.join(root, "links"), "last")):

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import BackboneFinetuning, BaseFinetuning, Callback, ModelCheckpoint
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 
 
 class Net(ember.TrainModule):
@@ -165,14 +165,7 @@ def test_resume_restores_the_added_group_and_trains_exactly_as_without_interrupt
 
 
 def _ddp_fit(rank: int, world: int) -> list[Any]:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     warnings.simplefilter("ignore")
     rec = EpochStarts()
     torch.manual_seed(rank)  # different initial weights: the wrapper must broadcast rank 0's

@@ -4,7 +4,6 @@ off, on other ranks, or refused beside enable_progress_bar=False; a clear error 
 from __future__ import annotations
 
 import io
-import os
 import re
 import warnings
 from typing import Any
@@ -15,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import ProgressBar, TQDMProgressBar
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 
 pytest.importorskip("rich")
 
@@ -135,14 +134,7 @@ def test_without_rich_the_error_says_what_to_install(monkeypatch: pytest.MonkeyP
 
 
 def _ddp_rank(rank: int, world: int) -> str:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     warnings.simplefilter("ignore")
     out = io.StringIO()
     trainer(rich_bar(out), strategy="ddp", devices=world).fit(Tiny(), loader(), loader())

@@ -4,7 +4,6 @@ statistics recomputed for it, exact resume, its errors, and the same result unde
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 from typing import Any
 
@@ -16,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 
 
 def data() -> TensorDataset:
@@ -243,14 +242,7 @@ def test_dp_ends_with_the_same_mean_as_one_device() -> None:
 
 
 def _ddp_fit(rank: int, world: int) -> dict[str, Any]:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     module, rec = Net(bn=True), Record()

@@ -19,7 +19,7 @@ import ember
 from ember.callbacks import Callback
 from ember.strategies.ddp import DDPStrategy
 from tests.cuda.cuda_helpers import BATCH, MLP, assert_close_modules, loader, needs_cuda, needs_two_gpus, trainer
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 
 pytestmark = [pytest.mark.processes, needs_cuda, pytest.mark.timeout(180)]
 CUDA0 = torch.device("cuda", 0)
@@ -54,14 +54,7 @@ def test_ddp_with_nccl_at_world_size_1_equals_the_single_device_fit(loopback):
 
 
 def _rank_env(rank: int, world: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
 
 
 def gloo_ranks_on_gpu_0(rank: int, world: int) -> dict:

@@ -116,6 +116,20 @@ def _entry(
             dist.destroy_process_group()
 
 
+def join_as_rank(rank: int, world: int) -> None:
+    """Inside a rank of :func:`run_ranks`: set the variables a launcher sets (as torchrun does), so that a
+    ``strategy="ddp"`` Trainer there joins this job as ``rank`` of ``world``. The process group run_ranks made
+    is the one the Trainer uses, so the address is a placeholder that nothing connects to."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
+
+
 def run_ranks(
     fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 60.0, **kwargs: Any
 ) -> list[Any]:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import ember
 from ember.profilers import SimpleProfiler
 from ember.strategies.ddp import DDPStrategy
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 from tests.helpers.models import regression_loader
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,14 +32,7 @@ class Net(ember.TrainModule):
 
 
 def profiled_fit(rank: int, world: int, folder: str) -> str:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     for profiler in (SimpleProfiler(dirpath=folder, filename="perf"), SimpleProfiler()):
         trainer = ember.Trainer(
             strategy=DDPStrategy(),

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ember
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 from tests.trainer.test_dataloader_iter import OneBatchPerStep, StopAt, TwoBatchesPerStep, UsualStep, run
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(150)]
@@ -156,14 +156,7 @@ SCENARIOS = {
 
 def suite(rank: int, world: int, root: str) -> dict:
     warnings.simplefilter("ignore")
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     out: dict = {}
     for name, scenario in SCENARIOS.items():
         try:

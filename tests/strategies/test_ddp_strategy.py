@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ember
 from ember.strategies.ddp import DDPStrategy
 from ember.strategies.launchers.launcher import World
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 
 B, STEPS, TOL, N = 4, 20, 1e-5, 48
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
@@ -184,14 +184,7 @@ CHECKS = {
 
 
 def suite(rank: int, world: int) -> dict:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     out = {}
     for name, check in CHECKS.items():
         try:
@@ -289,14 +282,7 @@ class OneWeight(ember.TrainModule):
 
 
 def lbfgs_with_a_rank_whose_loss_never_changes(rank: int, world: int) -> list[float]:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     # Rank 0's shard (even positions) has x = 0, y = 0: its own loss is 0 whatever the weight, so on its
     # own LBFGS would stop after one iteration while rank 1 goes on, and the ranks would call the
     # closure (and the gradient all-reduce) a different number of times.

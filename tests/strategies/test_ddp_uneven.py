@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ember
-from tests.helpers.dist import count_collectives, run_ranks
+from tests.helpers.dist import count_collectives, join_as_rank, run_ranks
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(150)]
 
@@ -241,14 +241,7 @@ SCENARIOS = {
 
 
 def suite(rank: int, world: int, root: str) -> dict:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     out = {}
     for name, scenario in SCENARIOS.items():
         try:

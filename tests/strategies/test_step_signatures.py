@@ -74,16 +74,9 @@ def test_which_signatures_take_batch_idx():
 
 
 def _ddp_rank(rank: int, world: int) -> list[tuple[str, int]]:
-    import os
+    from tests.helpers.dist import join_as_rank
 
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     module = NoIndex()
     ember.Trainer(
         strategy="ddp",

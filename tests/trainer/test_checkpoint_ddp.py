@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("ember.strategies.ddp")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.helpers.dist import run_ranks  # noqa: E402
+from tests.helpers.dist import join_as_rank, run_ranks  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_checkpoint_resume as R  # noqa: E402
@@ -36,14 +36,7 @@ STOP = 11  # checkpoints every 4 steps: resumes from step 8 = epoch 1, batch 2 (
 
 def _join(rank: int, world: int) -> None:
     warnings.simplefilter("ignore")
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
 
 
 def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:

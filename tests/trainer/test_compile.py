@@ -94,16 +94,9 @@ def test_compiling_something_else_than_a_train_module_is_refused():
 
 
 def _two_ranks(rank: int, world: int) -> dict:
-    import os
+    from tests.helpers.dist import join_as_rank
 
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     torch.manual_seed(0)
     eager = BoringModel()
     compiled = copy.deepcopy(eager)

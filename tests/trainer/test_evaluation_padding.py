@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ember
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 from tests.helpers.models import RecordingLogger
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(150)]
@@ -220,14 +220,7 @@ SCENARIOS = {
 
 
 def suite(rank: int, world: int, root: str) -> dict:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     out = {}
     for name, scenario in SCENARIOS.items():
         try:

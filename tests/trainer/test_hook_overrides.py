@@ -7,7 +7,6 @@ Sequences and values marked "Lightning 2.6.6" were observed by running Lightning
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 from tests.helpers.hook_recorder import HookModule, _loader, trainer
 
 
@@ -331,14 +330,7 @@ class BackwardModule(ember.TrainModule):
 
 
 def _backward_rank(rank: int, world: int) -> list[str]:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     torch.manual_seed(0)
     module = BackwardModule()
     ember.Trainer(

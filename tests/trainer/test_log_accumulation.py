@@ -263,16 +263,9 @@ def test_mid_epoch_checkpoints_hold_each_steps_running_totals(tmp_path, async_sa
 
 # ---------------------------------------------------------------------- ddp: 2 gloo ranks
 def two_ranks(rank: int, world: int) -> dict:
-    import os
+    from tests.helpers.dist import join_as_rank
 
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
 
     class RankLogs(ember.TrainModule):
         def __init__(self) -> None:

@@ -704,16 +704,9 @@ def test_epoch_values_are_visible_inside_the_epoch_end_hooks():
 
 # ---------------------------------------------------------------------- the same under ddp (2 gloo ranks)
 def two_ranks_log(rank: int, world: int) -> dict:
-    import os
+    from tests.helpers.dist import join_as_rank
 
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
 
     def log(m, at, b, i, dl):
         if at == "training_step":

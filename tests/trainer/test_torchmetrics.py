@@ -163,16 +163,9 @@ def test_under_dp_replica_updates_reach_the_metric_once_and_steps_show_the_whole
 
 
 def _two_ranks(rank: int, world: int) -> dict:
-    import os
+    from tests.helpers.dist import join_as_rank
 
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     module = WithMetrics(reduce_fx="sum")
     trainer = ember.Trainer(
         strategy="ddp",

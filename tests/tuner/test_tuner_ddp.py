@@ -4,8 +4,6 @@ each rank; the batch-size search runs alike on both and stops at max_val."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +12,7 @@ from torch.utils.data import DataLoader
 import ember
 from ember.strategies.ddp import DDPStrategy
 from ember.tuner import Tuner
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 from tests.helpers.models import regression_data
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,14 +40,7 @@ class Net(ember.TrainModule):
 
 
 def tune(rank: int, world: int) -> dict:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     ember.seed_everything(rank)  # different shuffles per rank: the ranks' own losses differ
     module = Net()
     before = [t.clone() for t in module.state_dict().values()]

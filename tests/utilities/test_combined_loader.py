@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ember
 from ember.callbacks import ModelCheckpoint
 from ember.utilities import CombinedLoader
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 
 A, B = list(range(5)), list(range(10, 13))
 
@@ -156,14 +156,7 @@ def test_mid_epoch_resume_continues_every_inner_loader_exactly(tmp_path, stop):
 
 
 def _ddp(rank: int, world: int) -> list[tuple]:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )
+    join_as_rank(rank, world)
     warnings.simplefilter("ignore")
     module = Two()
     t = trainer(strategy="ddp", devices=world, accelerator="cpu")
