@@ -22,7 +22,6 @@ its outputs are the dataset's, each sample once, and each rank runs its own batc
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import time
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from ember.data.resumable import resumable_sampler_of
-from ember.module import TrainModule, _restore_modes, takes_dataloader_iter
+from ember.module import TrainModule, _restore_modes, hook_parameters, takes_dataloader_iter
 from ember.profilers.base import wrap
 from ember.trainer.dataloader_iter import DataLoaderIter, Fetched, last_by_count, last_by_lookahead
 from ember.trainer.loaders import batch_transfer
@@ -360,27 +359,21 @@ def check_dataloader_idx(module: TrainModule, hook: str, many: bool, iterator_st
     names = [f"on_{hook}_batch_start", f"on_{hook}_batch_end"]
     if not iterator_step:
         names.insert(0, f"{hook}_step")
+    loader = "test" if hook == "test" else "val" if hook == "validation" else hook
     for name in names:
         fn = getattr(module, name, None)
-        if not callable(fn):
+        params = hook_parameters(fn) if callable(fn) else None
+        if params is None:
             continue
-        fn = getattr(fn, "__wrapped__", fn)  # a decorated hook: the function it wraps
-        try:
-            spec = inspect.getfullargspec(fn)
-        except TypeError:
-            continue
-        args = spec.args[1:] if inspect.ismethod(fn) else spec.args
-        loader = "test" if hook == "test" else "val" if hook == "validation" else hook
-        if many and "dataloader_idx" not in args and spec.varargs is None:
+        args, varargs, required = params
+        if many and "dataloader_idx" not in args and not varargs:
             raise RuntimeError(
                 f"There are several {loader} dataloaders, but {type(module).__name__}.{name}() takes no "
                 f"dataloader_idx: add `dataloader_idx=0` to its arguments (it is told which loader each batch is from)."
             )
-        if not many and "dataloader_idx" in args:
-            defaults = spec.defaults or ()
-            if args.index("dataloader_idx") < len(args) - len(defaults):
-                raise RuntimeError(
-                    f"There is one {loader} dataloader, but {type(module).__name__}.{name}() requires "
-                    "dataloader_idx, which is given only with several: give it a default "
-                    "(`dataloader_idx=0`) or remove it."
-                )
+        if not many and "dataloader_idx" in args[:required]:
+            raise RuntimeError(
+                f"There is one {loader} dataloader, but {type(module).__name__}.{name}() requires "
+                "dataloader_idx, which is given only with several: give it a default "
+                "(`dataloader_idx=0`) or remove it."
+            )
