@@ -112,10 +112,11 @@ def pytest_collection_modifyitems(config, items):
     """Modules with tests that start processes go first, and among either kind those whose tests may
     run longest (by their largest ``timeout`` mark), each module's tests kept together and in their order.
 
-    Under pytest-xdist (README's test command) a 60 s job test that starts last would leave the other
-    workers idle while it runs; started first, it overlaps the short tests, and the many short
-    in-process tests even out the end. Keeping a module together keeps its module-scoped fixtures (one
-    multi-rank run shared by several tests) set up once per worker.
+    Under pytest-xdist (README's test command: ``--dist loadfile --no-loadscope-reorder``, a module per
+    worker, handed out in this order) a module of minute-long jobs that starts last would leave the other
+    worker idle while it runs; started first, it overlaps the others, and the many short in-process
+    modules even out the end. A module on one worker sets up its module-scoped fixtures (a multi-rank
+    run shared by several tests) once.
     """
     budget: dict[object, float] = {}
     starts_processes: set[object] = set()

@@ -28,9 +28,9 @@ from ember.strategies.watchdog import watchdog as wd
 from ember.strategies.watchdog.verdicts import AFTER_BACKWARD
 from tests.helpers.dist import assert_processes_gone
 
-# One worker runs the whole module (README's test command: --dist loadgroup), so that the default-deadline
+# One worker runs the whole module (README's test command: --dist loadfile), so that the default-deadline
 # job below is started once and its minute of waiting overlaps the module's other tests.
-pytestmark = [pytest.mark.processes, pytest.mark.xdist_group("watchdog")]
+pytestmark = pytest.mark.processes
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).with_name("hang_script.py"))
