@@ -6,6 +6,14 @@ README's test command (``.ci/test``) runs them first, longest first, and the in-
 them, spread over the cores by pytest-xdist; ``-m processes`` / ``-m "not processes"`` select either
 tier. A test is ordered right only if it is marked, so starting a process unmarked is an error that
 names the mark to add.
+
+The suite's own helper programs (``tests/strategies/*_script.py``, ``tests/trainer/elastic_script.py``,
+the program in ``test_checkpoint_ddp.py``) register ``gc.freeze`` with ``atexit``: CPython's shutdown
+runs full garbage collections over every object, about 1 s of CPU per process once torch has imported
+torch._dynamo (it does at a process's first optimizer), and the suite starts over a hundred of those
+programs. Frozen, the objects are still freed by reference count at shutdown, and the atexit handlers
+(ember's included) still run; what these programs check does not depend on the collector at exit. The
+programs users run (``examples/``, the docs' and README's code blocks) end as users' programs do.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ the time it fails (``time.time()``) to ``<out>/failed_at``.
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import signal
 import time
@@ -18,6 +20,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
+
+atexit.register(gc.freeze)  # end without the shutdown garbage collection: see tests/conftest.py
 
 B, N = 4, 32
 

@@ -11,6 +11,8 @@ SIGSEGV, or a SIGTERM sent to itself alone.
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import signal
 import time
@@ -20,6 +22,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
+
+atexit.register(gc.freeze)  # end without the shutdown garbage collection: see tests/conftest.py
 
 STEPS = 3000  # far more than any test lets run
 

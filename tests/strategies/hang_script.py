@@ -16,6 +16,8 @@ last deadline and slowest step) when fit returns.
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import os
 import time
@@ -26,6 +28,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.strategies import DDPStrategy
+
+atexit.register(gc.freeze)  # end without the shutdown garbage collection: see tests/conftest.py
 
 
 class Net(ember.TrainModule):

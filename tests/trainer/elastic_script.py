@@ -13,6 +13,8 @@ start of rank 0), and attempt i is killed at the i-th step of --kill-at; only th
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import signal
 import time
@@ -22,6 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import ModelCheckpoint
+
+atexit.register(gc.freeze)  # end without the shutdown garbage collection: see tests/conftest.py
 
 
 def attempt(out: str) -> int:

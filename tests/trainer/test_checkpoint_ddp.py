@@ -10,6 +10,8 @@ identified by its index, so the tests can check which samples each epoch trained
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import shutil
 import signal
@@ -198,4 +200,5 @@ def test_one_rank_to_three_with_what_is_left_not_a_multiple_of_three(tmp_path):
 
 
 if __name__ == "__main__":
+    atexit.register(gc.freeze)  # end without the shutdown garbage collection: see tests/conftest.py
     program(*sys.argv[1:5])
