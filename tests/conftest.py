@@ -29,7 +29,10 @@ import time
 import pytest
 import torch
 
+from tests.helpers.session_jobs import SessionJobs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SESSION_JOBS = pytest.StashKey["SessionJobs"]()
 
 
 def pytest_configure(config):
@@ -39,14 +42,41 @@ def pytest_configure(config):
     importing ember and test helpers. Where ``PYTHONDONTWRITEBYTECODE`` is set (as on the CI machines)
     no import writes a ``.pyc``, so every one of them would compile those sources again (about 0.3 s of
     CPU each). ``compileall`` writes the ``__pycache__`` files (ignored by git) that imports then read;
-    it skips files whose bytecode is up to date. Run once, by the xdist controller (or a plain pytest).
+    it skips files whose bytecode is up to date. Run once, by the xdist controller (or a plain pytest),
+    which also sets up the jobs that start as soon as their test is collected (tests/helpers/session_jobs.py).
     """
-    if hasattr(config, "workerinput"):
+    if not _runs_the_session(config):
         return
+    if not config.option.collectonly:  # before xdist starts its workers: they inherit $EMBER_TEST_SESSION_JOBS
+        config.stash[_SESSION_JOBS] = SessionJobs()
     for folder in ("src", "tests", "examples", "benchmarks"):
         path = os.path.join(ROOT, folder)
         if os.path.isdir(path):
             compileall.compile_dir(path, quiet=2)
+
+
+def _runs_the_session(config) -> bool:
+    """pytest itself, or pytest-xdist's controller; not one of xdist's workers."""
+    return not hasattr(config, "workerinput")
+
+
+def pytest_collection_finish(session):
+    jobs = session.config.stash.get(_SESSION_JOBS, None)
+    if jobs is not None:  # a plain pytest collects in the session's process
+        jobs.start_for([item.nodeid for item in session.items])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    jobs = node.config.stash.get(_SESSION_JOBS, None)
+    if jobs is not None:  # the controller: a worker has collected (each collects the same tests)
+        jobs.start_for(ids)
+
+
+def pytest_unconfigure(config):
+    jobs = config.stash.get(_SESSION_JOBS, None)
+    if jobs is not None:
+        jobs.stop()
 
 
 def _live_children() -> set[int]:

@@ -13,10 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,10 +24,9 @@ import torch.distributed as dist
 from ember.strategies import DDPStrategy
 from ember.strategies.watchdog import watchdog as wd
 from ember.strategies.watchdog.verdicts import AFTER_BACKWARD
+from tests.helpers import session_jobs
 from tests.helpers.dist import assert_processes_gone
 
-# One worker runs the whole module (README's test command: --dist loadfile), so that the default-deadline
-# job below is started once and its minute of waiting overlaps the module's other tests.
 pytestmark = pytest.mark.processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -301,53 +298,6 @@ def assert_names_rank_1_with_its_stack(log: str) -> None:
     assert "Traceback" not in log, log  # no rank reports the stop as an error of its own
 
 
-class BackgroundJob:
-    """A hang_script job started now and left to run beside other tests: a thread reads its output as it
-    comes (so the pipe never fills) and notes the moment it ended."""
-
-    def __init__(self, out: Path, *args: str) -> None:
-        self.out = out
-        self.began = time.time()
-        self.proc = start(out, *args)
-        self.log = ""
-        self.ended: float | None = None
-        self._reader = threading.Thread(target=self._read, name=f"job in {out.name}", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        self.log = self.proc.communicate()[0]
-        self.ended = time.time()
-
-    def finish(self, limit: float) -> tuple[int, str, float]:
-        """Its exit status, output and end time (``time.time()``), waiting until ``limit`` s after its start
-        at the most."""
-        self._reader.join(timeout=max(0.0, self.began + limit - time.time()))
-        if self.ended is None:
-            self.stop()
-            pytest.fail(f"job did not end within {limit} s of its start:\n{self.log}")
-        return self.proc.returncode, self.log, self.ended
-
-    def stop(self) -> None:
-        """Kill it (the launcher and every rank that wrote its pid), if it still runs."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            for pid_file in self.out.glob("pid*"):
-                try:
-                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-        self._reader.join(timeout=10)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def default_deadline_job(tmp_path_factory):
-    """The job of test_a_hung_rank_ends_the_job_about_a_minute_later_by_default, started with the module
-    (its rank 1 hangs, and the default deadline is a minute away: the module's other tests run meanwhile)."""
-    job = BackgroundJob(tmp_path_factory.mktemp("default_deadline"), "--hang-rank", "1")
-    yield job
-    job.stop()
-
-
 @pytest.mark.timeout(60)
 def test_a_hung_rank_ends_the_job_within_seconds_under_a_short_collective_timeout(tmp_path):
     began = time.monotonic()
@@ -409,16 +359,17 @@ def test_a_healthy_job_with_slow_steps_is_not_stopped(tmp_path):
     assert json.loads((tmp_path / "done0").read_text())["slowest_step"] >= 4.0  # it did wait that long
 
 
-# Last in the module: its job started with the module and has been waiting out its deadline since.
 @pytest.mark.timeout(150)
-def test_a_hung_rank_ends_the_job_about_a_minute_later_by_default(default_deadline_job):
-    job = default_deadline_job
-    code, log, ended = job.finish(limit=120)
-    assert code == wd.HUNG_EXIT_CODE, log
+def test_a_hung_rank_ends_the_job_about_a_minute_later_by_default():
+    # The session started this job (hang_script.py --hang-rank 1) when it collected this test, so that its
+    # minute of waiting passes while the workers run other tests (tests/helpers/session_jobs.py).
+    job = session_jobs.outcome("default_deadline", limit=120)
+    log = job.log
+    assert job.code == wd.HUNG_EXIT_CODE, log
     hung = (job.out / "hanging1").stat().st_mtime  # when rank 1 began to hang
     assert_names_rank_1_with_its_stack(log)
     assert "The watchdog deadline was 60 s" in log, log
-    assert ended - hung >= 59, f"stopped {ended - hung:.1f} s after the hang, before the 60 s deadline"
-    assert ended - job.began < 120, f"{ended - job.began:.1f} s"
-    print(f"hang to end: {ended - hung:.1f} s; whole job {ended - job.began:.1f} s")
+    assert job.ended - hung >= 59, f"stopped {job.ended - hung:.1f} s after the hang, before the 60 s deadline"
+    assert job.ended - job.began < 120, f"{job.ended - job.began:.1f} s"
+    print(f"hang to end: {job.ended - hung:.1f} s; whole job {job.ended - job.began:.1f} s")
     assert_processes_gone(job.out, count=2)
