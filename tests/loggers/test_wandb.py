@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ember
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 wandb = pytest.importorskip("wandb")
@@ -167,15 +167,8 @@ def test_exported_under_lightnings_name() -> None:
 
 
 def _ddp_rank(rank: int, world: int, root: str) -> dict[str, Any]:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-        **offline_env(os.path.join(root, f"env{rank}")),
-    )
+    join_as_rank(rank, world)
+    os.environ.update(offline_env(os.path.join(root, f"env{rank}")))
     warnings.simplefilter("ignore")
     save_dir = os.path.join(root, f"rank{rank}")
     os.makedirs(save_dir)

@@ -28,22 +28,11 @@ import ember.strategies.ddp as ddp_module
 from ember.callbacks import Callback, ModelCheckpoint
 from ember.exceptions import Preempted
 from ember.strategies.ddp import DDPStrategy
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(150)]
 STEPS = 24  # per rank, one epoch
 RECORDED = ("all_reduce", "broadcast", "broadcast_object_list", "all_gather", "all_gather_object", "barrier")
-
-
-def _env(rank: int, world: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",  # the harness's group already exists: ember joins it
-    )
 
 
 class Net(ember.TrainModule):
@@ -151,7 +140,7 @@ class StepOf(Callback):
 
 
 def _control_fit(rank: int, world: int, tmp: str, separate_group: bool) -> dict:
-    _env(rank, world)
+    join_as_rank(rank, world)
     made: list[Any] = []
     if separate_group:  # what an NCCL job gets: a gloo group of its own for control decisions
 
@@ -238,7 +227,7 @@ def _sigterm_on_rank_1(module: ember.TrainModule, batch_idx: int) -> None:
 
 
 def _preempted_fit(rank: int, world: int, tmp: str) -> dict:
-    _env(rank, world)
+    join_as_rank(rank, world)
     trainer = _trainer(Path(tmp), [])
     try:
         trainer.fit(Net(_sigterm_on_rank_1), _loader(world))
@@ -266,7 +255,7 @@ class _Clock:
 
 
 def _time_checkpoint_fit(rank: int, world: int, tmp: str) -> dict:
-    _env(rank, world)
+    join_as_rank(rank, world)
     model_checkpoint.time = _Clock(moving=rank == 0)  # type: ignore[assignment]  # (this process's callback only)
     cb = ModelCheckpoint(
         dirpath=Path(tmp) / "ckpt", filename="{step}", train_time_interval=15, save_top_k=-1, save_last=False
@@ -287,7 +276,7 @@ def test_the_time_checkpoint_saves_on_rank_zeros_clock_at_the_same_step_on_every
 
 # ------------------------------------------------------------------------ start_decision itself
 def _decisions(rank: int, world: int) -> dict:
-    _env(rank, world)
+    join_as_rank(rank, world)
     strategy = DDPStrategy(accelerator="cpu")
     strategy.setup_environment()
     try:

@@ -3,14 +3,12 @@ ember hosts for it (torch has no public way to reach the group's own store)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 from tests.helpers.models import TrainOnlyModel
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(150)]
@@ -18,14 +16,7 @@ pytestmark = [pytest.mark.processes, pytest.mark.timeout(150)]
 
 def _fit(rank: int, world_size: int) -> tuple[bool, bool]:
     # As under torchrun, where the script made the group itself (run_ranks has made it): ember joins it.
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",  # never dialled: the group exists
-    )
+    join_as_rank(rank, world_size)
     trainer = ember.Trainer(
         strategy="ddp",
         devices=world_size,

@@ -18,7 +18,7 @@ import torch
 import ember
 from ember.callbacks import Callback
 from ember.loggers import Logger
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import join_as_rank, run_ranks
 from tests.helpers.models import BoringModel, TrainOnlyModel, fast_trainer, regression_loader
 
 
@@ -284,14 +284,7 @@ def test_a_callbacks_epoch_end_reads_this_epochs_progress_bar_value():
 
 
 def _ddp_epoch_lines(rank: int, world: int) -> tuple[list[str], float]:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-    )  # join run_ranks' process group
+    join_as_rank(rank, world)  # join run_ranks' process group
     stream = io.StringIO()
     bar = ember.callbacks.ProgressBar(mode="lines", stream=stream)
     trainer = ember.Trainer(
