@@ -356,7 +356,10 @@ def test_a_healthy_job_with_slow_steps_is_not_stopped(tmp_path):
     for rank in (0, 1):
         done = json.loads((tmp_path / f"done{rank}").read_text())
         assert done["slowest_step"] >= 1.0 and done["deadline"] >= 20.0, done
-    assert json.loads((tmp_path / "done0").read_text())["slowest_step"] >= 4.0  # it did wait that long
+    # Rank 0 did wait well past the 2 s floor. Not the whole 4 s: the watchdog's thread samples every
+    # 0.2 s (later on a loaded machine), and rank 0 starts the step after its own rank-zero work (the
+    # logger's writes), while rank 1 already sleeps; 3.81 s was seen on a loaded machine.
+    assert json.loads((tmp_path / "done0").read_text())["slowest_step"] > 3.0
 
 
 @pytest.mark.timeout(150)
