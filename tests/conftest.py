@@ -27,7 +27,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from tests.helpers.session_jobs import SessionJobs
 
@@ -89,6 +88,8 @@ def _threads() -> set[threading.Thread]:
 
 @pytest.fixture(autouse=True)
 def _no_leaks():
+    import torch  # here, not at the top: xdist's controller loads this file and needs no torch (2 s of CPU)
+
     torch.manual_seed(0)
     threads_before = _threads()
     children_before = _live_children()
