@@ -317,11 +317,20 @@ def main() -> None:
     parser.add_argument(
         "--metrics", type=int, default=0, metavar="N", help="time logging N values per step (on_step and on_epoch)"
     )
+    parser.add_argument(
+        "--once",
+        metavar="CONFIG",
+        help="run one configuration (plain, bare, bar+log, ...) once and print nothing: what "
+        "benchmarks/step_instructions.py counts the instructions of",
+    )
     args = parser.parse_args()
     use_clock(args.clock)
     torch.set_num_threads(1)
     batches = make_batches(args.steps, args.loader)
     n = args.metrics
+    if args.once is not None:
+        run_once(parser, args.once, batches)
+        return
 
     def plain() -> float:
         return plain_metrics_loop(batches, n) if n else plain_loop(batches)
@@ -379,6 +388,24 @@ def main() -> None:
         t_lightning = import_time(f"import {package}", 5)
         line += f", {package} {t_lightning:.3f} s (+{t_lightning - t_torch:.3f} s)"
     print(line)
+
+
+def run_once(parser: argparse.ArgumentParser, name: str, batches: Any) -> None:
+    """``--once NAME``: one run of one configuration, its output (the bar's) thrown away."""
+    if name == "plain":
+        plain_loop(batches)
+        return
+    with tempfile.TemporaryDirectory() as root:
+        configs = {**CONFIGS, **optional_configs(root)}
+        if name not in configs:
+            parser.error(f"--once {name!r}: not a configuration; known: {['plain', *configs]}")
+        stdout = sys.stdout
+        with open(os.devnull, "w") as devnull:
+            sys.stdout = devnull
+            try:
+                run_config(name, configs[name], batches, root)
+            finally:
+                sys.stdout = stdout
 
 
 def _quartiles(values: list[float]) -> list[float]:

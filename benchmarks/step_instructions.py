@@ -1,0 +1,84 @@
+"""Instructions per training step, counted by valgrind's callgrind: the per-step cost of each
+``benchmarks/overhead.py`` configuration, free of this machine's noise.
+
+On a shared 2-core machine the paired wall or CPU medians of ``overhead.py`` spread by several percent
+between runs, as much as the goals they check (a bare trainer within +2% of the plain loop, the bar with
+per-step ``self.log`` and TensorBoard within +5%). Instruction counts repeat exactly for the same
+interpreter, inputs and environment, whatever else the machine runs. Each configuration runs once in a
+fresh process under callgrind at two step counts (``overhead.py --once``); the difference, divided by
+the difference in steps, is what one step costs: start-up, imports and setup cancel out. Instructions
+are not time (a cache miss costs more than an add), so this is a bound on the work the trainer adds,
+beside the timed medians, not a replacement for them. Run (valgrind from your package manager):
+
+    python benchmarks/step_instructions.py [--steps 100,600] [--jobs 2]
+
+About 15 minutes on 2 cores: each run imports torch under callgrind (about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = ["plain", "bare", "bar+log", "bar+log+tensorboard"]
+
+
+def count(config: str, steps: int, out_dir: str) -> int:
+    """Instructions callgrind counts for one run of ``config`` with ``steps`` steps (a fresh process)."""
+    out = os.path.join(out_dir, f"callgrind.{config}.{steps}")
+    cmd = [
+        "valgrind",
+        "--tool=callgrind",
+        f"--callgrind-out-file={out}",
+        sys.executable,
+        os.path.join(HERE, "overhead.py"),
+        "--once",
+        config,
+        "--steps",
+        str(steps),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    found = re.search(r"Collected : (\d+)", done.stderr)
+    if done.returncode != 0 or found is None:
+        raise SystemExit(f"{config} with {steps} steps failed under callgrind:\n{done.stderr[-3000:]}")
+    return int(found.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", default="100,600", help="the two step counts, low,high")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {CONFIGS}")
+    args = parser.parse_args()
+    low, high = (int(s) for s in args.steps.split(","))
+    if not 0 < low < high:
+        parser.error(f"--steps {args.steps}: give two step counts, the smaller first")
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; known: {CONFIGS}")
+    if "plain" not in configs:
+        configs.insert(0, "plain")  # the reference every ratio is taken against
+    if shutil.which("valgrind") is None:
+        raise SystemExit("valgrind is not installed (apt-get install valgrind, or your platform's package)")
+    with tempfile.TemporaryDirectory() as out_dir, ThreadPoolExecutor(args.jobs) as pool:
+        runs = {(c, s): pool.submit(count, c, s, out_dir) for c in configs for s in (low, high)}
+        per_step = {c: (runs[c, high].result() - runs[c, low].result()) / (high - low) for c in configs}
+    print(f"instructions per training step (callgrind; runs of {high} and {low} steps, the difference / {high - low})")
+    plain = per_step["plain"]
+    for c in configs:
+        label = "plain PyTorch loop" if c == "plain" else f"ember {c}"
+        extra = per_step[c] - plain
+        print(f"  {label:32s} {per_step[c]:12,.0f}   {per_step[c] / plain:.4f}x  ({extra:+,.0f} a step)")
+
+
+if __name__ == "__main__":
+    main()
