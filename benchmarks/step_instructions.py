@@ -44,7 +44,9 @@ def count(config: str, steps: int, out_dir: str) -> int:
         "--steps",
         str(steps),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # A fixed hash seed: with a random one, set and dict orders (and so the one-time work of lazy
+    # initialisation inside torch) differ between the two runs, by millions of instructions.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     found = re.search(r"Collected : (\d+)", done.stderr)
     if done.returncode != 0 or found is None:
