@@ -26,6 +26,7 @@ with other jobs, time spent waiting for a core is then left out of every loop al
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import random
@@ -337,15 +338,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as root:
         configs = metrics_configs(root, n) if n else {**CONFIGS, **optional_configs(root)}
-        stdout = sys.stdout
         plain()  # warm-up
-        with open(os.devnull, "w") as devnull:
-            sys.stdout = devnull
-            try:
-                for name, cfg in configs.items():
-                    run_config(name, cfg, batches, root)
-            finally:
-                sys.stdout = stdout
+        with _quiet():
+            for name, cfg in configs.items():
+                run_config(name, cfg, batches, root)
         results: dict[str, list[float]] = {"plain": [], **{k: [] for k in configs}}
         order = ["plain", *configs]
         rng = random.Random(0)
@@ -355,12 +351,8 @@ def main() -> None:
                 if name == "plain":
                     results["plain"].append(plain())
                     continue
-                with open(os.devnull, "w") as devnull:  # the bar's output is not what we time
-                    sys.stdout = devnull
-                    try:
-                        results[name].append(run_config(name, configs[name], batches, root))
-                    finally:
-                        sys.stdout = stdout
+                with _quiet():  # the bar's output is not what we time
+                    results[name].append(run_config(name, configs[name], batches, root))
 
     data = "a shuffled DataLoader" if args.loader else "pre-built batches"
     what = f"MLP 32-64-10, batch {BATCH}, 1 thread, {data}, {args.clock} clock"
@@ -399,13 +391,15 @@ def run_once(parser: argparse.ArgumentParser, name: str, batches: Any) -> None:
         configs = {**CONFIGS, **optional_configs(root)}
         if name not in configs:
             parser.error(f"--once {name!r}: not a configuration; known: {['plain', *configs]}")
-        stdout = sys.stdout
-        with open(os.devnull, "w") as devnull:
-            sys.stdout = devnull
-            try:
-                run_config(name, configs[name], batches, root)
-            finally:
-                sys.stdout = stdout
+        with _quiet():
+            run_config(name, configs[name], batches, root)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Standard output (the progress bar's) goes to the null device inside, and comes back after."""
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        yield
 
 
 def _quartiles(values: list[float]) -> list[float]:
