@@ -125,6 +125,11 @@ class Strategy:
             and (not takes_batch_idx(step) or takes_dataloader_iter(step))
         )
 
+    def passes_batch_idx(self, step: str) -> bool:
+        """Whether the module's ``step`` takes ``(batch, batch_idx, ...)`` (not a step defined without
+        ``batch_idx``, nor one that fetches its own batches from ``dataloader_iter``)."""
+        return step not in self._without_batch_idx
+
     def step_args(self, step: str, batch: Any, batch_idx: int, extra: tuple[Any, ...]) -> tuple[Any, ...]:
         """The positional arguments the module's ``step`` takes: ``(batch, batch_idx, *extra)``, or
         ``(batch, *extra)`` for a step defined without ``batch_idx``."""
@@ -154,6 +159,11 @@ class Strategy:
     def batch_to_device(self, batch: Any) -> Any:
         """Move every tensor in ``batch`` to the root device."""
         return move_to_device(batch, self.root_device)
+
+    def moves_batches(self) -> bool:
+        """Whether :meth:`batch_to_device` may have anything to do; False when no batch can hold a tensor off
+        this strategy's devices (the loops then skip the transfer). Asked once per loop."""
+        return True
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: Any, batch_idx: int, *extra: Any) -> Any:

@@ -121,8 +121,9 @@ class EvaluationLoop:
             batches = _sharded(loader, limit)
         for batch_idx, (batch, padding) in enumerate(batches):
             metrics.padding = padding
-            batch = transfer(batch)
-            metrics.batch = batch
+            if transfer is not None:
+                batch = transfer(batch)
+            metrics.eval_batch(batch)
             metrics.batch_size = None
             metrics.fx = fx_start
             for h in batch_start:
@@ -173,10 +174,10 @@ class EvaluationLoop:
 
         def on_fetch(entry: tuple[Fetched, bool]) -> Fetched:
             # What self.log in the step weighs its value by, and under which loader's name it goes: the batch
-            # fetched last (set before the batch, whose setter counts the loader's batches).
+            # fetched last (set before the batch: eval_batch counts the loader's batches).
             fetched, metrics.padding = entry
             metrics.key_suffix = suffixes[fetched[2]]
-            metrics.batch = fetched[0]
+            metrics.eval_batch(fetched[0])
             metrics.batch_size = None
             return fetched
 
@@ -184,7 +185,8 @@ class EvaluationLoop:
         stream = last_by_count(entries(), int(total)) if total != math.inf else last_by_lookahead(entries())
         fetcher = DataLoaderIter(stream, total if total != math.inf else None, on_fetch)
         metrics.key_suffix = suffixes[0]
-        metrics.batch, metrics.batch_size = None, None
+        metrics.eval_batch(None)
+        metrics.batch_size = None
         while not fetcher.done:
             args = (fetcher.batch, fetcher.batch_idx, fetcher.dataloader_idx)[: 3 if many else 2]
             metrics.fx = fx_start

@@ -180,10 +180,11 @@ def set_loader_epoch(loader: Any, epoch: int) -> None:
             set_epoch(epoch)
 
 
-def batch_transfer(trainer: Trainer, dataloader_idx: int, input_dtype: Any) -> Callable[[Any], Any]:
+def batch_transfer(trainer: Trainer, dataloader_idx: int, input_dtype: Any) -> Callable[[Any], Any] | None:
     """The batch transfer for loader ``dataloader_idx``: the strategy's (casting under 64-true), wrapped in
     the module's ``on_before_batch_transfer`` / ``transfer_batch_to_device`` / ``on_after_batch_transfer``
-    where it (or the datamodule) overrides them; otherwise nothing extra runs per batch."""
+    where it (or the datamodule) overrides them; otherwise nothing extra runs per batch. None when there is
+    nothing to do (no hook, no cast, and a strategy no batch can need moving for)."""
     strategy = trainer.strategy
     device = strategy.root_device
     base: Callable[[Any], Any] = strategy.batch_to_device
@@ -205,7 +206,7 @@ def batch_transfer(trainer: Trainer, dataloader_idx: int, input_dtype: Any) -> C
     custom = owner("transfer_batch_to_device")
     after = owner("on_after_batch_transfer")
     if before is None and custom is None and after is None:
-        return base
+        return base if input_dtype is not None or strategy.moves_batches() else None
 
     def transfer(batch: Any) -> Any:
         if before is not None:

@@ -394,7 +394,8 @@ class FitLoop:
                 break
             is_last = is_last or batch_idx == last_idx
             p.is_last_batch = is_last
-            batch = to_device(batch)
+            if to_device is not None:
+                batch = to_device(batch)
             self.log_step = p.global_step
             metrics.batch = batch
             metrics.batch_size = None

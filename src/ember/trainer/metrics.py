@@ -162,8 +162,9 @@ class MetricCollector:
         self.key_suffix = ""
         self._stages: dict[str, dict[str, _Entry]] = {}
         self._entries: dict[str, _Entry] = {}
-        #: The batch being processed (``batch``, set by the loops) and its inferred size (None until a mean needs it).
-        self._batch: Any = None
+        #: The batch being processed (set by the loops; :meth:`eval_batch` in evaluation) and its inferred size
+        #: (None until a mean needs it).
+        self.batch: Any = None
         self.batch_size: int | None = None
         #: Latest value of every key: what callbacks (checkpointing, early stopping) read.
         self._callback_metrics: dict[str, Any] = {}
@@ -194,14 +195,9 @@ class MetricCollector:
         self.training_fetches_batches = False
         self._needs_batch_size = False  # in training, with the above
 
-    @property
-    def batch(self) -> Any:
-        return self._batch
-
-    @batch.setter
-    def batch(self, value: Any) -> None:
-        # Set by the loops once per batch: in validate / test, also counts the loader's batches.
-        self._batch = value
+    def eval_batch(self, batch: Any) -> None:
+        """The evaluation loops' ``batch = ...``: in validate / test, also counts the loader's batches."""
+        self.batch = batch
         if self._counting:
             suffix = self.key_suffix
             self._eval_batches[suffix] = self._eval_batches.get(suffix, -1) + 1
@@ -384,7 +380,7 @@ class MetricCollector:
         if entry.on_epoch and not self.padding:
             if batch_size is None and entry.reduce_fx == "mean":
                 if self.batch_size is None:
-                    self.batch_size = infer_batch_size(self._batch)
+                    self.batch_size = infer_batch_size(self.batch)
                 batch_size = self.batch_size
             entry.accumulate(value, batch_size or 1)
 

@@ -12,8 +12,12 @@ Automatic optimization, per batch::
     and the optimizer steps after it (an optimizer such as LBFGS calls the closure itself, maybe
     several times).
 
-There is one path: overriding a module hook (``optimizer_step``, ``optimizer_zero_grad``,
-``backward``, ``configure_gradient_clipping``) changes what that point does, nothing else. Each step
+Overriding a module hook (``optimizer_step``, ``optimizer_zero_grad``, ``backward``,
+``configure_gradient_clipping``) changes what that point does, nothing else. A fit where the layers between
+the loop and the work add nothing (the default ``optimizer_step``, no gradient scaler, an optimizer whose
+step takes no closure, a strategy that only passes the calls on, no profiler) skips them: the step calls
+the module's ``training_step``, ``loss.backward()`` and ``optimizer.step()`` itself, with the same hooks in
+the same order (:meth:`TrainingStep._skip_layers`). Each step
 returns the batch's outputs and how many optimizer steps it took (as in Lightning, a window whose
 batches all returned None from ``training_step`` takes a step that updates nothing but counts), which
 the fit loop counts into ``global_step``.
@@ -29,16 +33,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.module import TrainModule
-from ember.profilers.base import Profiler, wrap
+from ember.profilers.base import Profiler, is_active, wrap
+from ember.strategies.strategy import Strategy
 from ember.trainer.optim import TrainerOptimizer
+from ember.trainer.precision import Precision
 from ember.utils import defines_hook
 
 if TYPE_CHECKING:
-    from ember.strategies.strategy import Strategy
     from ember.trainer.hooks import Hooks
     from ember.trainer.metrics import MetricCollector
     from ember.trainer.optim import OptimizerState
-    from ember.trainer.precision import Precision
     from ember.trainer.progress import FitProgress
 
 
@@ -91,6 +95,11 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     except (TypeError, ValueError):  # a builtin or otherwise opaque step
         return False
     return param is not None and param.default is inspect.Parameter.empty
+
+
+def _is_default(obj: Any, name: str, base: type) -> bool:
+    """Whether ``obj``'s ``name`` is ``base``'s own: neither overridden in a subclass nor set on the instance."""
+    return getattr(type(obj), name, None) is getattr(base, name) and name not in getattr(obj, "__dict__", {})
 
 
 def _override(module: TrainModule, name: str) -> Callable[..., Any] | None:
@@ -195,6 +204,7 @@ class TrainingStep:
         )
         self._hooks_bound = False
         self._profiler = profiler
+        self.evaluates_loss = False
         if self.automatic and optim.optimizers:
             self._optimizer = optim.optimizers[0]
             #: What ``optimizer_step`` receives: its ``step(closure)`` is :meth:`step_optimizer`.
@@ -220,7 +230,39 @@ class TrainingStep:
         self.pre_step_work = bool(
             self.precision.scaler is not None or self._h_before_step or self._clip_override is not None or self.clip_val
         )
+        self._skip_layers(untimed=not is_active(profiler))
         self._hooks_bound = True
+
+    def _skip_layers(self, untimed: bool) -> None:
+        """Decide which layers of the step add nothing to this fit, so that the step skips them: the same
+        calls in the same order, fewer frames a step. Each is skipped only when it is the default and no
+        profiler times it (``untimed``):
+
+        - the strategy's ``training_step``, when it only calls the module's with ``(batch, batch_idx)``;
+        - the strategy's ``backward``, when it only calls ``loss.backward()`` (or the module's ``backward``);
+        - the module's ``optimizer_step``, the optimizer wrapper, the precision's and the strategy's
+          ``optimizer_step`` and the closure, when together they only run the closure and then
+          ``optimizer.step()`` (no gradient scaler, an optimizer whose step takes no closure).
+        """
+        strategy, module = self.strategy, self.module
+        self._module_step = (
+            untimed
+            and _is_default(strategy, "training_step", Strategy)
+            and strategy.passes_batch_idx("training_step")
+            and strategy.module is module
+        )
+        self._own_backward = untimed and _is_default(strategy, "backward", Strategy)
+        self._direct_step = bool(
+            untimed
+            and self.automatic
+            and self.optim.optimizers
+            and not self.evaluates_loss
+            and callable(getattr(module, "optimizer_step", None))
+            and not defines_hook("optimizer_step", module, TrainModule)
+            and self.precision.scaler is None
+            and _is_default(self.precision, "optimizer_step", Precision)
+            and _is_default(strategy, "optimizer_step", Strategy)
+        )
 
     def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[Any, int]:
         """Run one batch; return its outputs and the optimizer steps it took."""
@@ -235,6 +277,15 @@ class TrainingStep:
                 outputs, _ = self.forward_backward(batch, batch_idx, pos)
             return outputs, 0
         self.batch_idx = batch_idx
+        if self._direct_step:  # what the closure path below does, without its layers (see _skip_layers)
+            outputs, _ = self.forward_backward(batch, batch_idx, pos)
+            if self.window_has_grad:
+                if self.pre_step_work or not self.sized:
+                    self.before_optimizer_step(pos)
+                self._optimizer.step()
+            elif self.pre_step_work:
+                self.before_optimizer_step(pos, unscale=False)
+            return outputs, 1
         closure = _Closure(self, batch, batch_idx, pos)
         self._optimizer_step(self.progress.current_epoch, batch_idx, self.optimizer, closure)
         if not closure.called:
@@ -250,11 +301,12 @@ class TrainingStep:
     # ------------------------------------------------------------------ the closure's parts
     def forward_backward(self, batch: Any, batch_idx: int, pos: int, warn: bool = True) -> tuple[Any, Any]:
         """training_step, then (first batch of a window) zero_grad, then backward; returns (outputs, loss)."""
+        step = self.module.training_step if self._module_step else self._training_step
         if self._autocast is None:
-            outputs = self._training_step(batch, batch_idx)
+            outputs = step(batch, batch_idx)
         else:
             with self._autocast():
-                outputs = self._training_step(batch, batch_idx)
+                outputs = step(batch, batch_idx)
         # The usual return (a scalar tensor that requires grad) needs no further checking.
         loss = (
             outputs
@@ -292,7 +344,12 @@ class TrainingStep:
                 h(loss)
         if self.precision.scaler is not None:
             scaled = self.precision.scale_loss(scaled)
-        self._backward(scaled, self._backward_override)
+        if not self._own_backward:
+            self._backward(scaled, self._backward_override)
+        elif self._backward_override is None:
+            scaled.backward()
+        else:
+            self._backward_override(scaled)
         if self._h_after_backward:
             self.metrics.fx = "on_after_backward"
             for h in self._h_after_backward:
