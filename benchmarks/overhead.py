@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import gc
 import importlib.util
 import os
 import random
@@ -35,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +46,8 @@ import torch.nn.functional as F
 import ember
 
 BATCH = 64
+#: ``--once``: the batches of the warm-up run before the one counted.
+WARM_UP_BATCHES = 20
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 _clock = [time.perf_counter]
 
@@ -373,26 +378,50 @@ def main() -> None:
         )
 
     t_torch = import_time("import torch", 5)
-    t_ember = import_time("import ember", 5)
-    line = f"import time, median of 5: torch {t_torch:.3f} s, ember {t_ember:.3f} s (+{t_ember - t_torch:.3f} s)"
+    # What a script imports (``import ember`` alone is lazy: it imports torch with the first name it is asked for).
+    t_ember = import_time("from ember import Trainer, TrainModule", 5)
+    line = f"import time, median of 5: torch {t_torch:.3f} s, ember {t_ember:.3f} s ({t_ember - t_torch:+.3f} s)"
     package = _lightning_package()
     if package is not None:
         t_lightning = import_time(f"import {package}", 5)
-        line += f", {package} {t_lightning:.3f} s (+{t_lightning - t_torch:.3f} s)"
+        line += f", {package} {t_lightning:.3f} s ({t_lightning - t_torch:+.3f} s)"
     print(line)
 
 
 def run_once(parser: argparse.ArgumentParser, name: str, batches: Any) -> None:
-    """``--once NAME``: one run of one configuration, its output (the bar's) thrown away."""
+    """``--once NAME``: one run of one configuration, its output (the bar's) thrown away, after a warm-up run
+    of a few batches (what a process does once: torch's lazy imports and first-call set-up) and a collection.
+
+    Under ``benchmarks/step_instructions.py`` (``EMBER_CALLGRIND_TOGGLE`` names its helper library), callgrind
+    counts only the run: not the imports, the batches' making, the warm-up, or the interpreter's exit."""
+    toggle = _callgrind_toggle()
+    warm = batches[:WARM_UP_BATCHES] if isinstance(batches, list) else batches
     if name == "plain":
+        plain_loop(warm)
+        gc.collect()
+        toggle()
         plain_loop(batches)
+        toggle()
         return
     with tempfile.TemporaryDirectory() as root:
         configs = {**CONFIGS, **optional_configs(root)}
         if name not in configs:
             parser.error(f"--once {name!r}: not a configuration; known: {['plain', *configs]}")
         with _quiet():
+            run_config(name, configs[name], warm, root)
+            gc.collect()
+            toggle()
             run_config(name, configs[name], batches, root)
+            toggle()
+
+
+def _callgrind_toggle() -> Callable[[], Any]:
+    """Callgrind's "collect or not" switch (``CALLGRIND_TOGGLE_COLLECT``, from the library
+    ``EMBER_CALLGRIND_TOGGLE`` names), or a function that does nothing."""
+    path = os.environ.get("EMBER_CALLGRIND_TOGGLE")
+    if not path:
+        return lambda: None
+    return ctypes.CDLL(path).ember_callgrind_toggle
 
 
 @contextlib.contextmanager

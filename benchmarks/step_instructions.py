@@ -5,10 +5,14 @@ On a shared 2-core machine the paired wall or CPU medians of ``overhead.py`` spr
 between runs, as much as the goals they check (a bare trainer within +2% of the plain loop, the bar with
 per-step ``self.log`` and TensorBoard within +5%). Instruction counts repeat exactly for the same
 interpreter, inputs and environment, whatever else the machine runs. Each configuration runs once in a
-fresh process under callgrind at two step counts (``overhead.py --once``); the difference, divided by
-the difference in steps, is what one step costs: start-up, imports and setup cancel out. Instructions
+fresh process under callgrind at two step counts (``overhead.py --once``), which counts the run alone
+(a switch built here with the C compiler turns counting on and off around it): not the imports, the
+batches' making, or the interpreter's exit, whose frees depend on the heap's state and so differ between
+two runs by more than a step's cost. The difference of the two counts, divided by the difference in
+steps, is what one step costs: the fit's setup cancels out. Instructions
 are not time (a cache miss costs more than an add), so this is a bound on the work the trainer adds,
-beside the timed medians, not a replacement for them. Run (valgrind from your package manager):
+beside the timed medians, not a replacement for them. Run (valgrind, with its headers, from your
+package manager, and a C compiler):
 
     python benchmarks/step_instructions.py [--steps 100,600] [--jobs 2]
 
@@ -30,12 +34,36 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = ["plain", "bare", "bar+log", "bar+log+tensorboard"]
 
 
-def count(config: str, steps: int, out_dir: str) -> int:
-    """Instructions callgrind counts for one run of ``config`` with ``steps`` steps (a fresh process)."""
+#: Callgrind's switch, for ``overhead.py --once`` to count only the run (built with the C compiler here).
+TOGGLE_SOURCE = """
+#include <valgrind/callgrind.h>
+void ember_callgrind_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+"""
+
+
+def build_toggle(out_dir: str) -> str:
+    """The shared library whose ``ember_callgrind_toggle`` turns callgrind's counting on and off."""
+    source, lib = os.path.join(out_dir, "toggle.c"), os.path.join(out_dir, "toggle.so")
+    with open(source, "w") as f:
+        f.write(TOGGLE_SOURCE)
+    cc = os.environ.get("CC", "cc")
+    done = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", lib, source], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(
+            f"could not build the callgrind switch with {cc} (a C compiler and valgrind's headers, "
+            f"valgrind/callgrind.h, are needed):\n{done.stderr[-2000:]}"
+        )
+    return lib
+
+
+def count(config: str, steps: int, out_dir: str, toggle: str) -> int:
+    """Instructions callgrind counts in one run of ``config`` with ``steps`` steps (a fresh process; only
+    the run itself is counted, from ``overhead.py --once``'s switch on to its switch off)."""
     out = os.path.join(out_dir, f"callgrind.{config}.{steps}")
     cmd = [
         "valgrind",
         "--tool=callgrind",
+        "--collect-atstart=no",
         f"--callgrind-out-file={out}",
         sys.executable,
         os.path.join(HERE, "overhead.py"),
@@ -46,7 +74,7 @@ def count(config: str, steps: int, out_dir: str) -> int:
     ]
     # A fixed hash seed: with a random one, set and dict orders (and so the one-time work of lazy
     # initialisation inside torch) differ between the two runs, by millions of instructions.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "EMBER_CALLGRIND_TOGGLE": toggle}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     found = re.search(r"Collected : (\d+)", done.stderr)
     if done.returncode != 0 or found is None:
@@ -72,7 +100,8 @@ def main() -> None:
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind, or your platform's package)")
     with tempfile.TemporaryDirectory() as out_dir, ThreadPoolExecutor(args.jobs) as pool:
-        runs = {(c, s): pool.submit(count, c, s, out_dir) for c in configs for s in (low, high)}
+        toggle = build_toggle(out_dir)
+        runs = {(c, s): pool.submit(count, c, s, out_dir, toggle) for c in configs for s in (low, high)}
         per_step = {c: (runs[c, high].result() - runs[c, low].result()) / (high - low) for c in configs}
     print(f"instructions per training step (callgrind; runs of {high} and {low} steps, the difference / {high - low})")
     plain = per_step["plain"]
