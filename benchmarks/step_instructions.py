@@ -16,7 +16,7 @@ package manager, and a C compiler):
 
     python benchmarks/step_instructions.py [--steps 100,600] [--jobs 2]
 
-About 15 minutes on 2 cores: each run imports torch under callgrind (about a minute).
+About 25 minutes on 2 cores: each run imports torch and runs a warm-up fit under callgrind.
 """
 
 from __future__ import annotations
