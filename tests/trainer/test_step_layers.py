@@ -277,3 +277,23 @@ def test_the_batch_transfer_is_skipped_only_where_no_batch_can_need_moving(monke
     assert ("SingleDeviceStrategy.batch_to_device" in called) is cuda_available
     assert trainer.global_step == 7
     assert "val_loss" in trainer.callback_metrics
+
+
+@pytest.mark.parametrize("profiler", [None, "simple"])
+def test_an_optimizer_step_set_to_none_is_an_error_that_says_so(profiler):
+    """As Lightning, a hook set to None is not called; with optimizer_step that leaves the closure (training_step,
+    backward) unrun, which Lightning also refuses ("The closure hasn't been executed")."""
+    module = Net()
+    module.optimizer_step = None
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = ember.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        profiler=profiler,
+    )
+    with pytest.raises(RuntimeError, match=r"Net.optimizer_step is None.*Remove the `optimizer_step = None`"):
+        trainer.fit(module, _loader())
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))

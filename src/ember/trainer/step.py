@@ -219,8 +219,12 @@ class TrainingStep:
         # The callables each step makes, timed when a profiler is on (otherwise the methods themselves).
         self._training_step = wrap(profiler, f"[Strategy]{strategy}.training_step", self.strategy.training_step)
         self._backward = wrap(profiler, f"[Strategy]{strategy}.backward", self.strategy.backward)
-        self._optimizer_step = wrap(
-            profiler, f"[TrainModule]{type(self.module).__name__}.optimizer_step", self.module.optimizer_step
+        # As Lightning, a hook set to None is not called (nothing then runs the closure: an error, in __call__).
+        optimizer_step = getattr(self.module, "optimizer_step", None)
+        self._optimizer_step = (
+            None
+            if optimizer_step is None
+            else wrap(profiler, f"[TrainModule]{type(self.module).__name__}.optimizer_step", optimizer_step)
         )
         self._h_zero_grad = hooks.get("on_before_zero_grad")
         self._h_before_backward = hooks.get("on_before_backward")
@@ -287,8 +291,15 @@ class TrainingStep:
                 self.before_optimizer_step(pos, unscale=False)
             return outputs, 1
         closure = _Closure(self, batch, batch_idx, pos)
-        self._optimizer_step(self.progress.current_epoch, batch_idx, self.optimizer, closure)
+        if self._optimizer_step is not None:
+            self._optimizer_step(self.progress.current_epoch, batch_idx, self.optimizer, closure)
         if not closure.called:
+            if self._optimizer_step is None:
+                raise RuntimeError(
+                    f"{type(self.module).__name__}.optimizer_step is None, so nothing runs training_step and "
+                    f"backward (batch {batch_idx}): in automatic optimization optimizer_step calls "
+                    "optimizer_closure. Remove the `optimizer_step = None` to use the default."
+                )
             raise RuntimeError(
                 f"{type(self.module).__name__}.optimizer_step did not call optimizer_closure (batch "
                 f"{batch_idx}): pass it to optimizer.step(closure=optimizer_closure), or call it "
