@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 import ember
 from ember.callbacks import Callback
 from ember.strategies import SingleDeviceStrategy
+from tests.helpers.models import fast_trainer
 
 #: What the closure path goes through (qualified names of the functions) from ``optimizer_step`` to the step.
 CLOSURE_LAYERS = {
@@ -129,15 +130,8 @@ def _fit(
     torch.manual_seed(0)
     module = cls(skip)
     recorder = Recorder()
-    options: dict[str, Any] = dict(
-        accelerator="cpu",
-        max_epochs=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        callbacks=[recorder] if record else [],
-    )
-    trainer = ember.Trainer(**{**options, **kwargs})
+    options: dict[str, Any] = dict(max_epochs=2, callbacks=[recorder] if record else [])
+    trainer = fast_trainer(**{**options, **kwargs})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if trace:
@@ -213,9 +207,7 @@ def test_overrides_set_on_the_instance_are_called():
     module = Net()
     module.optimizer_step = optimizer_step
     module.backward = backward
-    trainer = ember.Trainer(
-        accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False
-    )
+    trainer = fast_trainer()
     trainer.fit(module, _loader())
     assert seen == ["backward", "optimizer_step"] * 7 or seen == ["optimizer_step", "backward"] * 7
     assert trainer.global_step == 7
@@ -237,17 +229,13 @@ def test_a_strategy_that_adds_work_to_a_layer_keeps_it():
             seen.append("optimizer_step")
             return super().optimizer_step(optimizer, closure, **kwargs)
 
-    trainer = ember.Trainer(
-        strategy=Adds("cpu"), max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False
-    )
+    trainer = fast_trainer(strategy=Adds("cpu"))
     trainer.fit(Net(), _loader())
     assert seen == ["training_step", "backward", "optimizer_step"] * 7
 
 
 def test_a_strategy_patched_on_the_instance_keeps_the_patch():
-    trainer = ember.Trainer(
-        accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False
-    )
+    trainer = fast_trainer()
     calls: list[int] = []
     real = trainer.strategy.backward
 
@@ -265,9 +253,7 @@ def test_the_batch_transfer_is_skipped_only_where_no_batch_can_need_moving(monke
     """On a machine without CUDA a CPU fit's batches cannot hold a tensor to move: the loops skip the transfer.
     With CUDA present (a CPU fit on a GPU machine), the transfer runs: a batch may hold CUDA tensors."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
-    trainer = ember.Trainer(
-        accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False
-    )
+    trainer = fast_trainer()
 
     class WithValidation(Net):
         def validation_step(self, batch, batch_idx):
@@ -286,14 +272,7 @@ def test_an_optimizer_step_set_to_none_is_an_error_that_says_so(profiler):
     module = Net()
     module.optimizer_step = None
     before = [p.detach().clone() for p in module.parameters()]
-    trainer = ember.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        profiler=profiler,
-    )
+    trainer = fast_trainer(profiler=profiler)
     with pytest.raises(RuntimeError, match=r"Net.optimizer_step is None.*Remove the `optimizer_step = None`"):
         trainer.fit(module, _loader())
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
