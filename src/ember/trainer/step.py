@@ -97,11 +97,6 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     return param is not None and param.default is inspect.Parameter.empty
 
 
-def _is_default(obj: Any, name: str, base: type) -> bool:
-    """Whether ``obj``'s ``name`` is ``base``'s own: neither overridden in a subclass nor set on the instance."""
-    return getattr(type(obj), name, None) is getattr(base, name) and name not in getattr(obj, "__dict__", {})
-
-
 def _override(module: TrainModule, name: str) -> Callable[..., Any] | None:
     """``module``'s ``name`` when it overrides TrainModule's (None on the instance does not), else None."""
     return getattr(module, name) if defines_hook(name, module, TrainModule) else None
@@ -129,15 +124,7 @@ class _Closure:
         outputs, loss = step.forward_backward(self._batch, self._batch_idx, self._pos, warn=warn)
         if not self.called:
             self.called, self.outputs = True, outputs
-        # A window whose last batch returned None still steps on its earlier batches' gradients.
-        self.skipped = not step.window_has_grad
-        if not self.skipped:
-            if step.pre_step_work or not step.sized:
-                step.before_optimizer_step(self._pos)
-        elif step.pre_step_work:
-            # Every batch of the window returned None: as Lightning, on_before_optimizer_step and the clipping
-            # still run (on no gradients); nothing was scaled, so nothing is unscaled.
-            step.before_optimizer_step(self._pos, unscale=False)
+        self.skipped = not step.pre_step(self._pos)
         return loss
 
     def _window_gradients(self) -> None:
@@ -251,21 +238,21 @@ class TrainingStep:
         strategy, module = self.strategy, self.module
         self._module_step = (
             untimed
-            and _is_default(strategy, "training_step", Strategy)
+            and not defines_hook("training_step", strategy, Strategy)
             and strategy.passes_batch_idx("training_step")
             and strategy.module is module
         )
-        self._own_backward = untimed and _is_default(strategy, "backward", Strategy)
+        self._own_backward = untimed and not defines_hook("backward", strategy, Strategy)
         self._direct_step = bool(
             untimed
             and self.automatic
             and self.optim.optimizers
             and not self.evaluates_loss
-            and callable(getattr(module, "optimizer_step", None))
+            and self._optimizer_step is not None
             and not defines_hook("optimizer_step", module, TrainModule)
             and self.precision.scaler is None
-            and _is_default(self.precision, "optimizer_step", Precision)
-            and _is_default(strategy, "optimizer_step", Strategy)
+            and not defines_hook("optimizer_step", self.precision, Precision)
+            and not defines_hook("optimizer_step", strategy, Strategy)
         )
 
     def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[Any, int]:
@@ -283,12 +270,8 @@ class TrainingStep:
         self.batch_idx = batch_idx
         if self._direct_step:  # what the closure path below does, without its layers (see _skip_layers)
             outputs, _ = self.forward_backward(batch, batch_idx, pos)
-            if self.window_has_grad:
-                if self.pre_step_work or not self.sized:
-                    self.before_optimizer_step(pos)
+            if self.pre_step(pos):
                 self._optimizer.step()
-            elif self.pre_step_work:
-                self.before_optimizer_step(pos, unscale=False)
             return outputs, 1
         closure = _Closure(self, batch, batch_idx, pos)
         if self._optimizer_step is not None:
@@ -367,6 +350,20 @@ class TrainingStep:
                 h()
         self.window_has_grad = True
         return outputs, loss
+
+    def pre_step(self, pos: int) -> bool:
+        """After the window's last backward: what runs before the step (see :meth:`before_optimizer_step`), when
+        anything does; returns whether the window has gradients to step on."""
+        # A window whose last batch returned None still steps on its earlier batches' gradients.
+        if self.window_has_grad:
+            if self.pre_step_work or not self.sized:
+                self.before_optimizer_step(pos)
+            return True
+        if self.pre_step_work:
+            # Every batch of the window returned None: as Lightning, on_before_optimizer_step and the clipping
+            # still run (on no gradients); nothing was scaled, so nothing is unscaled.
+            self.before_optimizer_step(pos, unscale=False)
+        return False
 
     def before_optimizer_step(self, pos: int, unscale: bool = True) -> None:
         """Between the window's last backward and the step: unscale (``unscale``: when there was a backward to
