@@ -396,22 +396,22 @@ def run_once(parser: argparse.ArgumentParser, name: str, batches: Any) -> None:
     counts only the run: not the imports, the batches' making, the warm-up, or the interpreter's exit."""
     toggle = _callgrind_toggle()
     warm = batches[:WARM_UP_BATCHES] if isinstance(batches, list) else batches
-    if name == "plain":
-        plain_loop(warm)
-        gc.collect()
-        toggle()
-        plain_loop(batches)
-        toggle()
-        return
     with tempfile.TemporaryDirectory() as root:
         configs = {**CONFIGS, **optional_configs(root)}
-        if name not in configs:
+        if name != "plain" and name not in configs:
             parser.error(f"--once {name!r}: not a configuration; known: {['plain', *configs]}")
+
+        def run(run_batches: Any) -> None:
+            if name == "plain":
+                plain_loop(run_batches)
+            else:
+                run_config(name, configs[name], run_batches, root)
+
         with _quiet():
-            run_config(name, configs[name], warm, root)
+            run(warm)
             gc.collect()
             toggle()
-            run_config(name, configs[name], batches, root)
+            run(batches)
             toggle()
 
 
