@@ -6,6 +6,13 @@ the job) and ``<out>/training<r>`` once it has taken a few steps (so a test know
 lands mid-training). Steps are slowed down a little so that training outlasts any signal.
 ``--end exit3|segv|term --end-rank r`` makes rank ``r`` end that way at step 3: ``os._exit(3)``,
 SIGSEGV, or a SIGTERM sent to itself alone.
+
+Each process writes ``<out>/threads-<pid>``: the native threads still alive once every exit handler
+(ember's included) has run, which is when the interpreter starts to shut down; no gloo thread may be
+among them (one that outlives the interpreter can abort the process on its way out). It starts as a
+program started from a terminal does: Ctrl-C raises KeyboardInterrupt, whatever the harness that
+started it ignored or blocked (inherited dispositions and masks survive exec); what it inherited is
+written to ``<out>/inherited-<pid>``.
 """
 
 from __future__ import annotations
@@ -23,6 +30,26 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 
+_OUT: list[str] = []  # the --out directory, once this process knows it (at fit start)
+
+
+def _record_threads() -> None:
+    """Registered before ember is imported, so it runs after ember's exit handlers (atexit runs them in
+    reverse order): the threads left when the interpreter starts to shut down."""
+    if _OUT and os.path.isdir("/proc/self/task"):
+        names = []
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        with open(os.path.join(_OUT[0], f"threads-{os.getpid()}"), "w") as f:
+            f.write("\n".join(names))
+
+
+atexit.register(_record_threads)
+_BLOCKED = sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+_INHERITED = f"SIGINT {signal.getsignal(signal.SIGINT)!r}, blocked {_BLOCKED}"
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 atexit.register(gc.freeze)  # end without the shutdown garbage collection: see tests/conftest.py
 
 STEPS = 3000  # far more than any test lets run
@@ -35,6 +62,8 @@ class Net(ember.TrainModule):
         self.out, self.end, self.end_rank = out, end, end_rank
 
     def on_fit_start(self) -> None:
+        _OUT[:] = [self.out]
+        self._touch(f"inherited-{os.getpid()}", _INHERITED)
         self._touch(f"pid{self.global_rank}", str(os.getpid()))
 
     def training_step(self, batch, batch_idx):

@@ -85,7 +85,7 @@ def job(tmp_path):
         j.proc.wait()
 
 
-def assert_preempted(workdir: Path, code: int, log: str) -> None:
+def assert_preempted(workdir: Path, code: int, log: str, strategy: str) -> None:
     assert code == 143, log
     assert log.count("Preempted by SIGTERM: saved ") == 1, log
     assert "Traceback" not in log and "[ember ddp]" not in log, log  # a stop, not a failure
@@ -93,6 +93,22 @@ def assert_preempted(workdir: Path, code: int, log: str) -> None:
     assert last.is_file(), sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*"))
     assert torch.load(last, weights_only=False)["global_step"] >= 5
     assert_processes_gone(workdir, within=3.0)
+    if strategy == "ddp":  # ddp_spawn's caller stops its workers once they have sent their results
+        assert_no_group_threads_at_shutdown(workdir)
+
+
+def assert_no_group_threads_at_shutdown(workdir: Path) -> None:
+    """Each rank freed its process group, joining the group's gloo threads, before the interpreter shut
+    down: a gloo thread still running then aborts the process if it releases a collective's tensors."""
+    for r in (0, 1):
+        pid = (workdir / f"pid{r}").read_text()
+        left = (workdir / f"threads-{pid}").read_text().split()
+        assert not [name for name in left if "gloo" in name], (r, left)
+
+
+def inherited(workdir: Path) -> str:
+    """What each process of the job inherited (SIGINT's disposition, blocked signals), for a failure message."""
+    return "; ".join(f"{p.name}: {p.read_text()}" for p in sorted(workdir.glob("inherited-*")))
 
 
 # ------------------------------------------------------------------------------ no traceback
@@ -115,7 +131,7 @@ def test_sigterm_to_the_launching_process_saves_last_ckpt_and_exits_143(job, tmp
     j.wait_until_training()
     os.kill(j.proc.pid, signal.SIGTERM)  # the script's process: rank 0, or ddp_spawn's caller
     code, log = j.finish()
-    assert_preempted(tmp_path, code, log)
+    assert_preempted(tmp_path, code, log, strategy)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
@@ -124,13 +140,13 @@ def test_sigterm_to_the_whole_process_group_saves_last_ckpt_and_exits_143(job, t
     j.wait_until_training()
     os.killpg(j.proc.pid, signal.SIGTERM)  # what a scheduler does
     code, log = j.finish()
-    assert_preempted(tmp_path, code, log)
+    assert_preempted(tmp_path, code, log, strategy)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_sigterm_to_rank_1_alone_stops_every_rank_and_exits_143(job, tmp_path, strategy):
     code, log = job("--strategy", strategy, "--end", "term", "--end-rank", "1").finish()
-    assert_preempted(tmp_path, code, log)
+    assert_preempted(tmp_path, code, log, strategy)
 
 
 # ------------------------------------------------------------------------------ Ctrl-C
@@ -145,7 +161,7 @@ def test_ctrl_c_ends_the_launching_process_by_sigint(job, tmp_path, strategy, to
         os.kill(j.proc.pid, signal.SIGINT)
     code, log = j.finish()
     # As Python ends any script on Ctrl-C: killed by SIGINT, which a shell reports as 130.
-    assert code == -signal.SIGINT, log
+    assert code == -signal.SIGINT, f"{log}\n{inherited(tmp_path)}"
     assert "KeyboardInterrupt" in log, log
     assert "failed" not in log and "was killed by" not in log, log  # not reported as a failure
     assert_processes_gone(tmp_path, within=3.0)
