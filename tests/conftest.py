@@ -1,5 +1,6 @@
-"""Suite-wide guards: a test that leaks a thread, a child process or a process group fails, and
-a test that starts a process without the ``processes`` mark fails.
+"""Suite-wide guards: a test that leaks a thread, a child process or a process group fails, what a
+test sets in ``os.environ`` is undone after it, and a test that starts a process without the
+``processes`` mark fails.
 
 The tests that start processes (ranks, scripts, torchrun, loader workers) are marked ``processes``:
 README's test command (``.ci/test``) runs them first, longest first, and the in-process tests after
@@ -93,7 +94,14 @@ def _no_leaks():
     torch.manual_seed(0)
     threads_before = _threads()
     children_before = _live_children()
+    environ = dict(os.environ)
     yield
+    # What a test sets in os.environ (seed_everything's EMBER_GLOBAL_SEED, as Lightning's PL_GLOBAL_SEED,
+    # among others) stays with it: later tests, and the processes they start, see the same environment
+    # whatever ran before them on this worker.
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
     # Give threads that are finishing up a moment to exit before calling them leaked.
     deadline = time.monotonic() + 2.0
     while True:
