@@ -4,8 +4,9 @@ exit-status tests run as a real program: ``python exit_script.py --out DIR [--st
 Each rank writes ``<out>/pid<r>`` when fit starts (so a test can check that no process outlived
 the job) and ``<out>/training<r>`` once it has taken a few steps (so a test knows when a signal
 lands mid-training). Steps are slowed down a little so that training outlasts any signal.
-``--end exit3|segv|term --end-rank r`` makes rank ``r`` end that way at step 3: ``os._exit(3)``,
-SIGSEGV, or a SIGTERM sent to itself alone.
+``--end exit3|segv|term|term-abort --end-rank r`` makes rank ``r`` end that way at step 3:
+``os._exit(3)``, SIGSEGV, a SIGTERM sent to itself alone, or that SIGTERM and then ``os.abort()`` once
+the job has stopped (a rank that dies on its way out).
 
 Each process writes ``<out>/threads-<pid>``: the native threads still alive once every exit handler
 (ember's included) has run, which is when the interpreter starts to shut down; no gloo thread may be
@@ -72,7 +73,9 @@ class Net(ember.TrainModule):
                 os._exit(3)
             if self.end == "segv":
                 os.kill(os.getpid(), signal.SIGSEGV)
-            if self.end == "term":
+            if self.end in ("term", "term-abort"):
+                if self.end == "term-abort":
+                    atexit.register(os.abort)  # stops with the others, then dies on its way out
                 os.kill(os.getpid(), signal.SIGTERM)
         if batch_idx == 5:
             self._touch(f"training{self.global_rank}", "")

@@ -149,6 +149,16 @@ def test_sigterm_to_rank_1_alone_stops_every_rank_and_exits_143(job, tmp_path, s
     assert_preempted(tmp_path, code, log, strategy)
 
 
+def test_a_rank_that_dies_while_the_job_stops_is_named_and_the_job_exits_1(job, tmp_path):
+    # Rank 1 stops with the others at the step boundary (last.ckpt is written), then aborts on its way out.
+    code, log = job("--strategy", "ddp", "--end", "term-abort", "--end-rank", "1").finish()
+    assert code == 1, log
+    said = "[ember ddp] rank 1 was killed by signal 6 (SIGABRT) while the job was stopping; exiting with status 1."
+    assert log.count(said) == 1, log
+    assert log.count("Preempted by SIGTERM: saved ") == 1, log
+    assert_processes_gone(tmp_path, within=3.0)
+
+
 # ------------------------------------------------------------------------------ Ctrl-C
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 @pytest.mark.parametrize("to", ["group", "launcher"])

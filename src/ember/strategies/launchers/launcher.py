@@ -352,8 +352,16 @@ class Launcher:
         except SystemExit as exc:  # e.g. preemption (143): every rank stops at the same step
             self.on_failure(grace=PEERS_EXIT_S)
             own = exit_status(exc.code)
-            if self.job_status(own) != own:  # another rank failed meanwhile: that wins
-                raise SystemExit(self.job_status(own)) from None
+            status = self.job_status(own)
+            if status != own:  # another rank failed meanwhile: that wins, and is named (once for the job)
+                for what in self.failed_peers():
+                    if self.record is None or self.record.claim(what):
+                        print(
+                            f"[ember ddp] {what} while the job was stopping; exiting with status {status}.",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                raise SystemExit(status) from None
             raise
         except BaseException:  # Ctrl-C: not a failure to report
             self.on_failure()
@@ -366,6 +374,11 @@ class Launcher:
     def job_status(self, own: int | None) -> int:
         """The job's exit status given this rank's (None: it only noticed another rank fail)."""
         return 1 if own is None else own
+
+    def failed_peers(self) -> list[str]:
+        """The ranks this process started that failed rather than stopped, in words ("rank 1 was
+        killed by signal 6 (SIGABRT)"); none for a process that started no other rank."""
+        return []
 
 
 # ---------------------------------------------------------------------------------------------- forks
@@ -503,6 +516,14 @@ class PopenLauncher(Launcher):
         if self._ended is None:
             self._ended = [c.poll() for c in self.children]
         stop_processes(self.children)
+
+    def failed_peers(self) -> list[str]:
+        ended = self._ended if self._ended is not None else [c.poll() for c in self.children]
+        return [
+            f"rank {rank} {describe_exit(code)}"
+            for rank, code in enumerate(ended, start=1)
+            if code and stop_signal(code) is None
+        ]
 
     def job_status(self, own: int | None) -> int:
         ended = self._ended if self._ended is not None else [c.poll() for c in self.children]
