@@ -9,6 +9,8 @@ tests assert on them.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import traceback
 from collections import Counter
 
@@ -336,3 +338,41 @@ def test_nccl_is_bound_to_the_rank_device_and_gloo_to_none():
     assert _cuda_rank(1, [1, 3])._nccl_device == torch.device("cuda", 3)
     assert _cuda_rank(1, [1, 3], process_group_backend="gloo")._nccl_device is None
     assert DDPStrategy(accelerator="cpu", devices=[torch.device("cpu")] * 2)._nccl_device is None
+
+
+_ONE_PROCESS_FIT = """
+import os, torch, torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+import ember
+
+class Net(ember.TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+ember.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=2, enable_progress_bar=False).fit(
+    Net(), DataLoader(data, batch_size=2)
+)
+print([open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")])
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc (Linux)")
+def test_a_one_process_fit_frees_its_group_and_the_groups_threads(tmp_path):
+    # In a fresh process: the group's gloo threads are joined when the fit releases its private group,
+    # even though the first optimizer imports torch._dynamo (and with it torch.distributed.fsdp) after
+    # the group exists (see ember.strategies.launchers.launcher.import_before_the_group).
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.path.join(root, "src"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _ONE_PROCESS_FIT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90
+    )
+    assert out.returncode == 0, out.stderr
+    threads = out.stdout.strip().splitlines()[-1]
+    assert "gloo" not in threads, threads

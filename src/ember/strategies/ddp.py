@@ -55,7 +55,7 @@ from ember.strategies.control import (
     open_control_group,
 )
 from ember.strategies.launchers import launcher as launcher_module
-from ember.strategies.launchers.launcher import Launcher, PopenLauncher, World, detect_world
+from ember.strategies.launchers.launcher import Launcher, PopenLauncher, World, detect_world, import_before_the_group
 from ember.strategies.launchers.spawn import SpawnLauncher
 from ember.strategies.launchers.worker_state import adopt_worker_state, dumps, loads, run_in_worker
 from ember.strategies.strategy import Strategy
@@ -278,6 +278,7 @@ class DDPStrategy(Strategy):
 
     def _init_group(self) -> None:
         device = self._nccl_device
+        import_before_the_group()  # so that the group can be freed, its threads joined (see there)
         if self._world is None:  # one process: a private 1-rank group, released at teardown
             # A store of its own: no MASTER_ADDR/MASTER_PORT needed, NCCL included.
             bind: dict[str, Any] = {"device_id": device} if device is not None else {}

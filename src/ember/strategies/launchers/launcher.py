@@ -63,6 +63,7 @@ __all__ = [
     "stop_processes",
     "is_peer_failure",
     "destroy_group",
+    "import_before_the_group",
 ]
 
 _job_store: dist.Store | None = None  # this process's job store, once it has joined a job
@@ -309,7 +310,6 @@ class Launcher:
         # attempt gets keys of its own.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         extra: dict[str, Any] = {"device_id": device} if device is not None and device.type == "cuda" else {}
-        import_before_the_group()
         before = socket_fds()
         dist.init_process_group(
             backend,
@@ -517,17 +517,19 @@ class PopenLauncher(Launcher):
             self._ended = [c.poll() for c in self.children]
         stop_processes(self.children)
 
+    def _statuses(self) -> list[int | None]:
+        """The other ranks' statuses: as they ended on their own once this process stopped them, else now."""
+        return self._ended if self._ended is not None else [c.poll() for c in self.children]
+
     def failed_peers(self) -> list[str]:
-        ended = self._ended if self._ended is not None else [c.poll() for c in self.children]
         return [
             f"rank {rank} {describe_exit(code)}"
-            for rank, code in enumerate(ended, start=1)
+            for rank, code in enumerate(self._statuses(), start=1)
             if code and stop_signal(code) is None
         ]
 
     def job_status(self, own: int | None) -> int:
-        ended = self._ended if self._ended is not None else [c.poll() for c in self.children]
-        status = job_status([own, *ended])
+        status = job_status([own, *self._statuses()])
         return status or (1 if own is None else 0)  # None: some rank failed, even if unseen here
 
     def finish(self) -> None:
