@@ -36,7 +36,8 @@ _SESSION_JOBS = pytest.StashKey["SessionJobs"]()
 
 
 def pytest_configure(config):
-    """Compile ember's and the tests' sources to bytecode once, before any test starts a process.
+    """Compile ember's and the tests' sources to bytecode once, before any test starts a process, and
+    give the test processes one intra-op thread each.
 
     The process tier starts a few hundred Python processes (ranks, scripts, torchrun agents), each
     importing ember and test helpers. Where ``PYTHONDONTWRITEBYTECODE`` is set (as on the CI machines)
@@ -47,6 +48,14 @@ def pytest_configure(config):
     """
     if not _runs_the_session(config):
         return
+    # One intra-op thread per test process unless the person running the suite chose a number:
+    # pytest-xdist runs a test module per worker, one worker more than there are cores (.ci/test), and
+    # every Python process a test starts would otherwise take a thread per core; OpenMP's threads then
+    # spin waiting for each other on the oversubscribed cores (a 10 s documentation block took over
+    # 40 s). torchrun does the same for several processes per machine. Set before xdist starts its
+    # workers, so they and every process a test starts inherit it; the tests of ember's own thread
+    # choices unset it, and README's example command runs without it, as a user's shell starts it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not config.option.collectonly:  # before xdist starts its workers: they inherit $EMBER_TEST_SESSION_JOBS
         config.stash[_SESSION_JOBS] = SessionJobs()
     for folder in ("src", "tests", "examples", "benchmarks"):
