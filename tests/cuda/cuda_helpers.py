@@ -57,6 +57,41 @@ class MLP(ember.TrainModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class EpochLogging(MLP):
+    """Also logs an epoch-level mean (accumulated on the device every step)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss_epoch_mean", loss.detach(), on_step=False, on_epoch=True)
+        return loss
+
+
+class ManyMetrics(EpochLogging):
+    """Logs many values per step, on_step and on_epoch, as a model with several losses and accuracies does:
+    device tensors (views of one, as ``unbind`` gives), some in the bar, a half-precision one, an integer one,
+    a Python float, a sum and a max, from the step and from ``on_train_batch_end``."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        scaled = (loss.detach() * torch.arange(1.0, 21.0, device=loss.device)).unbind()
+        for k, value in enumerate(scaled):
+            self.log(f"m{k}", value, on_step=True, on_epoch=True, prog_bar=k % 5 == 0)
+        self.log("half", loss.detach().half(), on_step=True, on_epoch=True)
+        self.log("count", (batch[1] > 0).sum(), on_step=True, on_epoch=True)
+        self.log("number", float(batch_idx), on_step=True, on_epoch=True)
+        self.log("total", loss.detach(), on_step=False, on_epoch=True, reduce_fx="sum")
+        self.log("peak", loss.detach(), on_step=False, on_epoch=True, reduce_fx="max")
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.log("batch_end", outputs["loss"], on_step=True, on_epoch=True)
+
+
+#: What the sync tests log: one value a step, or many (tests/cuda/test_cuda_sync.py, and its CPU stand-in
+#: tests/trainer/test_host_reads.py).
+SYNC_MODULES = {"one value": EpochLogging, "many values": ManyMetrics}
+
+
 def trainer(**kwargs: Any) -> ember.Trainer:
     """A Trainer on CUDA without bar, logger or checkpoints unless asked for."""
     kwargs.setdefault("accelerator", "cuda")
