@@ -154,6 +154,7 @@ CASES = {
     "accumulate, a loader without a length": dict(accumulate_grad_batches=3, sized=False),
     "clipping": dict(gradient_clip_val=0.05),
     "None from training_step, a window of them": dict(accumulate_grad_batches=2, skip=(1, 2, 3)),
+    "None from training_step, one batch a step": dict(skip=(0, 4)),
     "bf16-mixed": dict(precision="bf16-mixed"),
 }
 
@@ -170,9 +171,86 @@ def test_the_default_step_is_the_fit_the_closure_path_runs(case, record):
     assert direct["global_step"] == layered["global_step"] > 0
     assert direct["warnings"] == layered["warnings"]
     assert all(torch.equal(a, b) for a, b in zip(direct["weights"], layered["weights"]))
+    if CASES[case].get("skip"):
+        first = CASES[case]["skip"][0]
+        assert len(direct["warnings"]) == 1, "said once per fit"
+        assert direct["warnings"][0].startswith(f"training_step returned None for batch {first}: skipping its backward")
     if CASES[case].get("skip") and record:
-        assert direct["warnings"], "no warning that training_step returned None"
         assert ("before_optimizer_step", [None, None]) in direct["calls"]  # the all-None window still "steps"
+
+
+#: What a step with nothing between its parts runs, and what it then leaves out.
+PLAIN, NOT_PLAIN = {"TrainingStep.plain_step"}, {"TrainingStep.__call__", "TrainingStep.forward_backward"}
+
+
+class OnAfterBackward(Callback):
+    def on_after_backward(self, trainer, module):
+        pass
+
+
+class ZeroGrad(Net):
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        optimizer.zero_grad()
+
+
+class OwnBackward(Net):
+    def backward(self, loss, *args, **kwargs):
+        self.backwards = getattr(self, "backwards", 0) + 1
+        (loss * 2).backward()
+
+
+class DictStep(Net):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if loss is None else {"loss": loss, "seen": batch_idx}
+
+
+@pytest.mark.parametrize(
+    "cls, options, plain",
+    [
+        (Net, dict(), True),
+        (OwnBackward, dict(), True),
+        (DictStep, dict(), True),
+        (Net, dict(sized=False), True),
+        (Net, dict(callbacks=[OnAfterBackward()]), False),
+        (Net, dict(accumulate_grad_batches=2), False),
+        (Net, dict(precision="bf16-mixed"), False),
+        (Net, dict(gradient_clip_val=1.0), False),
+        (ZeroGrad, dict(), False),
+        (ThroughEveryLayer, dict(), False),
+        (Net, dict(profiler="simple"), False),
+    ],
+)
+def test_a_step_with_nothing_between_its_parts_runs_in_one_frame(cls, options, plain):
+    """Nothing between training_step, zero_grad, backward and the optimizer's step (no hook, override, window,
+    autocast, clipping or profiler): the step is one frame, and the same fit as through every layer."""
+    fit = _fit(cls, record=False, **options)
+    assert (PLAIN <= fit["called"], NOT_PLAIN <= fit["called"]) == (plain, not plain)
+    layered_cls = cls if issubclass(cls, ThroughEveryLayer) else type("Layered", (ThroughEveryLayer, cls), {})
+    layered = _fit(layered_cls, record=False, trace=False, **options)
+    assert fit["global_step"] == layered["global_step"] == (14 if options.get("accumulate_grad_batches") is None else 8)
+    assert all(torch.equal(a, b) for a, b in zip(fit["weights"], layered["weights"]))
+
+
+def test_own_backward_in_the_one_frame_step_is_called_once_a_step():
+    module = OwnBackward()
+    trainer = fast_trainer(max_epochs=1)
+    trainer.fit(module, _loader())
+    assert module.backwards == trainer.global_step == 7
+
+
+def test_a_window_that_changes_size_between_epochs_changes_the_step_with_it():
+    """GradientAccumulationScheduler sets accumulate_grad_batches per epoch: one batch a step in the first
+    epoch (the one-frame step), three in the next (every layer), one again after."""
+    from ember.callbacks import GradientAccumulationScheduler
+
+    def fit(cls: type[Net]) -> dict[str, Any]:
+        return _fit(cls, record=False, max_epochs=3, callbacks=[GradientAccumulationScheduler({1: 3, 2: 1})])
+
+    fit_plain, layered = fit(Net), fit(ThroughEveryLayer)
+    assert PLAIN | NOT_PLAIN <= fit_plain["called"]
+    assert fit_plain["global_step"] == layered["global_step"] == 7 + 3 + 7
+    assert all(torch.equal(a, b) for a, b in zip(fit_plain["weights"], layered["weights"]))
 
 
 def test_a_profiler_sees_every_layer():

@@ -385,7 +385,7 @@ class FitLoop:
                 stream = last_by_lookahead(batches)
         # With a profiler: each next batch and each batch's step timed (without: the same objects).
         stream = iterate(t.profiler, "[FitLoop].train_dataloader_next", stream)
-        run_step = wrap(t.profiler, "run_training_batch", step)
+        run_step = wrap(t.profiler, "run_training_batch", step.runner())
         batch_idx = start - 1
         is_last = exhausted = refused = cut = False
         for batch, is_last in stream:
@@ -499,7 +499,7 @@ class FitLoop:
             else:
                 stream = last_by_lookahead(batches)
         fetcher = DataLoaderIter(iterate(t.profiler, "[FitLoop].train_dataloader_next", stream), length)
-        run_step = wrap(t.profiler, "run_training_batch", step)
+        run_step = wrap(t.profiler, "run_training_batch", step.runner())
         metrics.batch = None  # no batch is the step's own: self.log in training says its batch_size
         step_idx = first_step
         is_last = refused = cut = stopped = validated = False

@@ -254,6 +254,23 @@ class TrainingStep:
             and not defines_hook("optimizer_step", self.precision, Precision)
             and not defines_hook("optimizer_step", strategy, Strategy)
         )
+        # Nothing runs between the module's training_step, zero_grad, backward and the optimizer's step: with
+        # one batch per window, the whole step is the plain loop's (plain_step).
+        self._plain = bool(
+            self._direct_step
+            and self._module_step
+            and self._own_backward
+            and self._autocast is None
+            and self._zero_grad_override is None
+            and not (self._h_zero_grad or self._h_before_backward or self._h_after_backward or self.pre_step_work)
+        )
+
+    def runner(self) -> Callable[[Any, int, bool], tuple[Any, int]]:
+        """What runs each batch of an epoch (``k`` is read per epoch): :meth:`plain_step` when it does all the step
+        does, else :meth:`__call__`."""
+        if not self._hooks_bound:
+            self.bind_hooks()
+        return self.plain_step if self._plain and self.k == 1 else self.__call__
 
     def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[Any, int]:
         """Run one batch; return its outputs and the optimizer steps it took."""
@@ -292,6 +309,44 @@ class TrainingStep:
         # window returned None and nothing is updated.
         return closure.outputs, 1
 
+    def plain_step(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[Any, int]:
+        """:meth:`__call__` when the step is the plain loop's (one batch per step, the module's ``training_step``,
+        ``optimizer.zero_grad(set_to_none=True)``, ``loss.backward()`` or the module's ``backward``, and
+        ``optimizer.step()``, nothing between them: :meth:`runner`), in one frame: what
+        :meth:`forward_backward` and :meth:`pre_step` do there, without the checks that cannot apply."""
+        outputs = self.module.training_step(batch, batch_idx)
+        loss = (
+            outputs
+            if type(outputs) is torch.Tensor and outputs.requires_grad and not outputs.ndim
+            else check_loss(outputs)
+        )
+        self.batch_idx = batch_idx
+        optimizer = self._optimizer
+        optimizer.zero_grad(set_to_none=True)
+        if loss is None:  # nothing to update; as Lightning, the step still counts
+            self.window_has_grad = False
+            self._warn_none(batch_idx)
+            return outputs, 1
+        if self._backward_override is None:
+            loss.backward()
+        else:
+            self._backward_override(loss)
+        self.window_has_grad = True
+        optimizer.step()
+        return outputs, 1
+
+    def _warn_none(self, batch_idx: int) -> None:
+        if self._warned_none:
+            return
+        self._warned_none = True
+        warnings.warn(
+            f"training_step returned None for batch {batch_idx}: skipping its backward, and that of every "
+            "batch that returns None (said once per fit). As in Lightning, the optimizer step still counts "
+            "in global_step; it updates with the gradients of the accumulation window's other batches, if any.",
+            UserWarning,
+            stacklevel=4,
+        )
+
     # ------------------------------------------------------------------ the closure's parts
     def forward_backward(self, batch: Any, batch_idx: int, pos: int, warn: bool = True) -> tuple[Any, Any]:
         """training_step, then (first batch of a window) zero_grad, then backward; returns (outputs, loss)."""
@@ -317,15 +372,8 @@ class TrainingStep:
                 self._zero_grad_override(self.progress.current_epoch, batch_idx, optimizer)
             self.window_has_grad = False
         if loss is None:
-            if warn and not self._warned_none:
-                self._warned_none = True
-                warnings.warn(
-                    f"training_step returned None for batch {batch_idx}: skipping its backward, and that of every "
-                    "batch that returns None (said once per fit). As in Lightning, the optimizer step still counts "
-                    "in global_step; it updates with the gradients of the accumulation window's other batches, if any.",
-                    UserWarning,
-                    stacklevel=4,
-                )
+            if warn:
+                self._warn_none(batch_idx)
             return outputs, None
         scaled = loss
         if self.k > 1:
