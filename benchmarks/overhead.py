@@ -8,6 +8,10 @@ noisy. Run:
 
     python benchmarks/overhead.py [--steps 400] [--rounds 7] [--loader]
 
+Beside them, "no trainer: module.training_step" is the plain loop calling the benchmark module's own
+``training_step`` (a method call, and ``self.net``, which ``nn.Module.__getattr__`` resolves): the part of any
+trainer's overhead that is the module's own Python, which a trainer cannot take away.
+
 With PyTorch Lightning installed (``pip install lightning`` or ``pytorch-lightning``), the same work
 under Lightning's Trainer (progress bar, per-step ``self.log``, TensorBoard every 50 steps) runs in
 the same rounds.
@@ -36,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -103,6 +108,21 @@ def plain_loop(batches: list) -> float:
     start = clock()
     for x, y in batches:
         loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return (clock() - start) / len(batches)
+
+
+def module_step_loop(batches: list) -> float:
+    """The plain loop calling the benchmark module's ``training_step`` (no trainer): what the module's own Python
+    costs (a method call; ``self.net``, which ``nn.Module.__getattr__`` resolves), which any trainer running it
+    pays, so that the trainer's own part of its overhead is the rest."""
+    module = Module(log=False)
+    opt = module.configure_optimizers()
+    start = clock()
+    for batch_idx, batch in enumerate(batches):
+        loss = module.training_step(batch, batch_idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -178,6 +198,9 @@ def metrics_configs(root: str, metrics: int) -> dict:
 
 
 LIGHTNING = "Lightning: bar+log+tensorboard"
+MODULE_STEP = "no trainer: module.training_step"
+#: ``--once`` only: the plain loop in a process with one more (idle) thread, see ``_idle_thread``.
+PLAIN_WITH_A_THREAD = "plain, one idle thread"
 LIGHTNING_METRICS = "Lightning: logging N values"
 
 
@@ -190,6 +213,8 @@ def _lightning_package() -> str | None:
 
 
 def run_config(name: str, cfg: dict | None, batches: list, root: str) -> float:
+    if name == MODULE_STEP:
+        return module_step_loop(batches)
     if name == LIGHTNING:
         return lightning_loop(batches, root)
     if name == LIGHTNING_METRICS:
@@ -342,7 +367,7 @@ def main() -> None:
         return plain_metrics_loop(batches, n) if n else plain_loop(batches)
 
     with tempfile.TemporaryDirectory() as root:
-        configs = metrics_configs(root, n) if n else {**CONFIGS, **optional_configs(root)}
+        configs = metrics_configs(root, n) if n else {MODULE_STEP: None, **CONFIGS, **optional_configs(root)}
         plain()  # warm-up
         with _quiet():
             for name, cfg in configs.items():
@@ -371,7 +396,7 @@ def main() -> None:
     for name in configs:
         t = statistics.median(results[name])
         q1, q2, q3 = _quartiles([e / p for e, p in zip(results[name], results["plain"])])
-        label = name if name == LIGHTNING else "ember " + name
+        label = name if name in (LIGHTNING, MODULE_STEP) else "ember " + name
         print(
             f"  {label:32s} {t * 1e6:8.1f} us   {t / plain_t:.3f}x  (+{(t / plain_t - 1) * 100:.1f}%)"
             f"   paired +{(q2 - 1) * 100:.1f}% [+{(q1 - 1) * 100:.1f}%, +{(q3 - 1) * 100:.1f}%]"
@@ -397,22 +422,41 @@ def run_once(parser: argparse.ArgumentParser, name: str, batches: Any) -> None:
     toggle = _callgrind_toggle()
     warm = batches[:WARM_UP_BATCHES] if isinstance(batches, list) else batches
     with tempfile.TemporaryDirectory() as root:
-        configs = {**CONFIGS, **optional_configs(root)}
-        if name != "plain" and name not in configs:
-            parser.error(f"--once {name!r}: not a configuration; known: {['plain', *configs]}")
+        configs = {MODULE_STEP: None, **CONFIGS, **optional_configs(root)}
+        if name not in ("plain", PLAIN_WITH_A_THREAD) and name not in configs:
+            parser.error(f"--once {name!r}: not a configuration; known: {['plain', PLAIN_WITH_A_THREAD, *configs]}")
 
         def run(run_batches: Any) -> None:
-            if name == "plain":
+            if name in ("plain", PLAIN_WITH_A_THREAD):
                 plain_loop(run_batches)
             else:
                 run_config(name, configs[name], run_batches, root)
 
-        with _quiet():
+        with _quiet(), _idle_thread(name == PLAIN_WITH_A_THREAD):
             run(warm)
             gc.collect()
             toggle()
             run(batches)
             toggle()
+
+
+@contextlib.contextmanager
+def _idle_thread(start: bool):
+    """With ``start``, one more thread, waiting on an event until the end, as a fit has one (ember's preemption
+    grace clock, a logger's writer): in a process with more than one thread glibc's ``malloc`` and ``free`` take
+    their arena's lock, which a process that never started one skips. A cost of the process, not of the loop
+    it runs: timed in one process (``main``), the plain loop pays it too, once any fit has started a thread."""
+    if not start:
+        yield
+        return
+    done = threading.Event()
+    thread = threading.Thread(target=done.wait, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _callgrind_toggle() -> Callable[[], Any]:

@@ -16,7 +16,7 @@ package manager, and a C compiler):
 
     python benchmarks/step_instructions.py [--steps 100,600] [--jobs 2]
 
-About 25 minutes on 2 cores: each run imports torch and runs a warm-up fit under callgrind.
+About 35 minutes on 2 cores: each run imports torch and runs a warm-up fit under callgrind.
 """
 
 from __future__ import annotations
@@ -31,7 +31,17 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = ["plain", "bare", "bar+log", "bar+log+tensorboard"]
+#: overhead.py's configurations: "module step" is its plain loop calling the module's training_step (no trainer),
+#: "plain+thread" the plain loop in a process with one idle thread more, as a fit's process has (overhead.py's
+#: ``_idle_thread``: glibc's malloc then takes its locks).
+CONFIGS = ["plain", "plain+thread", "module step", "bare", "bar+log", "bar+log+tensorboard"]
+#: The names overhead.py --once knows them by, where they differ.
+ONCE_NAMES = {"module step": "no trainer: module.training_step", "plain+thread": "plain, one idle thread"}
+LABELS = {
+    "plain": "plain PyTorch loop",
+    "plain+thread": "plain loop, one idle thread",
+    "module step": "no trainer: module.training_step",
+}
 
 
 #: Callgrind's switch, for ``overhead.py --once`` to count only the run (built with the C compiler here).
@@ -59,7 +69,7 @@ def build_toggle(out_dir: str) -> str:
 def count(config: str, steps: int, out_dir: str, toggle: str) -> int:
     """Instructions callgrind counts in one run of ``config`` with ``steps`` steps (a fresh process; only
     the run itself is counted, from ``overhead.py --once``'s switch on to its switch off)."""
-    out = os.path.join(out_dir, f"callgrind.{config}.{steps}")
+    out = os.path.join(out_dir, f"callgrind.{config.replace(' ', '-')}.{steps}")
     cmd = [
         "valgrind",
         "--tool=callgrind",
@@ -68,7 +78,7 @@ def count(config: str, steps: int, out_dir: str, toggle: str) -> int:
         sys.executable,
         os.path.join(HERE, "overhead.py"),
         "--once",
-        config,
+        ONCE_NAMES.get(config, config),
         "--steps",
         str(steps),
     ]
@@ -104,11 +114,15 @@ def main() -> None:
         runs = {(c, s): pool.submit(count, c, s, out_dir, toggle) for c in configs for s in (low, high)}
         per_step = {c: (runs[c, high].result() - runs[c, low].result()) / (high - low) for c in configs}
     print(f"instructions per training step (callgrind; runs of {high} and {low} steps, the difference / {high - low})")
-    plain = per_step["plain"]
+    plain, threaded = per_step["plain"], per_step.get("plain+thread")
+    if threaded is not None:
+        print("  (and against the plain loop in a process with one idle thread, as a fit's process has)")
     for c in configs:
-        label = "plain PyTorch loop" if c == "plain" else f"ember {c}"
-        extra = per_step[c] - plain
-        print(f"  {label:32s} {per_step[c]:12,.0f}   {per_step[c] / plain:.4f}x  ({extra:+,.0f} a step)")
+        label = LABELS.get(c, f"ember {c}")
+        line = f"  {label:32s} {per_step[c]:12,.0f}   {per_step[c] / plain:.4f}x  ({per_step[c] - plain:+,.0f} a step)"
+        if threaded is not None and c not in ("plain", "plain+thread"):
+            line += f"   {per_step[c] / threaded:.4f}x  ({per_step[c] - threaded:+,.0f})"
+        print(line)
 
 
 if __name__ == "__main__":
