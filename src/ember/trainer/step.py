@@ -17,7 +17,9 @@ Overriding a module hook (``optimizer_step``, ``optimizer_zero_grad``, ``backwar
 the loop and the work add nothing (the default ``optimizer_step``, no gradient scaler, an optimizer whose
 step takes no closure, a strategy that only passes the calls on, no profiler) skips them: the step calls
 the module's ``training_step``, ``loss.backward()`` and ``optimizer.step()`` itself, with the same hooks in
-the same order (:meth:`TrainingStep._skip_layers`). Each step
+the same order (:meth:`TrainingStep._skip_layers`); where, besides, nothing runs between those parts (no step
+hook or ``optimizer_zero_grad`` override, one batch per step, no autocast, no clipping), the loop calls
+:meth:`TrainingStep.plain_step`, the whole step in one frame (:meth:`TrainingStep.runner`). Each step
 returns the batch's outputs and how many optimizer steps it took (as in Lightning, a window whose
 batches all returned None from ``training_step`` takes a step that updates nothing but counts), which
 the fit loop counts into ``global_step``.
