@@ -199,6 +199,22 @@ class OwnBackward(Net):
         (loss * 2).backward()
 
 
+class ModuleHooks(Net):
+    """Step hooks on the module itself, not on a callback."""
+
+    def on_before_zero_grad(self, optimizer):
+        self.seen = getattr(self, "seen", 0) + 1
+
+    def on_before_backward(self, loss):
+        self.seen = getattr(self, "seen", 0) + 1
+
+
+class FrozenBias(Net):
+    def __init__(self, skip: tuple[int, ...] = ()) -> None:
+        super().__init__(skip)
+        self.layer.bias.requires_grad_(False)
+
+
 class DictStep(Net):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -211,12 +227,14 @@ class DictStep(Net):
         (Net, dict(), True),
         (OwnBackward, dict(), True),
         (DictStep, dict(), True),
+        (FrozenBias, dict(), True),
         (Net, dict(sized=False), True),
         (Net, dict(callbacks=[OnAfterBackward()]), False),
         (Net, dict(accumulate_grad_batches=2), False),
         (Net, dict(precision="bf16-mixed"), False),
         (Net, dict(gradient_clip_val=1.0), False),
         (ZeroGrad, dict(), False),
+        (ModuleHooks, dict(), False),
         (ThroughEveryLayer, dict(), False),
         (Net, dict(profiler="simple"), False),
     ],
