@@ -87,6 +87,8 @@ class ManyMetrics(EpochLogging):
         self.log("batch_end", outputs["loss"], on_step=True, on_epoch=True)
 
 
+#: log_every_n_steps of the sync tests: the steps between two logger writes are the ones checked.
+SYNC_LOG_EVERY = 5
 #: What the sync tests log: one value a step, or many (tests/cuda/test_cuda_sync.py, and its CPU stand-in
 #: tests/trainer/test_host_reads.py).
 SYNC_MODULES = {"one value": EpochLogging, "many values": ManyMetrics}

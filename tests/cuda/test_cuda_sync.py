@@ -22,11 +22,11 @@ import torch
 
 from ember.callbacks import Callback, ProgressBar
 from ember.loggers import TensorBoardLogger
+from tests.cuda.cuda_helpers import SYNC_LOG_EVERY as LOG_EVERY
 from tests.cuda.cuda_helpers import SYNC_MODULES as MODULES
 from tests.cuda.cuda_helpers import loader, needs_cuda, trainer
 
 pytestmark = [needs_cuda, pytest.mark.timeout(120)]
-LOG_EVERY = 5
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 

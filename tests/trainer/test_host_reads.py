@@ -23,8 +23,8 @@ import ember
 from ember.callbacks import Callback, ProgressBar
 from ember.loggers import TensorBoardLogger
 from tests.cuda.cuda_helpers import MLP, SYNC_MODULES, loader
+from tests.cuda.cuda_helpers import SYNC_LOG_EVERY as LOG_EVERY
 
-LOG_EVERY = 5
 #: What makes the host wait for a CUDA device: the value is read, or copied to the CPU (``.to("cpu")`` is left
 #: out: here every tensor is on the CPU already, and the module's ``y.to(out.device)`` is no copy).
 HOST_READS = frozenset(
