@@ -6,6 +6,9 @@ smoothed by an exponential moving average (``beta=0.98``) with bias correction. 
 the smoothed loss exceeds ``early_stop_threshold`` times the best so far (the loss diverged). The
 suggestion is the rate where the smoothed loss falls fastest: the minimum of its gradient with
 respect to the rate, skipping the first ``skip_begin`` and last ``skip_end`` points, as Lightning.
+The sweep's schedule alone sets the rate: the user's LR schedulers are set aside while it runs and
+given back afterwards in the state it found them in (``LRSweep``), so the curve and the suggestion
+are the same with or without them.
 
 Where it differs from Lightning's, cheaply: the schedule reaches ``max_lr`` on the last step and
 passes through every point between (Lightning's skips its second point); an infinite or NaN loss
@@ -15,6 +18,7 @@ over the ranks, so every rank sees the same curve, stops at the same step and su
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +29,7 @@ from ember.callbacks.callback import Callback
 if TYPE_CHECKING:
     from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
+    from ember.types import SchedulerConfig
 
 
 class LRFinder:
@@ -105,8 +110,19 @@ class LRSweep(Callback):
     asks the fit to stop when the loss diverges.
 
     Rates are set before each accumulation window's first batch, on every parameter group of the
-    one optimizer (a user's schedulers keep stepping, but cannot move the sweep's rate). The loss of
-    a window is the mean of its batches' losses; under several ranks, the mean over the ranks too.
+    one optimizer, and again just before the optimizer steps. The rate each point records is the
+    planned one. The loss of a window is the mean of its batches' losses; under several ranks, the
+    mean over the ranks too.
+
+    The user's LR schedulers would move the rate (a step-interval one between the optimizer step and
+    the point's record, an epoch-interval one at each epoch's end) and could not be stepped anyway
+    (a ReduceLROnPlateau monitoring a validation metric finds none: the sweep does not validate). So,
+    as Lightning's sweep, it sets them aside once ``configure_optimizers`` has run (``on_fit_start``)
+    and ``give_back`` puts them back afterwards. In manual optimization they stay, for the module's
+    ``lr_schedulers()`` steps them itself, and the rate set before each optimizer step overrides what
+    they set. Either way ``give_back`` loads the optimizer's and the schedulers' states as they were
+    when the sweep began, so objects that outlive one ``configure_optimizers`` call (built once and
+    returned again) start the real fit as if no sweep had run.
     """
 
     monitors_metrics = False
@@ -120,6 +136,8 @@ class LRSweep(Callback):
         self._avg = 0.0
         self._best = math.inf
         self._window: list[float] = []
+        self._rate = lrs[0]
+        self._kept: _Kept | None = None
 
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
         if len(trainer.optimizers) != 1:
@@ -127,6 +145,17 @@ class LRSweep(Callback):
                 f"lr_find sweeps one optimizer's learning rate, but configure_optimizers returned "
                 f"{len(trainer.optimizers)}. Tune each separately, or skip lr_find."
             )
+        configs = trainer.lr_scheduler_configs
+        self._kept = _Kept(trainer.optimizers[0], configs)
+        if module.automatic_optimization:  # the loop steps them: out of its list for the sweep
+            configs.clear()
+
+    def give_back(self) -> None:
+        """Put the user's schedulers back in the fit's list, and the optimizer's and schedulers' states
+        as they were when the sweep began (nothing to do when the sweep's fit never started)."""
+        if self._kept is not None:
+            self._kept.restore()
+            self._kept = None
 
     def _window_edges(self, trainer: Trainer, batch_idx: int) -> tuple[bool, bool]:
         k = trainer.accumulate_grad_batches
@@ -135,13 +164,20 @@ class LRSweep(Callback):
         last = (batch_idx + 1) % k == 0 or batch_idx + 1 >= n
         return first, last
 
+    def _set_rate(self, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = self._rate
+
     def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
         first, _ = self._window_edges(trainer, batch_idx)
         if first:
-            lr = self.lrs_planned[min(len(self.lrs), len(self.lrs_planned) - 1)]
-            for group in trainer.optimizers[0].param_groups:
-                group["lr"] = lr
+            self._rate = self.lrs_planned[min(len(self.lrs), len(self.lrs_planned) - 1)]
+            self._set_rate(trainer.optimizers[0])
             self._window = []
+
+    def on_before_optimizer_step(self, trainer: Trainer, module: TrainModule, optimizer: torch.optim.Optimizer) -> None:
+        # Again here: a scheduler a manual training_step steps before opt.step() must not move the rate.
+        self._set_rate(optimizer)
 
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
@@ -156,7 +192,7 @@ class LRSweep(Callback):
         if trainer.world_size > 1:  # one curve for all ranks: they stop together
             value = trainer.strategy.reduce(value, "mean")
         current = float(value)
-        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+        self.lrs.append(self._rate)
         if not math.isfinite(current):
             self.losses.append(math.nan)  # left out of the suggestion
             if self._window and self.early_stop_threshold is not None:
@@ -172,3 +208,22 @@ class LRSweep(Callback):
             trainer.should_stop = True
         self._best = min(self._best, smoothed)
         self.losses.append(smoothed)
+
+
+class _Kept:
+    """The fit's optimizer and LR schedulers as the sweep found them: copies of their states (an
+    optimizer's ``state_dict`` holds its live tensors, which the sweep's steps change in place), and
+    the fit's list of scheduler configs with its entries."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, configs: list[SchedulerConfig]) -> None:
+        self.optimizer = optimizer
+        self.optimizer_state = copy.deepcopy(optimizer.state_dict())
+        self.configs = configs
+        self.entries = list(configs)
+        self.scheduler_states = [copy.deepcopy(c.scheduler.state_dict()) for c in configs]
+
+    def restore(self) -> None:
+        self.configs[:] = self.entries
+        for config, state in zip(self.entries, self.scheduler_states):
+            config.scheduler.load_state_dict(state)
+        self.optimizer.load_state_dict(self.optimizer_state)

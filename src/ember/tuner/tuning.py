@@ -4,8 +4,9 @@ with Lightning's ``Tuner`` API: ``Tuner(trainer).lr_find(model)``, ``.scale_batc
 Both run short fits on the user's own Trainer (``settings.borrowed``), so they see the same
 strategy, devices, precision and accumulation as the real fit, and run in every rank under ddp
 (each rank calls the tuner, as each rank calls ``fit``). Afterwards the module's weights and the
-Trainer's settings, counters and metrics are as they were; only the chosen value is written to
-the module's (or datamodule's) attribute, as Lightning does.
+Trainer's settings, counters and metrics are as they were (after ``lr_find``, the optimizer and LR
+schedulers too, as ``configure_optimizers`` built them); only the chosen value is written to the
+module's (or datamodule's) attribute, as Lightning does.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class Tuner:
         suggest the rate where the loss falls fastest (see ``lr_finder.py``).
 
         Args:
-            model: the module to tune; its weights are put back after the sweep.
+            model: the module to tune; its weights are put back after the sweep. Its LR schedulers do
+                not step during the sweep (the sweep sets every rate), and are given back unchanged.
             train_dataloaders, val_dataloaders, datamodule: as for ``trainer.fit`` (validation is skipped).
             dataloaders: not for lr_find (it trains); an error names ``train_dataloaders``.
             method: "fit" only.
@@ -106,7 +108,10 @@ class Tuner:
             num_sanity_val_steps=0,
             should_stop=False,
         ):
-            trainer.fit(model, train_dataloaders, val_dataloaders, datamodule)
+            try:
+                trainer.fit(model, train_dataloaders, val_dataloaders, datamodule)
+            finally:
+                sweep.give_back()  # the user's LR schedulers, and the optimizer's state
         finder.results = {"lr": sweep.lrs, "loss": sweep.losses}
         if len(sweep.lrs) < num_training:
             log.info(
