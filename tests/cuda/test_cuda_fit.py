@@ -93,11 +93,19 @@ def test_moving_to_the_cpu_never_copies_asynchronously():
 
 
 def test_the_module_transfer_hook_default_lands_on_the_gpu_asynchronously():
+    # The copy is queued behind ~0.1 s of GPU work: a hook that waited for it (a blocking copy, a
+    # synchronisation) returns only once that work is done, so the event recorded after it has completed.
     batch = (torch.randn(4, 8).pin_memory(), torch.randn(4, 1).pin_memory())
-    moved = MLP().transfer_batch_to_device(batch, torch.device("cuda", 0), 0)
+    module = MLP()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    moved = module.transfer_batch_to_device(batch, torch.device("cuda", 0), 0)
+    returned = torch.cuda.Event()
+    returned.record()
+    assert not returned.query(), "the hook waited for the GPU: the copy was not asynchronous"
     torch.cuda.synchronize()
     assert all(t.device.type == "cuda" for t in moved)
-    assert torch.equal(moved[0].cpu(), batch[0])
+    assert torch.equal(moved[0].cpu(), batch[0]) and torch.equal(moved[1].cpu(), batch[1])
 
 
 @needs_two_gpus

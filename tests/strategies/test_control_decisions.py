@@ -10,6 +10,7 @@ NCCL jobs get) shows that every control collective goes to that group.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 from collections.abc import Callable
@@ -24,8 +25,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 import ember.callbacks.model_checkpoint as model_checkpoint
+import ember.checkpoint.contents as contents
 import ember.strategies.ddp as ddp_module
-from ember.callbacks import Callback, ModelCheckpoint
+from ember.callbacks import Callback, LambdaCallback, ModelCheckpoint
 from ember.exceptions import Preempted
 from ember.strategies.ddp import DDPStrategy
 from tests.helpers.dist import join_as_rank, run_ranks
@@ -62,8 +64,8 @@ def _loader(world: int) -> DataLoader:
 class SavesSeen(DDPStrategy):
     """Records the checkpoint files every rank takes part in saving (rank zero writes them)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.saved: list[str] = []
 
     def save_checkpoint(self, checkpoint, path, *args, **kwargs) -> None:
@@ -73,7 +75,7 @@ class SavesSeen(DDPStrategy):
 
 def _trainer(root: Path, callbacks: list, **kwargs: Any) -> ember.Trainer:
     return ember.Trainer(
-        strategy=SavesSeen(),
+        strategy=SavesSeen(timeout=1234),
         devices=2,
         accelerator="cpu",
         max_epochs=1,
@@ -139,23 +141,29 @@ class StepOf(Callback):
         self.record.step = None
 
 
+def _use_a_separate_control_group() -> list[Any]:
+    """Gives this rank's strategies what an NCCL job gets: a gloo group of their own for control
+    collectives. Returns the list the groups made (and the timeout each was asked for) are put in."""
+    made: list[Any] = []
+
+    def open_separate(timeout: Any = None) -> Any:
+        made.append((dist.new_group(backend="gloo", timeout=timeout), timeout))
+        return made[-1][0]
+
+    ddp_module.open_control_group = open_separate
+    return made
+
+
 def _control_fit(rank: int, world: int, tmp: str, separate_group: bool) -> dict:
     join_as_rank(rank, world)
-    made: list[Any] = []
-    if separate_group:  # what an NCCL job gets: a gloo group of its own for control decisions
-
-        def open_separate() -> Any:
-            made.append(dist.new_group(backend="gloo"))
-            return made[-1]
-
-        ddp_module.open_control_group = open_separate
+    made = _use_a_separate_control_group() if separate_group else []
     with Record() as record:
         time_checkpoint = ModelCheckpoint(
             dirpath=Path(tmp) / "ckpt", train_time_interval=3600, save_top_k=0, save_last=False
         )
         trainer = _trainer(Path(tmp), [time_checkpoint, StepOf(record)])
         trainer.fit(Net(), _loader(world))
-    control = made[0] if made else None
+    control = made[0][0] if made else None
     calls = []
     for c in record.calls:
         if c["step"] is None or c["name"] == "all_reduce" and c["dtype"] == "torch.float32" and c["numel"] != 1:
@@ -169,6 +177,8 @@ def _control_fit(rank: int, world: int, tmp: str, separate_group: bool) -> dict:
         "rank_number": trainer.callback_metrics["rank_number"],
         "steps": trainer.global_step,
         "separate": bool(made),
+        "control_timeout": made[0][1] if made else None,
+        "strategy_timeout": trainer.strategy.timeout,
     }
 
 
@@ -207,6 +217,13 @@ def test_a_number_logged_with_sync_dist_is_reduced_on_the_cpu_control_group(cont
         assert all(c["device"] == "cpu" and c["group"] == "control" and not c["async"] for c in synced), synced
         value = run["rank_number"]
         assert value.device.type == "cpu" and value.item() == 0.5  # the mean of rank 0's 0 and rank 1's 1
+
+
+def test_the_control_group_waits_as_long_as_the_strategy_says(control_runs):
+    # An NCCL job's gloo control group is made with the strategy's timeout (torch's default otherwise).
+    for run in control_runs:
+        if run["separate"]:
+            assert run["control_timeout"] == run["strategy_timeout"] == datetime.timedelta(seconds=1234)
 
 
 def test_nothing_else_is_communicated_per_step(control_runs):
@@ -272,6 +289,50 @@ def test_the_time_checkpoint_saves_on_rank_zeros_clock_at_the_same_step_on_every
     # process (which saves at 2, 4, ...: tests/callbacks/test_model_checkpoint.py).
     assert saved[0] == saved[1] == ["step=3.ckpt", "step=5.ckpt", "step=7.ckpt"], saved
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == saved[0]
+
+
+# ------------------------------------------------------------------------ saves
+def _saving_fit(rank: int, world: int, tmp: str) -> dict:
+    join_as_rank(rank, world)
+    made = _use_a_separate_control_group()
+    with Record() as record:
+        original_save = contents.save
+
+        def recorded_save(*args: Any, **kwargs: Any) -> str:
+            record.step = "save"  # type: ignore[assignment]
+            try:
+                return original_save(*args, **kwargs)
+            finally:
+                record.step = None
+
+        contents.save = recorded_save
+        try:
+            every_8 = ModelCheckpoint(dirpath=Path(tmp) / "ckpt", every_n_train_steps=8, save_top_k=-1, async_save=True)
+            by_hand = LambdaCallback(  # a synchronous save during the fit, with the job's groups
+                on_train_epoch_end=lambda trainer, module: trainer.save_checkpoint(Path(tmp) / "by_hand.ckpt")
+            )
+            trainer = _trainer(Path(tmp), [every_8, by_hand])
+            trainer.fit(Net(), _loader(world))
+        finally:
+            contents.save = original_save
+    control = made[0][0]
+    saves = [{**c, "group": "control" if c["group"] is control else repr(c["group"])} for c in record.calls]
+    return {"calls": [c for c in saves if c["step"] == "save"], "files": trainer.strategy.saved}
+
+
+def test_a_save_under_ddp_communicates_on_the_cpu_control_group_only(tmp_path):
+    # Under NCCL a collective on the default group goes through the device: the path's broadcast, the RNG
+    # states' gather and the closing barrier would each make the host wait for the GPU at every save (a
+    # background save included). Here they are recorded on a job that has a control group of its own.
+    for rank, run in enumerate(run_ranks(_saving_fit, 2, str(tmp_path), timeout=120)):
+        assert run["files"] == ["epoch=0-step=8.ckpt", "epoch=0-step=16.ckpt", "epoch=0-step=24.ckpt", "by_hand.ckpt"]
+        names = [c["name"] for c in run["calls"]]
+        assert names.count("barrier") == 4 and names.count("broadcast_object_list") == 4, (rank, names)
+        assert names.count("all_gather") == 4, (rank, names)  # every rank's RNG state, once a save
+        elsewhere = [c for c in run["calls"] if c["group"] != "control"]
+        assert not elsewhere, (rank, [(c["name"], c["group"]) for c in elsewhere])
+    ranks_rng = torch.load(tmp_path / "by_hand.ckpt", weights_only=True)["rng"]
+    assert ranks_rng["world_size"] == 2 and len(ranks_rng["per_rank"]) == 2
 
 
 # ------------------------------------------------------------------------ start_decision itself

@@ -20,7 +20,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import ember
-from ember.callbacks import Callback, ProgressBar
+import ember.checkpoint.contents as contents
+from ember.callbacks import Callback, ModelCheckpoint, ProgressBar
 from ember.loggers import TensorBoardLogger
 from tests.cuda.cuda_helpers import MLP, SYNC_MODULES, loader
 from tests.cuda.cuda_helpers import SYNC_LOG_EVERY as LOG_EVERY
@@ -145,3 +146,46 @@ def test_the_recorder_sees_a_read_in_user_code(tmp_path):
     watch = fit(tmp_path, ReadsItsLoss())
     assert len(watch.reads) == watch.watched_steps
     assert all(r.startswith("item at") and "self.last = loss.item()" in r for r in watch.reads)
+
+
+class RecordHostReadsAndCopies(RecordHostReads):
+    """Also records ``.to(...)`` towards the CPU: on CUDA a copy that makes the host wait for the device."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.to and any(_names_the_cpu(a) for a in (*args[1:], *(kwargs or {}).values())):
+            self.reads.append("to(cpu) at\n" + "".join(traceback.format_stack(limit=4)[:-1]))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _names_the_cpu(arg: Any) -> bool:
+    return arg == "cpu" or isinstance(arg, torch.device) and arg.type == "cpu"
+
+
+@pytest.mark.parametrize("module", SYNC_MODULES)
+def test_a_background_save_reads_no_tensor_on_the_host(tmp_path, monkeypatch, module):
+    # ModelCheckpoint(async_save=True) exists so that a save costs the step a copy and no more: on CUDA a read
+    # of a value (or a copy to the CPU) anywhere in the save would make the host wait for the GPU at every save.
+    saves: list[list[str]] = []
+    save = contents.save
+
+    def watched_save(*args: Any, **kwargs: Any) -> str:
+        with RecordHostReadsAndCopies() as mode:
+            path = save(*args, **kwargs)
+        saves.append(mode.reads)
+        return path
+
+    monkeypatch.setattr(contents, "save", watched_save)
+    every_step = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, async_save=True)
+    trainer = ember.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[every_step],
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(SYNC_MODULES[module](), loader(n=64))
+    assert len(saves) == trainer.global_step == 4
+    reads = [r for reads in saves for r in reads]
+    assert not reads, "\n".join(reads[:3])

@@ -573,5 +573,9 @@ class ModelCheckpoint(CheckpointFiles, Callback):
 
 
 def _cpu(score: torch.Tensor | None) -> torch.Tensor | None:
-    """A score as a checkpoint holds it: a tensor of its own on the CPU (None stays None)."""
-    return None if score is None else torch.as_tensor(score).detach().to("cpu").clone()
+    """A score as a checkpoint holds it: a tensor of its own on the CPU (None stays None). Scores are kept on
+    the CPU already (``_score``), so a save copies nothing from a device here."""
+    if score is None:
+        return None
+    score = torch.as_tensor(score).detach()
+    return (score if score.device.type == "cpu" else score.to("cpu")).clone()

@@ -220,7 +220,7 @@ def _gather_rng(strategy: Strategy) -> dict[str, Any]:
     world = strategy.world_size
     if world == 1:
         return {"world_size": 1, "per_rank": [mine]}
-    # Every rank's state travels as fixed-shape tensors through all_gather (one collective each).
-    flat = rng_to_tensor(mine)
-    gathered = strategy.gather_per_rank(flat.to(strategy.root_device)).to("cpu")
+    # Every rank's state travels as one fixed-shape CPU tensor through one all-gather, which a strategy does
+    # on the host (ddp: its CPU control group), so a save under NCCL waits for no GPU work here.
+    gathered = strategy.gather_per_rank(rng_to_tensor(mine))
     return {"world_size": world, "per_rank": [rng_from_tensor(gathered[r], mine) for r in range(world)]}

@@ -20,6 +20,7 @@ and reads the same decisions at the same boundaries, so every rank acts at the s
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -69,15 +70,19 @@ class Decision:
         return self._result
 
 
-def open_control_group() -> Any:
+def open_control_group(timeout: datetime.timedelta | None = None) -> Any:
     """The group for control collectives: None (the default group) when it reduces CPU tensors
     itself (gloo, or a ``"cpu:gloo,..."`` device mapping), else a new gloo group of all ranks.
 
     Collective: every rank calls it, at the same point, after the default group exists.
+
+    Args:
+        timeout: how long a collective of the new group may wait (the strategy's ``timeout``, as for the
+            default group); None keeps torch's default for gloo groups.
     """
     if "gloo" in str(dist.get_backend()).lower():
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def close_control_group(group: Any) -> None:

@@ -265,7 +265,7 @@ class DDPStrategy(Strategy):
         if not dist.is_initialized():
             self._init_group()
         if not self._control_open and dist.get_world_size() > 1:
-            self._control_group = open_control_group()  # collective: every rank is here
+            self._control_group = open_control_group(self.timeout)  # collective: every rank is here
             self._control_open = True
         self._start_watchdog()
 
@@ -601,20 +601,47 @@ class DDPStrategy(Strategy):
             return mine.unsqueeze(0) if sync_grads else mine.detach().unsqueeze(0)  # still [world, ...], as Lightning
         return self._waiting("an all-gather (strategy.all_gather)", all_gather, mine, group, sync_grads)
 
+    def gather_per_rank(self, tensor: torch.Tensor) -> torch.Tensor:
+        """As the base class; a CPU tensor (a count, the RNG states of a checkpoint) is gathered on the CPU
+        control group and returned on the CPU: under NCCL it never goes through the device, and the
+        caller's read of the result waits for no GPU work."""
+        mine = torch.as_tensor(tensor).detach()
+        if mine.device.type != "cpu" or self.world_size == 1 or not dist.is_initialized():
+            return super().gather_per_rank(mine)
+        return self._waiting("an all-gather (strategy.gather_per_rank)", all_gather, mine, self._control_group)
+
     def broadcast(self, obj: T, src: int = 0) -> T:
+        # On the CPU control group: the object is pickled into a CPU tensor (under NCCL it would be copied to
+        # the device and back, and the host would wait for every kernel queued before the copy).
         if self.world_size == 1 or not dist.is_initialized():
             return obj
         box = [obj]
-        self._waiting(f"a broadcast from rank {src} (strategy.broadcast)", dist.broadcast_object_list, box, src=src)
+        self._waiting(
+            f"a broadcast from rank {src} (strategy.broadcast)",
+            dist.broadcast_object_list,
+            box,
+            src=src,
+            group=self._control_group,
+        )
         return box[0]
 
     def barrier(self, name: str | None = None) -> None:
+        # On the CPU control group: a barrier orders the hosts (files written, a directory made); under
+        # NCCL it would also make each host wait until its GPU has run everything queued before it.
         if self.world_size > 1 and dist.is_initialized():
+            group = self._control_group
+            ids: dict[str, Any] = {}
             device = self.root_device
-            # Named for a group made elsewhere, with no device bound at its init (gloo takes none).
-            nccl = device.type == "cuda" and device.index is not None and "nccl" in str(dist.get_backend())
-            ids = {"device_ids": [device.index]} if nccl else {}
-            self._waiting(f"a barrier ({name})" if name else "a barrier", dist.barrier, **ids)
+            if (
+                group is None
+                and device.type == "cuda"
+                and device.index is not None
+                and "nccl" in str(dist.get_backend())
+            ):
+                # The default group (outside a fit, no control group open) under NCCL: named, since the group was
+                # made elsewhere with no device bound at its init.
+                ids["device_ids"] = [device.index]
+            self._waiting(f"a barrier ({name})" if name else "a barrier", dist.barrier, group=group, **ids)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         # On the CPU control group: the answer is read on the host, so it never travels through the device.

@@ -261,16 +261,17 @@ class MetricCollector:
 
     def state_dict(self) -> list[dict[str, Any]]:
         """The running sums behind the training epoch's ``on_epoch`` metrics (what a mid-epoch checkpoint
-        saves, so that a resume logs the same epoch values), as plain data on the CPU."""
+        saves, so that a resume logs the same epoch values), as plain data (tensors on their device)."""
         out = []
         for e in self._stages.get("train", {}).values():
             if e.metric is not None:  # its state is the Metric's own (in the module, when persistent)
                 continue
             d: dict[str, Any] = {f: getattr(e, f) for f in _ENTRY_FIELDS}
-            # A copy: the running total is added to in place by the next step (and .to("cpu") of a CPU tensor
-            # is that tensor itself), while the checkpoint must hold this step's value.
-            d["total"] = e.total.detach().to("cpu", copy=True) if isinstance(e.total, torch.Tensor) else e.total
-            d["weight"] = e.weight.detach().to("cpu") if isinstance(e.weight, torch.Tensor) else e.weight
+            # Copies: the running sums are added to in place by the next step, while the checkpoint must hold
+            # this step's values. Made on their device (the writer copies them to the CPU with the weights: a
+            # copy to the CPU here would make a background save wait for the GPU).
+            d["total"] = e.total.detach().clone() if isinstance(e.total, torch.Tensor) else e.total
+            d["weight"] = e.weight.detach().clone() if isinstance(e.weight, torch.Tensor) else e.weight
             out.append(d)
         return out
 

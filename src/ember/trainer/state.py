@@ -51,10 +51,9 @@ class MetricState:
 
     def state_dict(self) -> dict[str, Any]:
         collector, progress = self._state.metrics, self._state.progress
-        latest = {
-            k: (v.detach().to("cpu") if isinstance(v, torch.Tensor) else v)
-            for k, v in collector.callback_metrics.items()
-        }
+        # Left where they are, as the weights are: the writer copies them with everything else (a background
+        # save through pinned memory, without waiting for the GPU; a copy to the CPU here would wait for it).
+        latest = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in collector.callback_metrics.items()}
         # Other ranks' sums are not gathered: single-process only, and only mid-epoch.
         mid_epoch = progress.batch_in_epoch and not progress.epoch_finished
         sums = collector.state_dict() if self._state.strategy.world_size == 1 and mid_epoch else []
