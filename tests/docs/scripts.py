@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.jobs import complete_job, start_job
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -16,6 +18,5 @@ def run_script(directory: Path, source: str, timeout: float) -> subprocess.Compl
     script.write_text(source)
     # The checkout's own src first: the blocks test this tree's ember, not whichever one is installed.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT])}
-    return subprocess.run(
-        [sys.executable, str(script)], cwd=directory, capture_output=True, text=True, timeout=timeout, env=env
-    )
+    # Past the timeout, the failure shows the script's output so far and its stacks (tests/helpers/jobs.py).
+    return complete_job(start_job([sys.executable, str(script)], cwd=directory, env=env, split=True), timeout)

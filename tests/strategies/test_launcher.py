@@ -17,6 +17,7 @@ import torch
 
 from ember.strategies.launchers import launcher
 from tests.helpers.dist import assert_processes_gone
+from tests.helpers.jobs import finish_job, start_job
 from tests.strategies import ddp_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,17 +34,11 @@ def free_port() -> int:
 
 def start(command: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return start_job(command, cwd=ROOT, env=env)
 
 
 def finish(proc: subprocess.Popen, limit: float = 60) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"job did not end within {limit} s:\n{out}")
-    return proc.returncode, out
+    return finish_job(proc, limit)
 
 
 def reference(batch: int) -> torch.nn.Module:

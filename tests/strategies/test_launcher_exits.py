@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import assert_processes_gone
+from tests.helpers.jobs import finish_job, start_job
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).with_name("exit_script.py"))
@@ -33,15 +33,7 @@ class Job:
     def __init__(self, workdir: Path, *args: str) -> None:
         self.workdir = workdir
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, SCRIPT, "--out", str(workdir), *args],
-            cwd=workdir,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        self.proc = start_job([sys.executable, SCRIPT, "--out", str(workdir), *args], cwd=workdir, env=env)
 
     def wait_until_training(self, limit: float = 45) -> None:
         """Returns once both ranks have taken a few steps."""
@@ -56,13 +48,7 @@ class Job:
         return int((self.workdir / f"pid{rank}").read_text())
 
     def finish(self, limit: float = 45) -> tuple[int, str]:
-        try:
-            out, _ = self.proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            out, _ = self.proc.communicate()
-            pytest.fail(f"the job did not end within {limit} s:\n{out}")
-        return self.proc.returncode, out
+        return finish_job(self.proc, limit)
 
     def kill(self) -> None:
         try:

@@ -26,6 +26,7 @@ from ember.strategies.watchdog import watchdog as wd
 from ember.strategies.watchdog.verdicts import AFTER_BACKWARD
 from tests.helpers import session_jobs
 from tests.helpers.dist import assert_processes_gone
+from tests.helpers.jobs import finish_job, start_job
 
 pytestmark = pytest.mark.processes
 
@@ -260,24 +261,11 @@ def test_acting_on_a_verdict_prints_the_stack_and_exits(capfd, monkeypatch):
 # ------------------------------------------------------------------------------ real jobs
 def start(out: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, SCRIPT, "--out", str(out), *args],
-        cwd=out,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return start_job([sys.executable, SCRIPT, "--out", str(out), *args], cwd=out, env=env)
 
 
 def finish(proc: subprocess.Popen, limit: float) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"job did not end within {limit} s:\n{out}")
-    return proc.returncode, out
+    return finish_job(proc, limit)
 
 
 def hang_began(out: Path, rank: int, proc: subprocess.Popen) -> float:

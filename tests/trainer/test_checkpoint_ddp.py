@@ -15,7 +15,6 @@ import gc
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import warnings
 
@@ -26,6 +25,7 @@ pytest.importorskip("ember.strategies.ddp")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.helpers.dist import join_as_rank, run_ranks  # noqa: E402
+from tests.helpers.jobs import run_job  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_checkpoint_resume as R  # noqa: E402
@@ -79,21 +79,10 @@ def program(mode: str, root: str, out: str, workers: str = "2") -> None:
             torch.save({"weights": _weights(module), "ckpt": trainer.ckpt_path, "steps": trainer.global_step}, out)
 
 
-def run_program(mode: str, root: str, out: str, workers: int = 2) -> int:
-    proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), mode, root, out, str(workers)],
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        output, _ = proc.communicate(timeout=60)
-    finally:
-        try:  # rank 1 and every DataLoader worker share the session
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return proc.returncode, output.decode(errors="replace")[-3000:]
+def run_program(mode: str, root: str, out: str, workers: int = 2) -> tuple[int, str]:
+    # kill_the_rest: a SIGKILLed rank's loader workers, orphaned.
+    code, output = run_job([sys.executable, os.path.abspath(__file__), mode, root, out, str(workers)], 60, True)
+    return code, output[-3000:]
 
 
 @pytest.fixture(scope="module")

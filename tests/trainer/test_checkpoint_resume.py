@@ -10,7 +10,6 @@ import gc
 import os
 import random
 import signal
-import subprocess
 import sys
 import warnings
 from typing import Any
@@ -407,20 +406,11 @@ def _kill_run(root: str, workers: int, kill_step: int) -> None:
 def test_resume_after_kill_9_is_bitwise(tmp_path, reference, workers):
     kill_step = random.randrange(6, EPOCHS * N // BATCH - 1)
     root = str(tmp_path)
-    proc = subprocess.Popen(
-        [sys.executable, __file__, root, str(workers), str(kill_step)],
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        out, _ = proc.communicate(timeout=50)
-    finally:
-        try:  # the run's DataLoader workers, orphaned by the kill
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == -signal.SIGKILL, out.decode()[-2000:]
+    from tests.helpers.jobs import run_job  # here: this file also runs as a script, without the tests package
+
+    # kill_the_rest: the run's DataLoader workers, orphaned by the kill.
+    code, out = run_job([sys.executable, __file__, root, str(workers), str(kill_step)], 50, kill_the_rest=True)
+    assert code == -signal.SIGKILL, out[-2000:]
     last = torch.load(os.path.join(root, "ckpts", "last.ckpt"), weights_only=True)
     assert last["progress"]["global_step"] == kill_step // 4 * 4
     resumed, _ = fit(root, workers, ckpt_path="last")

@@ -18,6 +18,7 @@ import pytest
 
 from ember.trainer import preemption
 from tests.helpers.dist import assert_processes_gone
+from tests.helpers.jobs import finish_job, start_job
 
 pytestmark = pytest.mark.processes
 
@@ -98,14 +99,7 @@ def test_a_forked_child_does_not_inherit_the_wakeup_descriptor():
 # ------------------------------------------------------------------------------ real runs
 def start(out: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, SCRIPT, "--out", str(out), "--grace", str(GRACE), *args],
-        cwd=out,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return start_job([sys.executable, SCRIPT, "--out", str(out), "--grace", str(GRACE), *args], cwd=out, env=env)
 
 
 def hang_then_sigterm(out: Path, proc: subprocess.Popen, rank: int, wait: float = GRACE + 30) -> tuple[int, str, float]:
@@ -116,12 +110,8 @@ def hang_then_sigterm(out: Path, proc: subprocess.Popen, rank: int, wait: float 
         time.sleep(0.05)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    try:
-        log, _ = proc.communicate(timeout=wait)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"SIGTERM did not end the run:\n{proc.communicate()[0]}")
-    return proc.returncode, log, time.monotonic() - sent
+    code, log = finish_job(proc, wait)  # past it: SIGTERM did not end the run, and the failure shows where
+    return code, log, time.monotonic() - sent
 
 
 @pytest.mark.timeout(60)
