@@ -136,3 +136,67 @@ def test_same_step_merges_only_without_conflict(tmp_path):
 def test_flush_setting_is_checked():
     with pytest.raises(ValueError, match="flush_logs_every_n_steps"):
         CSVLogger(flush_logs_every_n_steps=0)
+
+
+def test_a_rewind_drops_the_rows_from_its_step_on(tmp_path):
+    first = CSVLogger(save_dir=tmp_path, version=0, flush_logs_every_n_steps=1)
+    for step in range(6):
+        first.log_metrics({"a": float(step)}, step)
+        if step == 2:
+            first.log_metrics({"b": 20.0}, step)  # as an epoch's end, written after its last step's values
+    first.finalize("success")
+    again = CSVLogger(save_dir=tmp_path, version=0)  # a new process continuing the run
+    again.rewind(3)  # what a fit resumed from a checkpoint after 3 steps does (on_load_checkpoint)
+    # The resumed fit may write the last kept row's step again (an epoch end the checkpoint came before): its
+    # value replaces the one the stopped run wrote there, rather than starting a second row of that step.
+    again.log_metrics({"b": 21.0}, 2)
+    again.log_metrics({"a": 30.0}, 3)
+    again.log_metrics({"a": 40.0}, 4)
+    again.finalize("success")
+    header, rows = read_rows(again.metrics_file)
+    assert header == ["step", "a", "b"]
+    assert [(r["step"], r["a"], r["b"]) for r in rows] == [
+        ("0", "0.0", ""),
+        ("1", "1.0", ""),
+        ("2", "2.0", "21.0"),
+        ("3", "30.0", ""),
+        ("4", "40.0", ""),
+    ]
+    again.rewind(4)  # a second resume, in the same process
+    again.log_metrics({"a": 41.0, "c": 1.0}, 4)  # (a new column: the whole file is rewritten)
+    again.finalize("success")
+    header, rows = read_rows(again.metrics_file)
+    assert header == ["step", "a", "b", "c"]
+    assert [(r["step"], r["a"], r["c"]) for r in rows][3:] == [("3", "30.0", ""), ("4", "41.0", "1.0")]
+
+
+def test_a_process_killed_while_rows_are_dropped_leaves_the_file_whole(tmp_path, monkeypatch):
+    logger = CSVLogger(save_dir=tmp_path, version=0, flush_logs_every_n_steps=1)
+    for step in range(4):
+        logger.log_metrics({"a": float(step)}, step)
+    with open(logger.metrics_file, "rb") as fh:
+        before = fh.read()
+
+    class Killed(BaseException):
+        pass
+
+    def killed(*args):  # the moment before the rewritten file would take the old one's name
+        raise Killed
+
+    again = CSVLogger(save_dir=tmp_path, version=0)
+    again.rewind(2)
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", killed)
+        with pytest.raises(Killed):
+            again.log_metrics({"a": 20.0}, 2)
+    with open(logger.metrics_file, "rb") as fh:
+        assert fh.read() == before  # every row still there
+    resumed = CSVLogger(save_dir=tmp_path, version=0)  # the next attempt
+    resumed.rewind(2)
+    resumed.log_metrics({"a": 20.0}, 2)
+    resumed.finalize("success")
+    assert [(r["step"], r["a"]) for r in read_rows(resumed.metrics_file)[1]] == [
+        ("0", "0.0"),
+        ("1", "1.0"),
+        ("2", "20.0"),
+    ]

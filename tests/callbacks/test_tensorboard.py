@@ -200,10 +200,44 @@ def test_validate_after_fit_logs_and_closes_the_writer(tmp_path):
     trainer.validate(module, loaders()[1])
     assert logger._writer is None
     # as Lightning: the fit's validation at the index of the epoch's last step (7), a validate after the fit at
-    # trainer.global_step (8). The validate writes a second event file; the reader takes files in name order,
-    # and torch numbers them per process without padding ("...9" sorts after "...10"), so order by wall time.
-    events = sorted(read(logger.log_dir).Scalars("val/loss"), key=lambda e: e.wall_time)
-    assert [e.step for e in events] == [7, 8]
+    # trainer.global_step (8), in a second event file (read after the first: they are named in order).
+    assert [e.step for e in read(logger.log_dir).Scalars("val/loss")] == [7, 8]
+
+
+def test_a_rewind_hides_the_events_from_its_step_on(tmp_path):
+    first = TensorBoardLogger(save_dir=tmp_path, version=0, max_queue=1)
+    for step in range(8):
+        first.log_metrics({"a": float(step)}, step)
+    first.log_metrics({"b": 1.0}, 6)  # a tag the continued run does not write again
+    first.log_metrics({"b": 2.0}, 4)
+    first.finalize("success")
+    again = TensorBoardLogger(save_dir=tmp_path, version=0)  # a new process continuing the run
+    again.rewind(5)  # what a fit resumed from a checkpoint after 5 steps does (on_load_checkpoint)
+    again.log_metrics({"a": 50.0}, 5)
+    again.log_metrics({"a": 60.0}, 6)
+    again.finalize("success")
+    ea = read(again.log_dir)
+    expected = [(step, float(step)) for step in range(5)] + [(5, 50.0), (6, 60.0)]
+    assert [(e.step, e.value) for e in ea.Scalars("a")] == expected
+    assert [(e.step, e.value) for e in ea.Scalars("b")] == [(4, 2.0)]
+
+
+@pytest.mark.processes
+def test_the_experiment_writer_never_shares_the_scalars_file(tmp_path):
+    # In a new process both counters of TensorBoard's file names start at 0: a SummaryWriter made in the same
+    # second as the logger's own event file would get its name, and the two would truncate each other's file.
+    code = (
+        "import sys\n"
+        "from ember.loggers import TensorBoardLogger\n"
+        "logger = TensorBoardLogger(save_dir=sys.argv[1], version=0)\n"
+        "logger.log_metrics({'a': 1.0}, 0)\n"
+        "logger.experiment.add_scalar('b', 2.0, 0)\n"
+        "logger.finalize('success')\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60)
+    ea = read(tmp_path / "ember_logs" / "version_0")
+    assert [(e.step, e.value) for e in ea.Scalars("a")] == [(0, 1.0)]
+    assert [(e.step, e.value) for e in ea.Scalars("b")] == [(0, 2.0)]
 
 
 @pytest.mark.processes

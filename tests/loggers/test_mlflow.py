@@ -82,3 +82,27 @@ def test_unsupported_log_model_and_bad_metric_names_are_said(tmp_path):
     with pytest.warns(RuntimeWarning, match="is logged as 'ab'"):
         logger.log_metrics({"a!b": 1.0}, step=0)
     assert ember.loggers.MLFlowLogger is MLFlowLogger
+
+
+def test_a_test_alone_and_after_a_fit_logs_to_the_run_and_finishes_it(tmp_path):
+    """As Lightning 2.6.6: every stage hands its hyper-parameters and metrics to the logger and ends with its
+    finalize (the run FINISHED); the test's value at trainer.global_step."""
+    logger = MLFlowLogger("exp", save_dir=str(tmp_path / "mlruns"))
+    trainer = ember.Trainer(logger=logger, enable_progress_bar=False, default_root_dir=str(tmp_path))
+    module = BoringModel()
+    module.save_hyperparameters({"lr": 0.1})
+    (result,) = trainer.test(module, regression_loader(n=8), verbose=False)
+    client, run_id = logger.experiment, logger.run_id
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.1"}
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "test_loss")] == [(0, result["test_loss"])]
+    trainer = ember.Trainer(
+        max_epochs=1, logger=logger, enable_progress_bar=False, default_root_dir=str(tmp_path), log_every_n_steps=1
+    )
+    trainer.fit(module, regression_loader(n=16))  # 2 steps
+    (after,) = trainer.test(module, regression_loader(n=8), verbose=False)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "test_loss")] == [
+        (0, result["test_loss"]),
+        (2, after["test_loss"]),
+    ]
+    assert client.get_run(run_id).info.status == "FINISHED"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import os
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -19,7 +19,11 @@ class CSVLogger(FileLogger):
     appears mid-run the file is rewritten with the wider header, so earlier rows are kept (their
     new cells empty). Several ``log_metrics`` calls at one step (step metrics, validation, epoch
     metrics) fill one row, even when the row was already written: the file's last row is then
-    rewritten with the merged values.
+    rewritten with the merged values. A fit resumed from a checkpoint drops the rows from the
+    checkpoint's step on (``FileLogger.rewind``), so each step keeps one row however often the run
+    was killed and resumed. A rewrite that could lose rows if the process died halfway (a wider
+    header, dropped rows, a last row that gets shorter) goes to a temporary file renamed over
+    ``metrics.csv`` once complete; the others append or extend the file's end.
 
     Args:
         save_dir, name, version, prefix: see the directory scheme of ``FileLogger`` (a ``prefix`` is
@@ -52,6 +56,9 @@ class CSVLogger(FileLogger):
         self._tail_offset = 0
         self._tail_changed = False
         self._row_count = 0  # rows added by this logger: the step of a log_metrics call that gives none
+        # After a rewind, the step of the file's last row, whose values the resumed fit may log again:
+        # they replace the killed run's rather than start a second row of that step.
+        self._replace_at: int | None = None
 
     @property
     def metrics_file(self) -> str:
@@ -68,12 +75,18 @@ class CSVLogger(FileLogger):
         by the rows this logger has added so far (0, 1, ...)."""
         if not self._writes:
             return
+        if self._rewind_step is not None:
+            self._drop_rows_from(self._rewind_step)
         row = {self.prefixed(k): (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
         last = self._rows[-1] if self._rows else self._tail
         if step is None:
             step = self._row_count
             self._append(step, row)
-        elif last is not None and last["step"] == step and all(last.get(k, v) == v for k, v in row.items()):
+        elif (
+            last is not None
+            and last["step"] == step
+            and (step == self._replace_at or all(last.get(k, v) == v for k, v in row.items()))
+        ):
             last.update(row)
             self._tail_changed = self._tail_changed or not self._rows
         else:
@@ -88,6 +101,7 @@ class CSVLogger(FileLogger):
     def _append(self, step: int, row: dict[str, Any]) -> None:
         self._rows.append({"step": step, **row})
         self._row_count += 1
+        self._replace_at = None
 
     def save(self) -> None:
         if not self._writes or not (self._rows or self._tail_changed):
@@ -101,31 +115,57 @@ class CSVLogger(FileLogger):
         for row in rows:
             header.extend(k for k in row if k not in header)
         os.makedirs(self.log_dir, exist_ok=True)
+        data, last_start = _encode_rows(header, rows)
+        written = False
         if self._header is not None and header == self._header:
             with open(path, "r+b") as fh:
-                start = self._tail_offset if self._tail_changed else fh.seek(0, os.SEEK_END)
-                fh.seek(start)
-                fh.truncate()
-                self._tail_offset = _write_rows(fh, header, rows, start)
-        else:
+                end = fh.seek(0, os.SEEK_END)
+                start = self._tail_offset if self._tail_changed else end
+                # In place only when the new bytes cover everything after ``start``: a kill halfway then
+                # leaves the rows that were there, never a cut-off row (no truncation needed).
+                if start + len(data) >= end:
+                    fh.seek(start)
+                    fh.write(data)
+                    self._tail_offset, written = start + last_start, True
+        if not written:
             old: list[dict[str, str]] = []
             if self._header is not None:
                 with open(path, newline="", encoding="utf-8") as fh:
                     old = list(csv.DictReader(fh))
                 if self._tail_changed:
                     old = old[:-1]  # the last row is written again, with the values merged into it since
-            tmp = path + ".tmp"
-            with open(tmp, "wb") as fh:
-                text = io.StringIO(newline="")
-                writer = csv.DictWriter(text, header)
-                writer.writeheader()
-                writer.writerows(old)
-                fh.write(text.getvalue().encode("utf-8"))
-                self._tail_offset = _write_rows(fh, header, rows, fh.tell())
-            os.replace(tmp, path)
+            self._tail_offset = _replace_file(path, header, old, data, last_start)
             self._header = header
         self._tail, self._tail_changed = rows[-1], False
         self._rows = []
+
+    def _drop_rows_from(self, step: int) -> None:
+        """Rewrite ``metrics.csv`` without its rows at ``step`` and later (``rewind``); its last row stays
+        open for the values the resumed fit logs at that row's step."""
+        self._rewind_step = None
+        self.save()  # rows of this process not written yet are dropped from the file like the others
+        path = self.metrics_file
+        try:
+            with open(path, newline="", encoding="utf-8") as fh:
+                reader = csv.DictReader(fh)
+                header = list(reader.fieldnames or [])
+                rows = list(reader)
+        except FileNotFoundError:
+            return
+        if "step" not in header:
+            return  # not a file this logger wrote: left alone
+        kept: list[dict[str, Any]] = []
+        last_step: int | None = None
+        for row in rows:
+            row_step = _int_or_none(row.get("step"))  # (None for a row a kill cut off before its step)
+            if row_step is not None and row_step < step:
+                cells = {k: v for k, v in row.items() if k is not None and v not in (None, "")}
+                kept.append({**cells, "step": row_step})
+                last_step = row_step
+        data, last_start = _encode_rows(header, kept)
+        self._tail_offset = _replace_file(path, header, [], data, last_start)
+        self._header, self._tail, self._tail_changed = header, (kept[-1] if kept else None), False
+        self._replace_at = last_step
 
     def finalize(self, status: str) -> None:
         self.save()
@@ -171,13 +211,36 @@ class CSVExperiment:
         self._logger.save()
 
 
-def _write_rows(fh: BinaryIO, header: list[str], rows: list[dict[str, Any]], start: int) -> int:
-    """Write ``rows`` at ``start`` of the open binary file ``fh``; return where the last one starts."""
+def _encode_rows(header: list[str], rows: list[dict[str, Any]]) -> tuple[bytes, int]:
+    """``rows`` as CSV bytes under ``header``, and where the last row starts in them (0 without rows)."""
     text = io.StringIO(newline="")
     writer = csv.DictWriter(text, header)
     writer.writerows(rows[:-1])
-    head = text.getvalue().encode("utf-8")
-    text = io.StringIO(newline="")
-    csv.DictWriter(text, header).writerow(rows[-1])
-    fh.write(head + text.getvalue().encode("utf-8"))
-    return start + len(head)
+    last_start = len(text.getvalue().encode("utf-8"))
+    writer.writerows(rows[-1:])
+    return text.getvalue().encode("utf-8"), last_start
+
+
+def _replace_file(path: str, header: list[str], old: list[dict[str, str]], data: bytes, last_start: int) -> int:
+    """Write ``header``, the rows ``old`` and the encoded rows ``data`` to a temporary file, flushed to disk, then
+    rename it over ``path``: a kill at any moment leaves the old file or the new one, whole. Returns where the last
+    row of ``data`` starts in the new file."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, header)
+        writer.writeheader()
+        writer.writerows(old)
+        head = text.getvalue().encode("utf-8")
+        fh.write(head + data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return len(head) + last_start
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None

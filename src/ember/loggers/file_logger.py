@@ -2,6 +2,15 @@
 
 The ``<save_dir>/<name>/version_N/`` directory scheme, agreed across processes, and
 ``hparams.yaml`` (written with ``ember/yaml.py``, because PyYAML is not a dependency).
+
+A fit resumed from a checkpoint continues in the run directory of the run that wrote it
+(``checkpoint/locate.py``), and that run may have gone on past the checkpoint before it was stopped
+(killed, preempted). What it logged from the checkpoint's step on describes steps the resumed fit
+runs again, so the logger drops it (``rewind``): CSVLogger rewrites ``metrics.csv`` without those
+rows, TensorBoardLogger starts its next event file with TensorBoard's purge marker. Each step then
+has one set of values however often the run was resumed. What was logged before a checkpoint is
+on disk when the checkpoint is written (``on_save_checkpoint`` flushes), so a kill loses nothing
+a resume does not log again.
 """
 
 from __future__ import annotations
@@ -53,6 +62,8 @@ class FileLogger(Logger):
         self.prefix = prefix
         self.hparams: dict[str, Any] = {}
         self._rank = 0
+        # The step a resumed fit restarts at: what was logged from there on is dropped before the next write.
+        self._rewind_step: int | None = None
 
     def prefixed(self, key: str) -> str:
         """``key`` as written: with ``prefix`` and ``LOGGER_JOIN_CHAR`` in front when a prefix is set."""
@@ -139,6 +150,30 @@ class FileLogger(Logger):
             # on trainer.log_dir.
             mine = self.version if self._rank == 0 else None
             self._version = trainer.strategy.broadcast(mine) if trainer.world_size > 1 else mine
+
+    def on_save_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
+        # Before the checkpoint file is written: a run killed after it resumes with every row logged
+        # before it on disk (the rows of a flush interval would otherwise be lost with the process).
+        self.save()
+
+    def on_load_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
+        # Only a fit continues the run: validate / test(ckpt_path=...) log beside what is there.
+        if trainer.state == "fitting":
+            self.rewind(int(checkpoint.get("global_step", 0)))
+
+    def rewind(self, step: int) -> None:
+        """Drop what was logged at ``step`` and later (the next write does it): a fit resumes from a
+        checkpoint saved after ``step`` optimizer steps, and logs those steps again.
+
+        The resumed fit may also log ``step - 1`` again (the end of an epoch whose last batch the
+        checkpoint follows): those values take the place of the ones the stopped run wrote there
+        after the checkpoint (CSVLogger: in that step's row; TensorBoardLogger: when the checkpoint
+        holds what it had written at that step, ``TensorBoardLogger.state_dict``).
+
+        Args:
+            step: the optimizer steps the checkpoint was saved after (its ``global_step``).
+        """
+        self._rewind_step = step
 
     def log_hyperparams(
         self,

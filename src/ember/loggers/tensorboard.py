@@ -80,6 +80,11 @@ class TensorBoardLogger(FileLogger):
         self._metric_tags: dict[str, None] = {}  # ordered set of scalar tags written
         self._session_started = False
         self._experiment_written = False
+        # The highest step scalars were written at, and each write there (a checkpoint carries them,
+        # ``state_dict``); and, from a checkpoint a fit resumes from, the same pair of the run it continues.
+        self._last_step = -1
+        self._last_writes: list[dict[str, float]] = []
+        self._carried: tuple[int, list[dict[str, float]]] | None = None
 
     @property
     def log_dir(self) -> str:
@@ -95,6 +100,8 @@ class TensorBoardLogger(FileLogger):
         if self._writer is None and self._writes:
             from torch.utils.tensorboard import SummaryWriter
 
+            if self._rewind_step is not None:
+                self._event_file()  # the purge marker goes first, ahead of this writer's events (rewind)
             os.makedirs(self.log_dir, exist_ok=True)
             self._writer = SummaryWriter(
                 log_dir=self.log_dir, flush_secs=self.flush_secs, max_queue=self.max_queue, **self._writer_kwargs
@@ -103,8 +110,51 @@ class TensorBoardLogger(FileLogger):
 
     def _event_file(self) -> _EventFile | None:
         if self._events is None and self._writes:
-            self._events = _EventFile(self.log_dir, self.flush_secs, self.max_queue)
+            purge, again = self._purge_point()
+            self._events = _EventFile(self.log_dir, self.flush_secs, self.max_queue, purge_step=purge)
+            for metrics in again:
+                self.log_metrics(metrics, purge)
         return self._events
+
+    def _purge_point(self) -> tuple[int | None, list[dict[str, float]]]:
+        """Where the next event file's purge marker goes (``rewind``), and the values to write there again.
+
+        A resumed fit may write the checkpoint's last step (``step - 1``) again: the end of an epoch whose
+        last batch the checkpoint follows, whose values the stopped run wrote there after the checkpoint.
+        When the checkpoint carries what this logger had written at its highest step, the marker goes
+        at ``step - 1`` and what was written there before the checkpoint is written again.
+        """
+        step, carried = self._rewind_step, self._carried
+        self._rewind_step = self._carried = None
+        if step is None or carried is None:
+            return step, []
+        at = max(step - 1, 0)
+        last_step, writes = carried
+        return at, (writes if last_step == at else [])
+
+    def rewind(self, step: int) -> None:
+        """Hide from TensorBoard what was logged at ``step`` and later: the next event file starts with
+        TensorBoard's purge marker (what ``SummaryWriter(purge_step=step)`` writes), and TensorBoard drops
+        every event of this directory read before it with a step from ``step`` on. Event files are read in
+        name order, which is the order they were made in."""
+        super().rewind(step)
+        self._last_step, self._last_writes = -1, []  # (rebuilt by the writes after the marker)
+        if self._events is not None:  # the marker heads a file: the next one
+            self._events.close()
+            self._events = None
+
+    def on_load_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
+        self._carried = None  # (load_state_dict, called after this hook, gives the checkpoint's)
+        super().on_load_checkpoint(trainer, module, checkpoint)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The highest step scalars were written at and each write there (see ``_purge_point``)."""
+        if self._last_step < 0:
+            return {}
+        return {"last_step": self._last_step, "last_writes": [dict(w) for w in self._last_writes]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._carried = (int(state_dict["last_step"]), [dict(w) for w in state_dict["last_writes"]])
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Write ``metrics`` (numbers or scalar tensors) at ``step``; without one, at step 0 (as ``SummaryWriter``)."""
@@ -119,7 +169,12 @@ class TensorBoardLogger(FileLogger):
         for key in metrics:
             if key != "epoch":
                 self._metric_tags[self.prefixed(key)] = None
-        events.add_scalars(values, 0 if step is None else step)
+        step = 0 if step is None else step
+        if step > self._last_step:
+            self._last_step, self._last_writes = step, []
+        if step == self._last_step:
+            self._last_writes.append({key: float(value) for key, value in metrics.items()})
+        events.add_scalars(values, step)
 
     def log_hyperparams(
         self,
@@ -164,8 +219,9 @@ class TensorBoardLogger(FileLogger):
             self.save()  # as Lightning: hparams.yaml exists after a successful run, empty if nothing was logged
 
     def teardown(self, trainer: Trainer, module: TrainModule, stage: Stage) -> None:
-        # validate/test/predict log without a finalize; never leave the writer's thread running.
+        # Whatever ended the run (finalize ran or not): no event file left open, no writer thread left running.
         self._close()
+        self._carried = None  # a checkpoint's writes are for the fit that resumed from it only
 
     def _close(self) -> None:
         if self._events is not None:
@@ -241,7 +297,8 @@ def default_logger(save_dir: str) -> TensorBoardLogger:
 
 
 class _EventFile:
-    """Appends TensorBoard events to one event file, from the calling thread.
+    """Appends TensorBoard events to one event file, from the calling thread (headed by a purge marker at
+    ``purge_step``, if given).
 
     Scalars are queued as plain ``(step, wall time, values)`` and turned into events (protobuf,
     CRC framing, write) ``max_queue`` at a time or every ``flush_secs``: building and framing an
@@ -251,15 +308,18 @@ class _EventFile:
 
     _count = itertools.count()
 
-    def __init__(self, log_dir: str, flush_secs: float, max_queue: int) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
+    def __init__(self, log_dir: str, flush_secs: float, max_queue: int, purge_step: int | None = None) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.compat.proto.summary_pb2 import Summary
         from tensorboard.summary.writer.record_writer import RecordWriter
 
         os.makedirs(log_dir, exist_ok=True)
-        # The file name scheme TensorBoard's own writers use; the counter keeps two loggers of one
-        # process (or a reopened one) in separate files.
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(self._count)}"
+        # TensorBoard's name scheme (time, host, process), ending in our own zero-padded counter after a
+        # "-": never the name of a SummaryWriter's file (``experiment``) made in the same second, which
+        # ends in that writer's counter (a digit), so neither truncates the other's file; and it sorts
+        # before such files, so a purge marker here is read before what that writer wrote in this run.
+        stamp = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+        name = f"events.out.tfevents.{stamp}.-ember.{next(self._count):04d}"
         self._event, self._summary = Event, Summary
         self._records = RecordWriter(open(os.path.join(log_dir, name), "wb"))
         self._flush_secs = flush_secs
@@ -267,6 +327,10 @@ class _EventFile:
         self._queued: list[tuple[int, float, dict[str, float]]] = []
         self._last_flush = time.monotonic()
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if purge_step is not None:
+            # TensorBoard discards the events read before this one whose step is purge_step or later.
+            start = SessionLog(status=SessionLog.START)
+            self._write(Event(wall_time=time.time(), step=purge_step, session_log=start))
         self.flush()
 
     def add_scalars(self, values: dict[str, float], step: int) -> None:

@@ -84,9 +84,10 @@ class LogWriter:
         self.epoch_metrics(epoch_metrics)
 
     def hyperparams(self) -> None:
-        """Hand the module's (and datamodule's) hyper-parameters to every logger once per fit, as Lightning:
-        the values given to ``__init__`` (``hparams_initial``), of the sources that saved them with
-        ``save_hyperparameters(logger=True)``, refusing a key the two give different values."""
+        """Hand the module's (and datamodule's) hyper-parameters to every logger once per fit, validate and test
+        (not predict, which logs nothing), as Lightning: the values given to ``__init__`` (``hparams_initial``), of
+        the sources that saved them with ``save_hyperparameters(logger=True)``, refusing a key the two give
+        different values."""
         if not self._writes:
             return
         t = self._trainer

@@ -252,7 +252,9 @@ class Trainer(TrainerProperties):
             if stage == "fit":
                 self._fit(module, loaders, path)
                 return None
-            return self._evaluate_or_predict(stage, module, loaders[0], path)
+            result = self._evaluate_or_predict(stage, module, loaders[0], path)
+            self._logs.finalize("success")  # as a fit's end (and Lightning's): the stage's rows reach the disk
+            return result
         except BaseException as exc:
             self._on_exception(exc)
             raise
@@ -406,6 +408,8 @@ class Trainer(TrainerProperties):
         self.strategy.setup(self, module)
         if path is not None:
             restore_for_evaluation(self, self.fit_state, path)
+        if stage != "predict" and self.enable_autolog_hparams:  # as Lightning; predict logs nothing at all
+            self._logs.hyperparams()
         evaluation = EvaluationLoop(self, module, self._hooks, self._metrics, self._precision, self._input_dtype)
         if stage == "predict":
             outputs = evaluation.predict(loaders, limits, keep=self._return_predictions)
