@@ -14,10 +14,13 @@ module onto as many devices as there are chunks, runs ``training_step`` (or ``va
   "sum", max/min for "max"/"min". Hooks other than the ``*_step`` methods run once, on the
   original module;
 - a ``torchmetrics.Metric`` in the module gets, in each replica, a state of its own that starts
-  empty; after the step the replicas' states are merged into the original Metric (so its epoch
-  ``compute()`` covers every sample once), and a Metric logged per step shows its value on the whole
-  batch. (A shallow replica would share the original's ``update``, bound to the original, and the
-  replica threads would race on its state: what PyTorch's DataParallel does with a Metric.)
+  empty, on the replica's device; after the step the replicas' states are merged into the original
+  Metric in replica order, so its epoch ``compute()`` equals one device's, and a Metric logged per step
+  shows what its last forward gives on the whole batch (:mod:`ember.strategies.dp_metrics`). A
+  ``MetricCollection`` gets compute groups of its own in each replica. (A shallow replica would share
+  the original's states, with ``update`` bound to the original, and the replica threads would race on
+  them: what PyTorch's DataParallel does with a Metric.) Items that several ``update`` calls in one
+  step add to a list state come replica by replica, as rank by rank under ddp.
 
 When this is not one device on the whole batch: whatever depends on the whole batch at once.
 BatchNorm in train mode normalises each chunk with that chunk's statistics (and only the first
@@ -41,8 +44,9 @@ from ember.parallel.data_parallel import run_replicas
 from ember.parallel.parallel_apply import check_parallel_backward_devices
 from ember.parallel.replicate import Replicator
 from ember.parallel.scatter_gather import flatten, gather, scatter_kwargs
+from ember.strategies.dp_metrics import States, batch_value, give_own_groups, give_own_state, merge_into, states_of
 from ember.strategies.strategy import Strategy
-from ember.utils import is_torchmetric, metric_batch_value
+from ember.utils import is_torchmetric
 
 __all__ = ["DataParallelStrategy"]
 
@@ -100,49 +104,26 @@ def _weighted_mean(values: list[Any], weights: list[float], device: torch.device
     return _weighted_sum(values, [w / total for w in weights], device)
 
 
-def _own_metric_state(metric: Any) -> None:
-    """Give a replica's Metric an empty state of its own, and ``update`` / ``compute`` bound to it.
-
-    The replica is a shallow copy: torchmetrics keeps ``update`` and ``compute`` as wrappers around the
-    original's bound methods in the instance dict. Its pickling protocol (``__getstate__`` drops them,
-    ``__setstate__`` wraps this object's own) re-binds them; ``reset`` assigns fresh state tensors and lists.
-    """
-    state = metric.__getstate__()
-    metric.__dict__.clear()
-    metric.__setstate__(state)
-    metric.reset()
-
-
 def _merge_metrics(
-    module: nn.Module, replicas: list[nn.Module], paths: list[str], batch_values: dict[int, Any]
+    module: nn.Module,
+    replicas: list[nn.Module],
+    paths: list[str],
+    forwards: dict[int, States],
+    batch_values: dict[int, Any],
 ) -> dict[int, Any]:
     """Merge every replica's Metric state into the original Metric; returns {id(replica metric): original}.
 
-    ``batch_values`` gets {id(original): the whole batch's value} for each Metric the replicas called forward on."""
+    ``batch_values`` gets {id(original): the whole batch's value} for each Metric the replicas called forward
+    on, from ``forwards`` (what each replica's last forward saw, see :func:`give_own_state`)."""
     originals: dict[int, Any] = {}
     for path in paths:
         original: Any = module.get_submodule(path)
         reps: list[Any] = [replica.get_submodule(path) for replica in replicas]
         originals.update((id(r), original) for r in reps)
-        updated = [r for r in reps if r.update_count]
-        if not updated:
-            continue
-        head, *rest = updated
-        try:
-            for r in rest:  # head gathers the whole batch's state, then goes into the original
-                head.merge_state(r.to(head.device) if r.device != head.device else r)
-            original.merge_state(head.to(original.device) if head.device != original.device else head)
-        except RuntimeError as err:
-            raise RuntimeError(
-                f"strategy='dp' cannot merge the replicas' states of {type(original).__name__} ({path!r}): {err} "
-                "Use a Metric with full_state_update=False and dist_sync_on_step=False, or strategy='single' / 'ddp'."
-            ) from err
-        # merge_state neither counts updates nor drops a cached compute(); in torchmetrics only update() and
-        # forward() do, and both need the inputs, which only the replicas saw: no public way to either.
-        original._update_count += max(r.update_count for r in updated)  # noqa: SLF001  (else compute() warns "never updated")
-        original._computed = None  # noqa: SLF001  (a cached epoch value is stale now)
-        if metric_batch_value(head) is not None:  # the step value Lightning logs: the whole batch's
-            batch_values[id(original)] = head.compute()
+        merge_into(original, [states_of(r) for r in reps if r.update_count])
+        ran_forward = [r for r in reps if id(r) in forwards]
+        if ran_forward:  # the step value Lightning logs: what the last forward gives on the whole batch
+            batch_values[id(original)] = batch_value(ran_forward[0], [forwards[id(r)] for r in ran_forward])
     return originals
 
 
@@ -214,6 +195,7 @@ class DataParallelStrategy(Strategy):
         self._leaves_checked = False
         self._cpu_only = False
         self._metric_paths: list[str] = []
+        self._collection_paths: list[str] = []
         # {id(original Metric): its value for the whole batch of the last step the replicas ran}.
         self._batch_values: dict[int, Any] = {}
 
@@ -227,8 +209,10 @@ class DataParallelStrategy(Strategy):
             self.parallel_backward = self._cpu_only
         self._replicator = Replicator()
         self._leaves_checked = False
-        # Where the module holds torchmetrics Metrics (their replicas get states of their own each step).
+        # Where the module holds torchmetrics Metrics and MetricCollections (their replicas get states and
+        # compute groups of their own each step).
         self._metric_paths = [name for name, m in module.named_modules() if is_torchmetric(m)]
+        self._collection_paths = [name for name, m in module.named_modules() if is_torchmetric(m, "MetricCollection")]
 
     def teardown(self) -> None:
         self._replicator = Replicator()  # drop the cached structure (and the module it holds)
@@ -285,15 +269,21 @@ class DataParallelStrategy(Strategy):
         weights = [_chunk_size(a) for a in args]
         sinks: list[_ReplicaLog] = []
         made: list[nn.Module] = []
-        metric_paths = self._metric_paths
+        metric_paths, collection_paths = self._metric_paths, self._collection_paths
+        forwards: dict[int, States] = {}  # {id(replica Metric): what its last forward's batch alone left}
 
         def give_each_replica_a_log(replicas: list[nn.Module]) -> None:
             made.extend(replicas)
-            for replica in replicas:
+            first = torch.device(devices[0])
+            for replica, device in zip(replicas, devices):
                 sinks.append(_ReplicaLog())
                 redirect_log(replica, sinks[-1])
                 for path in metric_paths:
-                    _own_metric_state(replica.get_submodule(path))
+                    metric: Any = replica.get_submodule(path)
+                    # On the replica's device, unless the module keeps this Metric elsewhere (on the CPU, say).
+                    give_own_state(metric, device if metric.device == first else metric.device, forwards)
+                for path in collection_paths:
+                    give_own_groups(replica.get_submodule(path))
 
         parallel_backward = bool(self.parallel_backward)
         check = parallel_backward and training and not self._leaves_checked
@@ -312,7 +302,9 @@ class DataParallelStrategy(Strategy):
         if check and len(args) > 1:
             self._leaves_checked = True
         root = self.root_device
-        metrics = _merge_metrics(module, made, metric_paths, self._batch_values) if metric_paths and made else {}
+        metrics = (
+            _merge_metrics(module, made, metric_paths, forwards, self._batch_values) if metric_paths and made else {}
+        )
         if sinks:
             _combine_logs(module, sinks, weights, root, metrics)
         return _combine_outputs(outputs, weights, root, training)
