@@ -82,6 +82,15 @@ def test_registering_a_taken_name_needs_override():
     assert isinstance(get_strategy("single"), Recording)
 
 
+def test_suggestions_allow_one_slip_per_three_letters_a_swap_counting_one():
+    known = ["ddp", "ddp_spawn", "dp", "single"]
+    assert registry.suggestions("dpp", known) == ["ddp", "dp"]  # one substitution / one deletion
+    assert registry.suggestions("pdd", known) == ["ddp"]  # one swap (Levenshtein: two)
+    assert registry.suggestions("ddp_spwan", known) == ["ddp_spawn"]
+    assert registry.suggestions("Single", known) == ["single"]
+    assert registry.suggestions("zzzzzz", known) == []
+
+
 @pytest.mark.usefixtures("clean_registry")
 def test_registered_strategy_shows_up_in_suggestions():
     register_strategy("my_fancy_strategy", Recording)

@@ -159,6 +159,42 @@ def test_unknown_strategy_without_a_close_name():
     assert "Did you mean" not in str(info.value) and "Registered strategies" in str(info.value)
 
 
+def test_a_misspelt_strategy_with_swapped_or_doubled_letters_is_suggested():
+    """Suggestions count a wrong, missing, extra or swapped letter as one slip, so "dpp" offers both names it
+    is one slip from (difflib offered only "dp")."""
+    with pytest.raises(ValueError, match=r"Unknown strategy 'dpp'\. Did you mean 'ddp' or 'dp'\?"):
+        fast_trainer(strategy="dpp")
+    with pytest.raises(ValueError, match=r"Unknown strategy 'sinlge'\. Did you mean 'single'\?"):
+        fast_trainer(strategy="sinlge")
+    with pytest.raises(ValueError, match=r"Unknown strategy 'DDP'\. Did you mean 'ddp'"):
+        fast_trainer(strategy="DDP")
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (
+            {"default_root_dir": 5},
+            TypeError,
+            r"default_root_dir must be a directory path \(a str or a pathlib.Path\), got 5 \(int\)\. Pass where "
+            r"logs and checkpoints go",
+        ),
+        (
+            {"max_time": {"hourz": 2}},
+            TypeError,
+            r"max_time has the key 'hourz', which is not a unit of time \(did you mean 'hours'\?\)\. Its keys are "
+            r"datetime.timedelta's arguments: weeks, days, hours, minutes, seconds",
+        ),
+        ({"max_time": {"hours": "2"}}, TypeError, r"max_time\['hours'\] is '2', not a number"),
+        ({"max_time": "2h"}, ValueError, r"max_time is '2h': .*'DD:HH:MM:SS'.* It takes a datetime.timedelta"),
+        ({"max_time": -5}, ValueError, r"max_time is -5, a negative duration"),
+    ],
+)
+def test_bad_root_dir_and_max_time_name_the_argument_and_the_value(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fast_trainer(**kwargs)
+
+
 def test_unknown_accelerator():
     with pytest.raises(ValueError, match=r"Unknown accelerator 'tpu'. Use one of auto, cpu, cuda, gpu"):
         fast_trainer(accelerator="tpu")

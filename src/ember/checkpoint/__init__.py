@@ -8,6 +8,7 @@
 ``background.py``   ``BackgroundWriter``: the same file, written by a thread after one copy
 ``contents.py``     what a checkpoint holds (``dump``) and ``save``: state -> dict -> the strategy's writer
 ``validation.py``   every entry checked against the resuming run before anything changes
+``optimizers.py``   each optimizer's state checked against the optimizer it would go into
 ``restore.py``      resuming a fit in Lightning's three parts, all or nothing
 ``locate.py``       ``ckpt_path="last"`` / ``"best"`` / ``"auto"`` -> a file
 ``auto_resume.py``  a restarted torchrun or SLURM job resumes from its own latest checkpoint

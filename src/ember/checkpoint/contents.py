@@ -11,7 +11,7 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so it
 ``datamodule_hyper_parameters``, ``datamodule_hparams_name``  the same for the datamodule, when it saved some
 ``module_class``       ``"package.module.ClassName"`` of the module, for messages
 ``weights_only``       True when only the above was saved (``save_weights_only``)
-``optimizer_states``   one ``state_dict`` per optimizer
+``optimizer_states``   one ``state_dict`` per optimizer, with its class under ``optimizer_class``
 ``lr_schedulers``      one ``state_dict`` per LR scheduler
 ``precision``          GradScaler state (empty unless 16-mixed)
 ``progress``           epoch, global step, batches consumed in the epoch, validation progress

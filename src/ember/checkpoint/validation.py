@@ -4,7 +4,9 @@ A fit resume (``restore.py``) is transactional: it first checks every entry it w
 optimizers, schedulers, precision, callbacks, metrics, sampler position, RNG states, weights),
 and only then changes the module, the optimizers and the callbacks. A malformed or mismatched
 entry raises a ``CheckpointError`` that names the entry and says what is wrong, with nothing
-touched. The checks are about shape and type, not about values a run could legitimately have.
+touched. The checks are about shape and type, not about values a run could legitimately have. Each
+optimizer's state is checked against the optimizer it would go into (its class, its groups' keys, the
+keys and shapes of its per-parameter state: ``optimizers.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ember.checkpoint import optimizers
 from ember.checkpoint.io import CheckpointError
 
 if TYPE_CHECKING:
@@ -34,7 +37,16 @@ _METRIC_FIELDS = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_f
 
 
 class _Bad(Exception):
-    """What is wrong with one entry; turned into a CheckpointError naming the entry."""
+    """What is wrong with one entry; turned into a CheckpointError naming the entry.
+
+    Args:
+        what: what is wrong.
+        advice: what to do, where there is more to say than to resume from another checkpoint.
+    """
+
+    def __init__(self, what: str, advice: str | None = None) -> None:
+        super().__init__(what)
+        self.advice = advice
 
 
 def _int(value: Any, what: str, low: int = 0) -> int:
@@ -92,8 +104,8 @@ def validate(trainer: Trainer, ckpt: dict[str, Any], path: str, part: str) -> No
         except _Bad as bad:
             raise CheckpointError(
                 f"Checkpoint {path!r} has a malformed or mismatched {entry!r} entry: {bad}. "
-                "Nothing was loaded: the module, optimizers and callbacks are unchanged. Resume "
-                "from another checkpoint (or one written with this configuration)."
+                "Nothing was loaded: the module, optimizers and callbacks are unchanged. "
+                + (bad.advice or "Resume from another checkpoint (or one written with this configuration).")
             ) from None
         except (KeyError, TypeError, AttributeError, IndexError, ValueError) as err:
             raise CheckpointError(
@@ -128,33 +140,32 @@ def _optimizers(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:
     saved = _list(value, "optimizer_states")
     saved_scheds = ckpt.get("lr_schedulers")
     n_scheds = len(saved_scheds) if isinstance(saved_scheds, (list, tuple)) else "?"
+    # What to do when the optimizers differ from the ones that wrote the file.
+    advice = (
+        "Resume with the optimizers that wrote it (configure_optimizers as it was then), or start a new fit "
+        f"from its weights alone: {type(trainer.module).__name__}.load_from_checkpoint(path), then fit without "
+        "ckpt_path."
+    )
     if len(saved) != len(opts) or n_scheds != len(scheds):
         raise _Bad(
             f"it has {len(saved)} optimizer(s) and {n_scheds} LR scheduler(s) but configure_optimizers "
-            f"returned {len(opts)} and {len(scheds)}"
+            f"returned {len(opts)} and {len(scheds)}",
+            advice,
         )
     for i, (opt, state) in enumerate(zip(opts, saved)):
         state = _dict(state, f"optimizer {i}'s state")
         groups = _list(state.get("param_groups"), f"optimizer {i}'s param_groups")
-        per_param = _dict(state.get("state", {}), f"optimizer {i}'s per-parameter state")
+        _dict(state.get("state", {}), f"optimizer {i}'s per-parameter state")
         ours = [len(g["params"]) for g in opt.param_groups]
         theirs = [len(_list(_dict(g, "a parameter group").get("params"), "a group's params")) for g in groups]
         if ours != theirs:
-            raise _Bad(f"optimizer {i} has parameter groups of sizes {theirs}, but the optimizer now has {ours}")
-        # The saved ids are positions in the saved groups; match them to this run's parameters.
-        params = {
-            pid: p for g_saved, g in zip(groups, opt.param_groups) for pid, p in zip(g_saved["params"], g["params"])
-        }
-        for pid, slots in per_param.items():
-            if pid not in params:
-                raise _Bad(f"optimizer {i} has state for parameter id {pid!r}, which none of its groups lists")
-            param = params[pid]
-            for name, tensor in _dict(slots, f"optimizer {i}'s state of parameter {pid}").items():
-                if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and tensor.shape != param.shape:
-                    raise _Bad(
-                        f"optimizer {i}'s {name!r} for parameter {pid} has shape {tuple(tensor.shape)}, the "
-                        f"parameter has {tuple(param.shape)}"
-                    )
+            raise _Bad(
+                f"optimizer {i} has parameter groups of sizes {theirs}, but the optimizer now has {ours}", advice
+            )
+        try:
+            optimizers.check(i, opt, state)
+        except optimizers.Mismatch as mismatch:
+            raise _Bad(str(mismatch), advice) from None
 
 
 def _schedulers(trainer: Trainer, ckpt: dict[str, Any], value: Any) -> None:

@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
-from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
 from ember.data.sampler import ShardedSampler
 
@@ -65,24 +65,28 @@ class _ResumableDataLoader(DataLoader):
                 self.generator = None
         return super().__iter__()
 
-    def shutdown_workers(self) -> None:
-        """Stop the persistent workers now (a fit that built this loader ends).
-
-        Left to the garbage collector, they would be stopped when the Trainer is, and in a reference
-        cycle that takes about 5 s per worker: the collector closes the iterator's index queues before
-        the iterator's ``__del__`` sends the workers their stop message, so torch waits for each
-        worker in vain and then terminates it.
-        """
-        # Dropping the loader's reference, the last one once the fit's loops are done, runs the iterator's
-        # ``__del__`` now (reference counting, no collector): it sends the stop messages, then joins the workers.
-        self._iterator = None
-
 
 def shutdown_workers(loader: Any) -> None:
-    """Stop the persistent workers of a loader ember built (``rebuild_with_sampler``); the user's own
-    loaders keep theirs."""
-    if isinstance(loader, _ResumableDataLoader):
-        loader.shutdown_workers()
+    """Stop the worker processes a ``DataLoader`` keeps between epochs (``persistent_workers=True``) now, and
+    forget its iterator: its next iteration starts new workers. The Trainer calls it for every loader a stage
+    ran when the stage ends, as Lightning does. Anything but a DataLoader (or ``SkipFirstBatches`` around one)
+    is left as it is.
+
+    Left to themselves, the workers live as long as the loader does; and dropping a loader whose iterator is
+    in a reference cycle takes about 5 s per worker: the garbage collector closes the iterator's index queues
+    before the iterator's ``__del__`` sends the workers their stop message, so torch waits for each worker
+    in vain and then terminates it.
+    """
+    if isinstance(loader, SkipFirstBatches):
+        loader = loader.loader
+    if not isinstance(loader, DataLoader):
+        return
+    # torch has no public call for this: the iterator's _shutdown_workers is what its own __del__ calls, and
+    # the loader keeps a persistent iterator in _iterator (None otherwise, or before the first epoch).
+    iterator = loader._iterator  # noqa: SLF001
+    if isinstance(iterator, _MultiProcessingDataLoaderIter):
+        iterator._shutdown_workers()  # noqa: SLF001
+    loader._iterator = None  # noqa: SLF001
 
 
 def rebuild_with_sampler(loader: DataLoader, sampler: Sampler) -> DataLoader:

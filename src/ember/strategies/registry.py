@@ -39,12 +39,38 @@ def available_strategies() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def suggestions(name: str, known: list[str]) -> list[str]:
+    """The names in ``known`` that ``name`` may be a typo of, closest first: those one slip away for a short
+    name, up to a third of its letters for a long one (a wrong, missing, extra or swapped letter counts one, and
+    case none: "dpp" is one from both "dp" and "ddp"), or else the most similar by ``difflib``."""
+    limit = max(1, len(name) // 3)
+    near = sorted((d, n) for n in known if (d := _typo_distance(name.lower(), n.lower())) <= limit)
+    if near:
+        return [n for _, n in near]
+    hint = closest(name, known)
+    return [hint] if hint else []
+
+
+def _typo_distance(a: str, b: str) -> int:
+    """The fewest one-letter edits (replace, insert, delete, or swap two neighbours) turning ``a`` into ``b``:
+    the optimal string alignment distance, in which a transposition costs one (Levenshtein counts two)."""
+    rows = [list(range(len(b) + 1))]
+    for i in range(1, len(a) + 1):
+        row = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(rows[-1][j] + 1, row[j - 1] + 1, rows[-1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], rows[-2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
+
+
 def get_strategy(name: str, **extra: Any) -> Strategy:
     """Build the strategy registered as ``name``."""
     if name not in _REGISTRY:
         known = available_strategies()
-        hint = closest(name, known)
-        suggestion = f" Did you mean {hint!r}?" if hint else ""
+        hints = suggestions(name, known)
+        suggestion = f" Did you mean {' or '.join(repr(h) for h in hints)}?" if hints else ""
         raise ValueError(
             f"Unknown strategy {name!r}.{suggestion} Registered strategies: {', '.join(known)}. "
             "Pass one of these names, a Strategy instance, or register your own with "

@@ -14,12 +14,14 @@ import torch
 
 import ember.callbacks as cbs
 from ember.callbacks.callback import Callback
+from ember.callbacks.timer import parse_duration
 from ember.loggers.logger import Logger
 from ember.loggers.tensorboard import default_logger
 from ember.profilers import PROFILERS, PassThroughProfiler, Profiler
 from ember.strategies.launchers.launcher import detect_world
 from ember.strategies.registry import get_strategy
 from ember.strategies.strategy import Strategy
+from ember.utils import closest
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -141,6 +143,50 @@ def check_limit(name: str, value: int | float | None) -> int | float:
     return value
 
 
+def check_root_dir(default_root_dir: Any) -> str:
+    """``default_root_dir`` as a path string (the working directory when None)."""
+    if default_root_dir is None:
+        return os.getcwd()
+    path = os.fspath(default_root_dir) if isinstance(default_root_dir, (str, os.PathLike)) else None
+    if not isinstance(path, str):
+        raise TypeError(
+            f"default_root_dir must be a directory path (a str or a pathlib.Path), got {default_root_dir!r} "
+            f"({type(default_root_dir).__name__}). Pass where logs and checkpoints go, e.g. "
+            "default_root_dir='runs/exp1', or leave it out for the working directory."
+        )
+    return path
+
+
+#: The keys of a ``max_time`` dict: ``datetime.timedelta``'s arguments.
+_DURATION_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
+
+
+def check_max_time(max_time: Any) -> None:
+    """``max_time``: a timedelta, seconds, a dict of timedelta's arguments or "DD:HH:MM:SS" (each error
+    names the argument, the bad key or value, and what it takes)."""
+    if isinstance(max_time, dict):
+        for key, value in max_time.items():
+            if key not in _DURATION_KEYS:
+                hint = closest(str(key), list(_DURATION_KEYS))
+                raise TypeError(
+                    f"max_time has the key {key!r}, which is not a unit of time"
+                    + (f" (did you mean {hint!r}?)" if hint else "")
+                    + f". Its keys are datetime.timedelta's arguments: {', '.join(_DURATION_KEYS)}; for example "
+                    "max_time={'hours': 2, 'minutes': 30}."
+                )
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"max_time[{key!r}] is {value!r}, not a number; for example max_time={{{key!r}: 2}}.")
+    try:
+        duration = parse_duration(max_time)
+    except (TypeError, ValueError) as err:
+        raise type(err)(
+            f"max_time is {max_time!r}: {err} It takes a datetime.timedelta, a number of seconds, a dict such as "
+            "{'hours': 2}, a 'DD:HH:MM:SS' string, or None for no limit."
+        ) from None
+    if duration is not None and duration.total_seconds() < 0:
+        raise ValueError(f"max_time is {max_time!r}, a negative duration; pass how long training may run, or None.")
+
+
 #: Lightning ``Trainer`` arguments ember does not take, and why (named in the error instead of a guess).
 NOT_TAKEN = {
     "num_nodes": "ember's ddp reads the world (nodes included) from torchrun or SLURM; start it with torchrun",
@@ -259,6 +305,7 @@ def build_callbacks(
     for cb in callbacks:
         if not isinstance(cb, Callback):
             raise TypeError(f"callbacks must be ember.callbacks.Callback instances, got {type(cb).__name__}.")
+    check_max_time(max_time)
     if max_time is not None:  # as Lightning: a Timer checking after every step, unless one is given
         if any(isinstance(c, cbs.Timer) for c in callbacks):
             log.info("Ignoring Trainer(max_time=...): the callbacks already contain a Timer.")

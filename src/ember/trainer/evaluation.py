@@ -33,6 +33,7 @@ from ember.data.resumable import resumable_sampler_of
 from ember.module import TrainModule, _restore_modes, hook_parameters, takes_dataloader_iter
 from ember.profilers.base import wrap
 from ember.trainer.dataloader_iter import DataLoaderIter, Fetched, last_by_count, last_by_lookahead
+from ember.trainer.loader_checks import warn_if_short
 from ember.trainer.loaders import batch_transfer
 from ember.trainer.lockstep import COUNT_REST_SECONDS
 from ember.utils import defines_hook, is_overridden, sized_len, to_floats
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 
 
 _END = object()
+_KIND = {"sanity": "val", "validate": "val", "test": "test", "predict": "predict"}  # a loader's name, by stage
 _Batches = Iterator[tuple[Any, bool]]  # (batch, whether it is a padding batch)
 
 
@@ -118,7 +120,7 @@ class EvaluationLoop:
         if self.strategy.world_size > 1 and hook != "predict" and _unsized(loader):
             batches = _agreed(loader, limit, self.strategy, dl_idx if many else None, stage)
         else:
-            batches = _sharded(loader, limit)
+            batches = _sharded(loader, limit, f"{_KIND[stage]} dataloader {dl_idx}")
         for batch_idx, (batch, padding) in enumerate(batches):
             metrics.padding = padding
             if transfer is not None:
@@ -168,7 +170,7 @@ class EvaluationLoop:
                 if agree and _unsized(loader):
                     batches = _agreed(loader, limit, strategy, dl_idx if many else None, stage)
                 else:
-                    batches = _sharded(loader, limit)
+                    batches = _sharded(loader, limit, f"{_KIND[stage]} dataloader {dl_idx}")
                 for batch_idx, (batch, padding) in enumerate(batches):
                     yield (batch, batch_idx, dl_idx), padding
 
@@ -281,15 +283,18 @@ class EvaluationLoop:
         return results
 
 
-def _sharded(loader: Any, limit: float) -> _Batches:
+def _sharded(loader: Any, limit: float, name: str) -> _Batches:
     """``(batch, padding)`` for the first ``limit`` batches of a loader whose padding, if any, its
-    sampler placed (``data/sampler.py``): batches from ``real_batches`` on are padding."""
+    sampler placed (``data/sampler.py``): batches from ``real_batches`` on are padding. ``name``: the loader,
+    for the warning that it yielded fewer batches than its length."""
     real = getattr(resumable_sampler_of(loader), "real_batches", None)
     real = math.inf if real is None else real
+    batch_idx = -1
     for batch_idx, batch in enumerate(loader):
         if batch_idx >= limit:
             return
         yield batch, batch_idx >= real
+    warn_if_short(loader, batch_idx + 1, limit, name)
 
 
 def _agreed(loader: Any, limit: float, strategy: Strategy, dl_idx: int | None, stage: str) -> _Batches:

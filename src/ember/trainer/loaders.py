@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import IterableDataset, SequentialSampler
 
 from ember.data import DataModule
-from ember.data.resumable import rebuild_with_sampler, shutdown_workers, why_not_swappable
+from ember.data.resumable import SkipFirstBatches, rebuild_with_sampler, shutdown_workers, why_not_swappable
 from ember.module import TrainModule
+from ember.trainer.loader_checks import check_loaders
 from ember.utilities.combined_loader import CombinedLoader
 from ember.utils import defines_hook, is_overridden, move_to_device, sized_len
 
@@ -88,6 +89,19 @@ class CombinedBatches:
         self.combined.load_state_dict(state)
 
 
+def close_loaders(loaders: Iterable[Any]) -> None:
+    """Stop the worker processes that ``loaders`` (as the loops run them) keep between epochs
+    (``persistent_workers=True``): a stage's loaders when it ends, as Lightning, and a loader a reload replaces.
+    Each loader of a ``CombinedLoader``; loaders that are not DataLoaders have nothing to stop."""
+    for loader in loaders:
+        if isinstance(loader, SkipFirstBatches):  # (a mid-epoch resume of a loader without a resumable sampler)
+            loader = loader.loader
+        if isinstance(loader, CombinedBatches):
+            loader = loader.combined
+        for inner in loader.flattened if isinstance(loader, CombinedLoader) else [loader]:
+            shutdown_workers(inner)
+
+
 def process(trainer: Trainer, loader: Any, stage: Stage) -> Any:
     """``loader`` as the strategy runs it for ``stage``; a CombinedLoader's inner loaders each (every one
     sharded under ddp and, for fit, resumable, as Lightning processes each). An empty evaluation loader
@@ -123,9 +137,11 @@ def combined_train(loader: Any) -> Any:
     return loader
 
 
-def request(trainer: Trainer, given: Any, attr: str) -> Any:
-    """``given`` if not None, else what the datamodule's (or, without one, the module's) ``attr()`` returns."""
+def request(trainer: Trainer, given: Any, attr: str, argument: str = "") -> Any:
+    """``given`` if not None, else what the datamodule's (or, without one, the module's) ``attr()`` returns;
+    checked (``loader_checks.check_loaders``); ``argument`` names where ``given`` was passed, for its errors."""
     if given is not None:
+        check_loaders(given, argument)
         return given
     dm = trainer.datamodule
     if dm is not None:
@@ -144,6 +160,7 @@ def request(trainer: Trainer, given: Any, attr: str) -> Any:
             f"batches), or a list or dict of them. To go without, do not define {attr}()"
             + (", or set limit_val_batches=0." if attr == "val_dataloader" else ".")
         )
+    check_loaders(loaders, f"what {type(source).__name__}.{attr}() returned")
     return loaders
 
 
@@ -151,7 +168,7 @@ def eval_loaders(
     trainer: Trainer, given: Any, stage: Stage, attr: str, limit: int | float
 ) -> tuple[list[Any], list[float]]:
     """validate / test / predict: the loaders (processed by the strategy) and the batches to run of each."""
-    loaders = as_list(request(trainer, given, attr))
+    loaders = as_list(request(trainer, given, attr, f"{stage}'s dataloaders"))
     if not loaders:
         raise ValueError(f"{stage} needs data: pass dataloaders or a datamodule.")
     warn_empty(trainer, loaders, {"validate": "validation"}.get(stage, stage))
@@ -316,7 +333,7 @@ class FitData:
         self._val_loaded_at = t.current_epoch
         if not self.validates:
             return
-        loaders = as_list(request(t, self._given[1], "val_dataloader"))
+        loaders = as_list(request(t, self._given[1], "val_dataloader", "fit's val_dataloaders"))
         if not is_overridden("validation_step", t.module, TrainModule):
             if any(sized_len(d) != 0 for d in loaders):
                 raise ValueError(
@@ -330,7 +347,7 @@ class FitData:
         """Request the train loader (once per fit) and count its batches."""
         if self.train_loader is not None:
             return
-        train = request(self._trainer, self._given[0], "train_dataloader")
+        train = request(self._trainer, self._given[0], "train_dataloader", "fit's train_dataloaders")
         if train is None:
             raise ValueError(
                 "fit needs training data: pass train_dataloaders, or a datamodule with train_dataloader()."
@@ -361,13 +378,12 @@ class FitData:
             self._set_val(as_list(request(t, None, "val_dataloader")))
 
     def close(self) -> None:
-        """The fit ends: stop the persistent workers of the train loader ember rebuilt (nobody else can
-        iterate it again)."""
-        shutdown_workers(self.train_loader)
+        """The fit ends: stop the worker processes its loaders keep between epochs (``close_loaders``)."""
+        close_loaders([self.train_loader, *self.val_loaders])
 
     def _set_train(self, loader: Any) -> None:
         t = self._trainer
-        shutdown_workers(self.train_loader)  # a reload replaces it
+        close_loaders([self.train_loader])  # a reload replaces it
         loader = combined_train(loader)
         if t.overfit_batches:
             if isinstance(loader, CombinedLoader):
@@ -382,6 +398,7 @@ class FitData:
 
     def _set_val(self, loaders: list[Any]) -> None:
         t = self._trainer
+        close_loaders(self.val_loaders)  # a reload replaces them
         warn_empty(t, loaders, "validation")
         if t.overfit_batches:
             loaders = [unshuffled(v, "val") for v in loaders]

@@ -36,6 +36,7 @@ from ember.module import takes_dataloader_iter
 from ember.profilers.base import iterate, wrap
 from ember.rng import apply_rng, capture_rng
 from ember.trainer.dataloader_iter import DataLoaderIter, last_by_count, last_by_lookahead
+from ember.trainer.loader_checks import warn_if_short
 from ember.trainer.loaders import batch_transfer, set_loader_epoch
 from ember.trainer.lockstep import Lockstep, uneven_message
 from ember.trainer.step import as_output_dict
@@ -455,6 +456,9 @@ class FitLoop:
             self._report_uneven(lockstep, start, p.batch_in_epoch)
         if batch_idx < start and start == 0:  # the loader yielded nothing
             self._no_batch(step.sized)
+        elif exhausted and step.sized:  # its batches ran out: before its len() said they would?
+            ends = " What follows an epoch's last batch (its validation, epoch-interval LR schedulers) did not run."
+            warn_if_short(loader, batch_idx + 1, n_batches, "train dataloader", ends)
         # Whether the epoch ran to its last batch: a stop mid-epoch (max_steps, should_stop) leaves
         # the epoch-end schedulers unstepped, as Lightning does.
         ran_last = is_last and p.batch_in_epoch == batch_idx + 1  # (not a batch refused by on_train_batch_start)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ember.checkpoint.optimizers import CLASS_KEY, class_name
 from ember.module import TrainModule
 from ember.types import SchedulerConfig
 from ember.utils import closest, defines_hook, is_overridden
@@ -272,9 +273,10 @@ class OptimizerState:
         return self.precision.optimizer_step(optimizer, self.strategy, closure, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizers' and LR schedulers' states, under the checkpoint's keys."""
+        """The optimizers' and LR schedulers' states, under the checkpoint's keys; each optimizer's with its
+        class beside it (``ember.checkpoint.optimizers.CLASS_KEY``), which a resume checks."""
         return {
-            "optimizer_states": [opt.state_dict() for opt in self.optimizers],
+            "optimizer_states": [{**opt.state_dict(), CLASS_KEY: class_name(opt)} for opt in self.optimizers],
             "lr_schedulers": [cfg.scheduler.state_dict() for cfg in self.schedulers],
         }
 

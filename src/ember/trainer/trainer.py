@@ -27,7 +27,7 @@ from ember.trainer.compile import is_compiled, unwrap_compiled
 from ember.trainer.evaluation import EvaluationLoop
 from ember.trainer.fit_summary import print_fit_summary
 from ember.trainer.hooks import Hooks
-from ember.trainer.loaders import FitData, eval_loaders
+from ember.trainer.loaders import FitData, close_loaders, eval_loaders
 from ember.trainer.log_writer import LogWriter
 from ember.trainer.loops import FitLoop
 from ember.trainer.optim import NO_OPTIMIZER_WARNING, NoOptimizer, OptimizerState, check_scheduler_api, parse_optimizers
@@ -178,7 +178,7 @@ class Trainer(TrainerProperties):
         self.enable_autolog_hparams = bool(enable_autolog_hparams)
         self.num_sanity_val_steps = math.inf if num_sanity_val_steps == -1 else num_sanity_val_steps
         self.log_every_n_steps = log_every_n_steps
-        self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
+        self.default_root_dir = arguments.check_root_dir(default_root_dir)
 
         # As Lightning: True for 1 (and True), else the number of batches (0 or False: off).
         self.fast_dev_run: bool | int = True if fast_dev_run == 1 else fast_dev_run
@@ -459,8 +459,11 @@ class Trainer(TrainerProperties):
                 self._hooks.call("teardown", stage=stage)
         finally:
             try:
+                # As Lightning: the worker processes of the stage's loaders end with it (persistent ones too).
                 if stage == "fit":
                     self._data.close()
+                else:
+                    close_loaders(self._eval_loaders.get(stage, []))
                 self.profiler.describe()  # the report: written to its file, or printed on rank zero
             finally:
                 self.strategy.teardown()
