@@ -1,45 +1,28 @@
-"""``EmberCLI``: run experiments from YAML, in the spirit of Lightning's ``LightningCLI``.
-
-    # main.py
-    from ember.cli import EmberCLI
-    EmberCLI(MyModule, MyDataModule)
-
-    python main.py fit --config experiment.yaml --trainer.max_epochs 5 --model.lr 0.01
-    python main.py fit --print_config > experiment.yaml      # every setting, with its default
-
-Subcommands ``fit``, ``validate``, ``test`` and ``predict`` take ``--trainer.*``, ``--model.*`` and
-``--data.*`` from the classes' type hints (jsonargparse reads the ``__init__`` signatures, so a
-misspelt key in a YAML file or on the command line is an error naming the keys there are),
-``--config`` files (several, later ones overriding), ``--seed_everything`` and the entry point's
-own arguments (``--ckpt_path``). ``add_arguments_to_parser`` is where a subclass adds arguments and
-links them (``parser.link_arguments("data.num_classes", "model.num_classes")``).
-
-The resolved configuration of each run is saved as ``config.yaml`` in the run's log folder
-(``trainer.log_dir``) on global rank zero, so a run can be repeated with ``--config`` that file. A
-file already there is not overwritten: the run stops before training and says what to do.
-
-jsonargparse is an optional dependency: ``pip install 'ember[cli]'``.
-"""
+"""``EmberCLI``: builds the module, the datamodule and the Trainer from the command line and config
+files, and runs the subcommand (the package docstring, ``ember/cli/__init__.py``, shows its use)."""
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Callable
 from typing import Any
 
 from ember.callbacks.callback import Callback
+from ember.cli.save_config import RESUME_KEYS, SaveConfigCallback
 from ember.data import DataModule
 from ember.module import TrainModule
 from ember.seed import seed_everything
 from ember.trainer.trainer import Trainer
 
+_UNUSABLE: ImportError | None = None  # why EmberCLI cannot run here, raised when it is used
 try:
-    from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
-except ImportError:  # the error is raised when EmberCLI is used, saying how to install it
-    ArgumentParser = None  # type: ignore[assignment, misc]
+    from jsonargparse import ActionConfigFile, Namespace
 
-__all__ = ["EmberCLI", "SaveConfigCallback"]
+    from ember.cli.confined import ConfinedParser
+except ImportError as err:
+    _UNUSABLE = err
+
+__all__ = ["EmberCLI"]
 
 _SUBCOMMANDS = {
     "fit": "Train a model.",
@@ -52,42 +35,10 @@ _FILLED = {"module", "model", "train_dataloaders", "val_dataloaders", "dataloade
 
 
 def _require_jsonargparse() -> None:
-    if ArgumentParser is None:
+    if isinstance(_UNUSABLE, ModuleNotFoundError) and (_UNUSABLE.name or "").startswith("jsonargparse"):
         raise ImportError("EmberCLI needs jsonargparse: pip install 'ember[cli]' (or jsonargparse[signatures]).")
-
-
-class SaveConfigCallback(Callback):
-    """Saves the run's resolved configuration to ``<trainer.log_dir>/<config_filename>`` at setup, on
-    global rank zero. An existing file stops the run (``overwrite=True`` replaces it instead).
-
-    Args:
-        parser: the parser that read the configuration (it writes it back in the same form).
-        config: the resolved configuration.
-        config_filename: the file's name in the log folder.
-        overwrite: replace an existing file.
-    """
-
-    def __init__(self, parser: Any, config: Any, config_filename: str = "config.yaml", overwrite: bool = False) -> None:
-        self.parser, self.config = parser, config
-        self.config_filename, self.overwrite = config_filename, overwrite
-        self.path: str | None = None
-
-    def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
-        folder = trainer.log_dir or trainer.default_root_dir
-        path = os.path.join(folder, self.config_filename)
-        exists = os.path.exists(path) and not self.overwrite
-        if trainer.world_size > 1:  # every rank stops, or none: rank zero decides
-            exists = trainer.strategy.broadcast(exists, src=0)
-        if exists:
-            raise RuntimeError(
-                f"{path} already exists, and EmberCLI does not overwrite a saved configuration. Use "
-                "another log folder (--trainer.default_root_dir, or a logger with a new version), "
-                "remove the file, or pass save_config_kwargs={'overwrite': True}."
-            )
-        if trainer.is_global_zero:
-            os.makedirs(folder, exist_ok=True)
-            self.parser.save(self.config, path, skip_none=False, overwrite=self.overwrite, skip_validation=True)
-            self.path = path
+    if _UNUSABLE is not None:
+        raise _UNUSABLE
 
 
 class EmberCLI:
@@ -132,6 +83,7 @@ class EmberCLI:
         self.save_config_callback, self.save_config_kwargs = save_config_callback, dict(save_config_kwargs or {})
         self.parser_kwargs = dict(parser_kwargs or {})
         self.subclass_mode_model, self.subclass_mode_data = subclass_mode_model, subclass_mode_data
+        self._seed_drawn = False
 
         self.parser = self._build_parser(run)
         self.config = self.parser.parse_args(args) if not isinstance(args, dict) else self.parser.parse_object(args)
@@ -142,14 +94,15 @@ class EmberCLI:
 
     # ------------------------------------------------------------------ the parser
     def _build_parser(self, run: bool) -> Any:
-        main = ArgumentParser(**self.parser_kwargs)
+        # ConfinedParser: a class_path is built only where a parameter's type names its base (confined.py).
+        main = ConfinedParser(**self.parser_kwargs)
         self.subparsers: dict[str, Any] = {}
         if not run:
             self._add_arguments(main, None)
             return main
         subcommands = main.add_subcommands(required=True, dest="subcommand")
         for name, help_text in _SUBCOMMANDS.items():
-            sub = ArgumentParser(description=help_text, **self.parser_kwargs)
+            sub = ConfinedParser(description=help_text, **self.parser_kwargs)
             self._add_arguments(sub, name)
             subcommands.add_subcommand(name, sub, help=help_text)
             self.subparsers[name] = sub
@@ -195,6 +148,7 @@ class EmberCLI:
         if seed is True:
             seed = random.randint(0, 2**31 - 1)
             section["seed_everything"] = seed  # saved in the config: the run can be repeated exactly
+            self._seed_drawn = True
         if seed is not False:
             seed_everything(int(seed))
         init = self.parser.instantiate_classes(self.config)
@@ -213,10 +167,11 @@ class EmberCLI:
         callbacks = kwargs.get("callbacks") or []
         callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
         if self.save_config_callback is not None and self.subcommand is not None:
+            save_kwargs = dict(self.save_config_kwargs)
+            if self._seed_drawn:  # a seed drawn for this process does not make a resumed fit another run
+                save_kwargs.setdefault("ignore_on_resume", (*RESUME_KEYS, "seed_everything"))
             callbacks.append(
-                self.save_config_callback(
-                    self.subparsers[self.subcommand], self.config[self.subcommand], **self.save_config_kwargs
-                )
+                self.save_config_callback(self.subparsers[self.subcommand], self.config[self.subcommand], **save_kwargs)
             )
         kwargs["callbacks"] = callbacks
         return self.trainer_class(**kwargs)
