@@ -4,7 +4,7 @@ Then ModelCheckpoint as Lightning's: when ``last`` is written, ``last`` name tem
 
 Every expected file list in that second part (from "Lightning parity" on) was checked against Lightning
 2.6.6 running the same module (4 training batches per epoch, validation once per epoch) unless a comment
-says where ember differs on purpose (README, "Where ember deliberately differs from Lightning").
+says where ember differs on purpose (docs/from-lightning.md, "Where ember deliberately differs from Lightning").
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def test_every_n_train_steps(tmp_path):
     fit(tmp_path, cb, epochs=2)
     assert files(tmp_path) == ["last.ckpt", "step=3.ckpt", "step=6.ckpt"]
     # last.ckpt is also refreshed at each epoch end, so it holds the final state (step 8); Lightning
-    # 2.6.6 leaves it at step 6, the last top-k save (README: where ember deliberately differs).
+    # 2.6.6 leaves it at step 6, the last top-k save (docs/from-lightning.md: where ember deliberately differs).
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 8
 
 
@@ -358,7 +358,7 @@ def test_top_k_follows_every_n_epochs_and_last_holds_the_final_state(tmp_path):
     fit_recording(cb, epochs=3)
     assert files(tmp_path) == ["epoch=1-step=8.ckpt", "last.ckpt"]
     assert cb.best_model_path == str(tmp_path / "epoch=1-step=8.ckpt")
-    # ember: last.ckpt is the final state (step 12); Lightning 2.6.6 leaves it at step 8 (README).
+    # ember: last.ckpt is the final state (step 12); Lightning 2.6.6 leaves it at step 8 (docs/from-lightning.md).
     assert step_in(tmp_path / "last.ckpt") == 12
 
 

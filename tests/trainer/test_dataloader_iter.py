@@ -4,8 +4,9 @@ one process.
 The expected sequences were recorded from PyTorch Lightning 2.6.6 running the same modules (imports changed):
 what ``next(dataloader_iter)`` returns, which batch and index the batch hooks get, when an epoch ends, what
 counts toward ``global_step``, the validation interval, accumulation and ``log_every_n_steps``. Where ember
-deliberately differs (README: the epoch whose data runs out inside a step still validates and steps its epoch
-schedulers; an evaluation value is weighed by, and filed under, the batch fetched last), the test says so.
+deliberately differs (docs/from-lightning.md: the epoch whose data runs out inside a step still validates and
+steps its epoch schedulers; an evaluation value is weighed by, and filed under, the batch fetched last), the test
+says so.
 
 Every sample of the data is its own index (``x = y = i``), so a record shows which batches a step got.
 """

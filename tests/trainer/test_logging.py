@@ -744,7 +744,7 @@ def test_under_ddp_rank_zero_writes_its_step_values_and_epoch_values_are_reduced
     ranks = run_ranks(two_ranks_log, 2, timeout=60)
     # Each rank gets every other sample: rank 0 batches [1, 3], [5, 7] (means 2, 6), rank 1 [2, 4], [6, 8].
     # As in Lightning, only rank zero writes, and step values are that rank's own; ember reduces epoch values
-    # across ranks (README), 4.5 here.
+    # across ranks (docs/from-lightning.md, differences), 4.5 here.
     assert ranks[1]["records"] == []
     assert [r for r in ranks[0]["records"] if "v_step" in r[1] or "v_epoch" in r[1]] == [
         (0, {"v_step": 2.0}),

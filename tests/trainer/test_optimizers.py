@@ -153,8 +153,8 @@ def test_step_scheduler_frequency_counts_the_epochs_batches(frequency, k, batche
 
 
 def test_a_batch_refused_by_on_train_batch_start_steps_no_step_scheduler():
-    # README, differences: the refused batch 3 ran no optimizer step, so no scheduler steps for it (Lightning
-    # 2.6.6 steps this one there, (batch_idx + 1) % 2 == 0: [(0, 2), (0, 3), (1, 5), (1, 6)]).
+    # docs/from-lightning.md, differences: the refused batch 3 ran no optimizer step, so no scheduler steps for it
+    # (Lightning 2.6.6 steps this one there, (batch_idx + 1) % 2 == 0: [(0, 2), (0, 3), (1, 5), (1, 6)]).
     class Refuses(RecordsSchedulerSteps):
         def on_train_batch_start(self, batch, batch_idx):
             return -1 if batch_idx == 3 else None

@@ -142,7 +142,7 @@ def test_sigterm_ends_a_ddp_job_whose_other_rank_is_hung(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_a_watchdog_verdict_within_the_grace_period_wins_and_readme_says_so(tmp_path):
+def test_a_watchdog_verdict_within_the_grace_period_wins_and_the_failures_guide_says_so(tmp_path):
     # SIGTERM arrives while rank 1 hangs; the watchdog's deadline (at least 3 s, 20 x the slowest step:
     # longer on a loaded machine) comes before the grace period (150 s) runs out: the hang is reported
     # as a hang, and the status is the watchdog's 1, not 143.
@@ -154,7 +154,7 @@ def test_a_watchdog_verdict_within_the_grace_period_wins_and_readme_says_so(tmp_
     assert "rank 1 is stuck in training_step at step 3 (epoch 0, batch 3)" in log, log
     assert "has reached no step boundary since" not in log, log  # the grace period did not run out
     assert_processes_gone(tmp_path, count=2)
-    # README's exit-status table says which wins.
-    readme = (ROOT / "README.md").read_text()
-    rows = [line for line in readme.splitlines() if line.startswith("| SIGTERM") and "watchdog" in line]
+    # The exit-status table of docs/failures.md says which wins.
+    guide = (ROOT / "docs" / "failures.md").read_text()
+    rows = [line for line in guide.splitlines() if line.startswith("| SIGTERM") and "watchdog" in line]
     assert len(rows) == 1 and rows[0].split("|")[2].strip() == "1", rows
