@@ -1,17 +1,16 @@
 """The worker processes of a stage's loaders end when the stage ends (as Lightning): fit, validate, test and
-predict leave no worker alive, persistent ones included, and dropping the loaders afterwards is immediate."""
+predict leave no worker alive, persistent ones included, each told to stop and ending on its own (status 0, not
+terminated after a wait), and nothing is left for dropping the loaders to wait for."""
 
 from __future__ import annotations
 
 import gc
 import multiprocessing
-import time
 from typing import Any
 
 import pytest
 import torch
 
-from ember.callbacks import Callback
 from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
@@ -19,16 +18,6 @@ pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 def workers_loader(**kwargs: Any) -> Any:
     return regression_loader(num_workers=2, persistent_workers=True, **kwargs)
-
-
-class TeardownClock(Callback):
-    """The time the stage's ``teardown`` hook ran: the loaders' workers are stopped after it."""
-
-    def __init__(self) -> None:
-        self.at = 0.0
-
-    def teardown(self, trainer: Any, module: Any, stage: str) -> None:
-        self.at = time.monotonic()
 
 
 class Predicting(BoringModel):
@@ -40,45 +29,65 @@ def children() -> set[int]:
     return {p.pid for p in multiprocessing.active_children()}
 
 
+def workers() -> list[multiprocessing.process.BaseProcess]:
+    return multiprocessing.active_children()
+
+
+def assert_ended_on_their_own(procs: list[multiprocessing.process.BaseProcess]) -> None:
+    """Each worker ended by itself, told to stop (status 0): a worker the loader gave up waiting for is
+    terminated after seconds (SIGTERM, status -15), and one never told keeps running."""
+    assert procs and [p.exitcode for p in procs] == [0] * len(procs), [(p.pid, p.exitcode) for p in procs]
+
+
 def test_fit_stops_every_loaders_workers_when_it_ends_and_a_second_fit_works():
     before = children()
-    during: list[int] = []
+    during: list[list[multiprocessing.process.BaseProcess]] = []
 
     class Model(BoringModel):
         def on_validation_epoch_end(self) -> None:  # the train and the validation loader's workers, alive
-            during.append(len(children() - before))
+            during.append([p for p in workers() if p.pid not in before])
 
-    clock = TeardownClock()
     train, val = workers_loader(), workers_loader()
-    trainer = fast_trainer(max_epochs=2, callbacks=[clock])
+    trainer = fast_trainer(max_epochs=2)
     trainer.fit(Model(), train, val)
-    returned = time.monotonic()
-    assert during[-1] == 4, during
+    assert len(during[-1]) == 4, during
     assert children() - before == set(), "a loader's worker outlived the fit"
-    assert returned - clock.at < 1.0, f"stopping the workers took {returned - clock.at:.2f} s"
+    assert_ended_on_their_own(during[-1])
+    assert train._iterator is None and val._iterator is None  # nothing left for dropping them to wait for
     second = Model()
     fast_trainer(max_epochs=1).fit(second, train, val)  # the same loaders start new workers
-    assert during[-1] == 4 and children() - before == set()
+    assert len(during[-1]) == 4 and children() - before == set()
+    assert_ended_on_their_own(during[-1])
     assert second.trainer.global_step == 4
-    start = time.monotonic()
+    assert train._iterator is None and val._iterator is None
     del trainer, train, val, second
     gc.collect()
-    assert time.monotonic() - start < 1.0, "dropping the loaders waited for their workers"
+    assert children() - before == set()
 
 
 @pytest.mark.parametrize("stage", ["validate", "test", "predict"])
 def test_validate_test_and_predict_stop_their_loaders_workers(stage):
     before = children()
-    clock = TeardownClock()
+    during: list[list[multiprocessing.process.BaseProcess]] = []
+
+    class Watching(Predicting):
+        def on_validation_epoch_end(self) -> None:
+            during.append([p for p in workers() if p.pid not in before])
+
+        on_test_epoch_end = on_validation_epoch_end
+
+        def on_predict_epoch_end(self) -> None:
+            during.append([p for p in workers() if p.pid not in before])
+
     loaders = [workers_loader(), workers_loader(n=16)]
-    trainer = fast_trainer(callbacks=[clock])
-    getattr(trainer, stage)(Predicting(), loaders)
-    returned = time.monotonic()
+    trainer = fast_trainer()
+    getattr(trainer, stage)(Watching(), loaders)
     assert all(d._iterator is None for d in loaders)
     assert children() - before == set(), f"a loader's worker outlived {stage}"
-    assert returned - clock.at < 1.0, f"stopping the workers took {returned - clock.at:.2f} s"
-    getattr(trainer, stage)(Predicting(), loaders)  # and they run again
+    assert_ended_on_their_own(during[-1])
+    getattr(trainer, stage)(Watching(), loaders)  # and they run again
     assert children() - before == set()
+    assert_ended_on_their_own(during[-1])
 
 
 def test_a_combined_loaders_inner_loaders_and_a_reloaded_validation_loader_are_stopped():
