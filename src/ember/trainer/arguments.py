@@ -192,7 +192,8 @@ NOT_TAKEN = {
     "num_nodes": "ember's ddp reads the world (nodes included) from torchrun or SLURM; start it with torchrun",
     "plugins": "ember has no plugin system; pass precision= and strategy= instead",
     "barebones": "ember has no barebones mode; turn off enable_progress_bar, logger and enable_checkpointing",
-    "inference_mode": "ember always evaluates under torch.no_grad() (see docs/from-lightning.md, where ember deliberately differs)",
+    "inference_mode": "ember always evaluates under torch.no_grad() (docs/from-lightning.md: where ember deliberately "
+    "differs)",
     "use_distributed_sampler": "ember's ddp always gives a map-style loader its own sharded sampler (it "
     "resumes mid-epoch); for another split, use an IterableDataset that splits itself",
     "sync_batchnorm": "convert the module yourself with torch.nn.SyncBatchNorm.convert_sync_batchnorm before fit",
