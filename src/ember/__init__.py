@@ -35,6 +35,7 @@ _logger.addHandler(_UnconfiguredHandler())
 
 if TYPE_CHECKING:
     from ember import callbacks, loggers, profilers, strategies, tuner
+    from ember.callbacks import Callback
     from ember.checkpoint import load_lightning_checkpoint
     from ember.data import DataModule
     from ember.module import TrainModule
@@ -46,6 +47,7 @@ __all__ = [
     "TrainModule",
     "DataModule",
     "seed_everything",
+    "Callback",
     "callbacks",
     "strategies",
     "loggers",
@@ -60,6 +62,7 @@ _WHERE = {
     "TrainModule": "ember.module",
     "DataModule": "ember.data",
     "seed_everything": "ember.seed",
+    "Callback": "ember.callbacks",
     "callbacks": "ember.callbacks",
     "strategies": "ember.strategies",
     "loggers": "ember.loggers",

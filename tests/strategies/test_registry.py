@@ -113,3 +113,26 @@ def test_base_strategy_single_process_verbs_are_identities():
     with pytest.raises(ValueError, match=r"reduce op must be one of \('mean', 'sum', 'min', 'max'\), got 'avg'"):
         s.reduce(t, "avg")
     assert s.launch(lambda a, b=0: a + b, 1, b=2) == 3
+
+
+@pytest.mark.parametrize(
+    # Lightning 2.6.6 registers these names with these DDPStrategy arguments.
+    "name, find_unused, start_method",
+    [
+        ("ddp_find_unused_parameters_true", True, "popen"),
+        ("ddp_find_unused_parameters_false", False, "popen"),
+        ("ddp_spawn_find_unused_parameters_true", True, "spawn"),
+        ("ddp_spawn_find_unused_parameters_false", False, "spawn"),
+    ],
+)
+def test_find_unused_parameters_names(name, find_unused, start_method):
+    from ember.strategies.ddp import DDPStrategy
+
+    assert name in available_strategies()
+    strategy = get_strategy(name)
+    assert type(strategy) is DDPStrategy and strategy.strategy_name == name
+    assert strategy.ddp_kwargs["find_unused_parameters"] is find_unused
+    assert strategy.start_method == start_method
+    trainer = fast_trainer(strategy=name)
+    assert isinstance(trainer.strategy, DDPStrategy)
+    assert trainer.strategy.ddp_kwargs["find_unused_parameters"] is find_unused

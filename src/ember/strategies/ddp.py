@@ -39,6 +39,7 @@ from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_only
 from torch.utils.data import RandomSampler
 
 from ember.data.resumable import make_resumable, rebuild_with_sampler, resumable_sampler_of, why_not_swappable
@@ -264,6 +265,9 @@ class DDPStrategy(Strategy):
         self.set_current_device()
         if not dist.is_initialized():
             self._init_group()
+        # The rank-zero helpers (ember.utilities, Lightning's) read their rank from the environment when first
+        # imported, which a spawned worker sets only afterwards: this process knows its rank now.
+        rank_zero_only.rank = dist.get_rank()
         if not self._control_open and dist.get_world_size() > 1:
             self._control_group = open_control_group(self.timeout)  # collective: every rank is here
             self._control_open = True

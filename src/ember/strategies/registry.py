@@ -94,3 +94,18 @@ register_strategy(
     "ddp, workers started with multiprocessing spawn",
     start_method="spawn",
 )
+for _find in (True, False):
+    register_strategy(
+        f"ddp_find_unused_parameters_{str(_find).lower()}",
+        "ember.strategies.ddp:DDPStrategy",
+        f"ddp with find_unused_parameters={_find}",
+        find_unused_parameters=_find,
+    )
+    register_strategy(
+        f"ddp_spawn_find_unused_parameters_{str(_find).lower()}",
+        "ember.strategies.ddp:DDPStrategy",
+        f"ddp_spawn with find_unused_parameters={_find}",
+        start_method="spawn",
+        find_unused_parameters=_find,
+    )
+del _find
