@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ember
-from ember.checkpoint_io import CheckpointError
+from ember.checkpoint import CheckpointError
 from ember.hparams import drop_unpicklable
 from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 

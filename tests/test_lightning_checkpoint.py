@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ember
-from ember.checkpoint_io import CheckpointError
+from ember.checkpoint import CheckpointError
 from tests.helpers.models import fast_trainer, regression_loader
 
 

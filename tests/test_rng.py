@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ember.checkpoint import contents as checkpoint
+from ember import rng
 from ember.rng import capture_rng, rng_from_tensor, rng_to_tensor
 
 
@@ -30,11 +30,11 @@ def test_a_multi_rank_checkpoint_keeps_every_ranks_cuda_states(monkeypatch):
     # What a 2-rank job on GPUs writes: each rank's own CUDA states, gathered as flat tensors.
     mine = with_gpus(capture_rng(), seed=1)
     other = with_gpus(capture_rng(), seed=2)
-    monkeypatch.setattr(checkpoint, "capture_rng", lambda: mine)
+    monkeypatch.setattr(rng, "capture_rng", lambda: mine)
     strategy = SimpleNamespace(
         world_size=2, root_device=torch.device("cpu"), gather_per_rank=lambda t: torch.stack([t, rng_to_tensor(other)])
     )
-    saved = checkpoint._gather_rng(strategy)
+    saved = rng.gather_rng(strategy)
     assert saved["world_size"] == 2
     for rank, expected in enumerate((mine, other)):
         got = saved["per_rank"][rank]["cuda"]

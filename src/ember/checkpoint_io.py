@@ -1,7 +1,10 @@
-"""The old home of ember's checkpoint file API, kept so that ``ember.checkpoint_io.CheckpointError``
-and the other names below keep working; the code is in ``ember.checkpoint.io``."""
+"""Deprecated: the old home of ember's checkpoint file API. Import these names from ``ember.checkpoint``
+(``from ember.checkpoint import CheckpointError``); this module re-exports them, with a
+``DeprecationWarning`` when it is imported, and will be removed in a later release."""
 
-from ember.checkpoint.io import (
+import warnings
+
+from ember.checkpoint import (
     FORMAT,
     FORMAT_VERSION,
     CheckpointError,
@@ -20,6 +23,13 @@ from ember.checkpoint.io import (
     unwritable,
     verify,
     write_atomic,
+)
+
+warnings.warn(
+    "ember.checkpoint_io is deprecated and will be removed: import the same names from ember.checkpoint "
+    "(for example `from ember.checkpoint import CheckpointError`).",
+    DeprecationWarning,
+    stacklevel=2,
 )
 
 __all__ = [

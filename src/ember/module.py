@@ -15,7 +15,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from ember import export
-from ember.checkpoint.io import read_for_module
+from ember.checkpoint.weights import read_for_module
 from ember.hparams import AttributeDict as AttributeDict  # re-exported: ember.module.AttributeDict
 from ember.hparams import HyperparametersMixin
 from ember.types import REDUCE_OPS, parse_reduce_fx

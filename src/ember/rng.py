@@ -1,14 +1,14 @@
 """This process's random generator states as plain data: capture, restore, and a flat tensor form.
 
-A leaf module: checkpoints save these states (one per rank, gathered as flat tensors), and
-``ddp_spawn`` hands the caller's states to its workers, so that both the trainer and the
-strategies can use them without importing each other.
+A leaf module: checkpoints save these states (one per rank, gathered as flat tensors:
+:func:`gather_rng`), and ``ddp_spawn`` hands the caller's states to its workers, so that both the trainer
+and the strategies can use them without importing each other.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -118,3 +118,25 @@ def rng_from_tensor(flat: torch.Tensor, like: dict[str, Any]) -> dict[str, Any]:
     count = int(take(1))
     out["cuda"] = [take(c.numel()).to(torch.uint8) for c in (like.get("cuda") or [])[:count]]
     return out
+
+
+class _Ranks(Protocol):
+    """What :func:`gather_rng` needs of a strategy."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def gather_per_rank(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+def gather_rng(strategy: _Ranks) -> dict[str, Any]:
+    """Every rank's generator states, ``{"world_size", "per_rank": [capture_rng() of each rank]}`` (a
+    collective: every rank calls it)."""
+    mine = capture_rng()
+    world = strategy.world_size
+    if world == 1:
+        return {"world_size": 1, "per_rank": [mine]}
+    # Every rank's state travels as one fixed-shape CPU tensor through one all-gather, which a strategy does
+    # on the host (ddp: its CPU control group), so a save under NCCL waits for no GPU work here.
+    gathered = strategy.gather_per_rank(rng_to_tensor(mine))
+    return {"world_size": world, "per_rank": [rng_from_tensor(gathered[r], mine) for r in range(world)]}

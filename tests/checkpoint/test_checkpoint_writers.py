@@ -3,7 +3,9 @@ arguments that travel with it (``storage_options=BackgroundSave(...)``), and the
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import zipfile
 from typing import Any
 
@@ -12,10 +14,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-import ember.checkpoint_io
+import ember.checkpoint
 from ember.callbacks import Callback, ModelCheckpoint
-from ember.checkpoint import BackgroundSave, CheckpointWriter, contents
-from ember.checkpoint import io as checkpoint_io
+from ember.callbacks.callback import overrides
+from ember.checkpoint import BackgroundSave, CheckpointWriter
 from ember.checkpoint.background import BackgroundWriter
 from ember.strategies.single import SingleDeviceStrategy
 from tests.helpers.models import OtherRank
@@ -134,11 +136,14 @@ def test_callback_hooks_count_as_overridden_by_class_or_by_instance():
 
     plain, given = Callback(), Callback()
     given.on_save_checkpoint = lambda trainer, module, checkpoint: None  # type: ignore[method-assign]
-    assert contents.overrides(Saves(), "on_save_checkpoint") and contents.overrides(given, "on_save_checkpoint")
-    assert not contents.overrides(plain, "on_save_checkpoint") and not contents.overrides(plain, "on_load_checkpoint")
+    assert overrides(Saves(), "on_save_checkpoint") and overrides(given, "on_save_checkpoint")
+    assert not overrides(plain, "on_save_checkpoint") and not overrides(plain, "on_load_checkpoint")
 
 
-def test_the_old_import_path_names_the_same_objects():
-    for name in ember.checkpoint_io.__all__:
-        assert getattr(ember.checkpoint_io, name) is getattr(checkpoint_io, name), name
-    assert ember.load_lightning_checkpoint is checkpoint_io.load_lightning_checkpoint
+def test_the_old_import_path_is_deprecated_and_names_the_same_objects(monkeypatch):
+    monkeypatch.delitem(sys.modules, "ember.checkpoint_io", raising=False)  # imported afresh: it warns once
+    with pytest.warns(DeprecationWarning, match="ember.checkpoint_io is deprecated.*from ember.checkpoint"):
+        old = importlib.import_module("ember.checkpoint_io")
+    for name in old.__all__:
+        assert getattr(old, name) is getattr(ember.checkpoint, name), name
+    assert ember.load_lightning_checkpoint is ember.checkpoint.load_lightning_checkpoint

@@ -1,4 +1,4 @@
-"""trainer.fit_state: one object for what a fit carries, each part with state_dict / load_state_dict,
+"""trainer.fit_state: the registry of what a fit carries, each part with state_dict / load_state_dict,
 and what checkpoints save and restore through those methods."""
 
 from __future__ import annotations
@@ -112,18 +112,21 @@ def test_loading_the_training_parts_into_another_fit_gives_the_same_state_and_th
     other = trainer_for(tmp_path)
     other.fit(Net(), data())  # a finished fit of its own: optimizers and schedulers of the same shape
     state = other.fit_state
-    before = state.snapshot_training()
+    training = [name for name, _ in state.parts("training")]
+    assert training == ["optimizers", "precision", "progress", "metrics"]
+    before = state.snapshot(training)
     saved = stop.saved
     state.optim.load_state_dict(saved)
     state.progress.load_state_dict(saved["progress"])
-    state.metric_state.load_state_dict(saved)
+    state["metrics"].load_state_dict(saved)
     assert state.optim.state_dict()["lr_schedulers"] == saved["lr_schedulers"]
     assert state.progress.state_dict() == saved["progress"]
-    assert [e["name"] for e in state.metric_state.state_dict()["epoch_metrics"]] == ["loss"]
-    state.restore_training(before)  # what a failed resume does
-    after = state.snapshot_training()
+    assert [e["name"] for e in state["metrics"].state_dict()["epoch_metrics"]] == ["loss"]
+    state.rollback(before)  # what a failed resume does
+    after = state.snapshot(training)
     assert (
-        after["progress"] == before["progress"] and after["optim"]["lr_schedulers"] == before["optim"]["lr_schedulers"]
+        after["progress"] == before["progress"]
+        and after["optimizers"]["lr_schedulers"] == before["optimizers"]["lr_schedulers"]
     )
     assert after["metrics"]["epoch_metrics"] == [] and state.progress.global_step == 12
 

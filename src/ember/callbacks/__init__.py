@@ -19,7 +19,7 @@ _LAZY = {
     "ThroughputMonitor": "ember.callbacks.throughput",
     "Timer": "ember.callbacks.timer",
     "ModelCheckpoint": "ember.callbacks.model_checkpoint",
-    "OnExceptionCheckpoint": "ember.callbacks.checkpoint_files",
+    "OnExceptionCheckpoint": "ember.callbacks.on_exception_checkpoint",
     "TQDMProgressBar": "ember.callbacks.tqdm_progress",
     "RichProgressBar": "ember.callbacks.rich_progress",
     "RichProgressBarTheme": "ember.callbacks.rich_progress",

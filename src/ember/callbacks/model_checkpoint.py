@@ -38,14 +38,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.callback import Callback
-from ember.callbacks.checkpoint_files import (
-    CheckpointFiles,
-    OnExceptionCheckpoint,
-    check_inside,
-    check_template,
-    save_on_exception,
-)
-from ember.checkpoint.io import DirectoryLock, remove_stale_temporaries, unwritable
+from ember.callbacks.checkpoint_rotation import CheckpointRotation
+from ember.callbacks.on_exception_checkpoint import OnExceptionCheckpoint, save_on_exception
+from ember.checkpoint.atomic import unwritable
+from ember.checkpoint.files import check_inside, check_template
+from ember.checkpoint.lock import DirectoryLock
+from ember.checkpoint.temporaries import remove_stale_temporaries
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -57,7 +55,7 @@ __all__ = ["ModelCheckpoint", "OnExceptionCheckpoint"]
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 
 
-class ModelCheckpoint(CheckpointFiles, Callback):
+class ModelCheckpoint(CheckpointRotation, Callback):
     """Save checkpoints during ``fit``.
 
     Args:
@@ -447,89 +445,6 @@ class ModelCheckpoint(CheckpointFiles, Callback):
         self._saved_in_fit = True
         previous_last = self._next_last(trainer, metrics)
         self._put_files(trainer, None, previous_last, before)
-
-    def next_last_path(self, trainer: Trainer) -> str:
-        """The path this callback's next ``last`` checkpoint gets now: ``CHECKPOINT_NAME_LAST`` formatted,
-        with ``-v1``... beside an earlier run's file of that name (for a checkpoint written outside the
-        callback, such as on preemption). Every process must call it (rank zero's answer is broadcast)."""
-        self._finish_write(trainer)  # a last.ckpt still being written is this run's own, not an earlier run's
-        return self._versioned(trainer, self._candidates(trainer), self.CHECKPOINT_NAME_LAST, keep=self.last_model_path)
-
-    def _next_last(self, trainer: Trainer, metrics: dict[str, Any]) -> str:
-        """Name this save's ``last`` (before any file is written, as every checkpoint holds
-        ``last_model_path``); returns the previous one."""
-        previous = self.last_model_path
-        if self.save_last:
-            self.last_model_path = self._versioned(trainer, metrics, self.CHECKPOINT_NAME_LAST, keep=previous)
-        return previous
-
-    def _monitored(self, trainer: Trainer, metrics: dict[str, Any], at_epoch_end: bool) -> float | None:
-        if self.monitor in metrics:
-            value = float(metrics[self.monitor])
-            if math.isnan(value):  # a NaN never ranks as better
-                value = math.inf if self.mode == "min" else -math.inf
-            return value
-        logged = sorted(k for k in metrics if k not in ("epoch", "step"))
-        message = (
-            f"ModelCheckpoint(monitor={self.monitor!r}) could not find {self.monitor!r} in the logged metrics. "
-            f"Logged keys: {logged}. Log it with self.log({self.monitor!r}, value) in your module, or "
-            "change monitor to one of the logged keys."
-        )
-        if self._validation_ran or at_epoch_end:
-            raise ValueError(message)
-        if not self._warned_missing:  # saving before the first validation: the key may not exist yet
-            warnings.warn(message + " (Skipping top-k until it is logged.)", UserWarning)
-            self._warned_missing = True
-        return None
-
-    def _save_top_k(self, trainer: Trainer, metrics: dict[str, Any], at_epoch_end: bool) -> str | None:
-        if self.monitor is None:
-            path = self._versioned(trainer, metrics, None, keep=self.best_model_path)
-            previous = self.best_model_path
-            self.best_model_path = path
-            if self.save_top_k == 1 and previous and previous != path:
-                self._replaced.append(previous)
-            return path
-        value = self._monitored(trainer, metrics, at_epoch_end)
-        if value is None:
-            return None
-        full = self.save_top_k != -1 and len(self.best_k_models) >= self.save_top_k
-        if full and not self._better(value, None if self.kth_value is None else float(self.kth_value)):
-            return None
-        self.current_score = self._score(metrics[self.monitor], value)
-        path = self._versioned(trainer, metrics, None, keep=self._worst() if full else None)
-        self.best_k_models[path] = self.current_score
-        dropped = None
-        if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
-            dropped = self._worst()
-            del self.best_k_models[dropped]
-        if self.save_top_k == -1 or len(self.best_k_models) == self.save_top_k:  # as Lightning: once k are kept
-            worst = self._worst()
-            self.kth_best_model_path, self.kth_value = worst, self.best_k_models[worst]
-        pick = min if self.mode == "min" else max
-        best = pick(self.best_k_models, key=lambda k: float(self.best_k_models[k]))
-        self.best_model_path = best
-        self.best_model_score = self.best_k_models[best]
-        if dropped is not None and dropped != path:
-            self._replaced.append(dropped)
-        return path
-
-    @staticmethod
-    def _score(logged: Any, value: float) -> torch.Tensor:
-        """The monitored value as a tensor (as Lightning keeps it): the logged tensor itself, on the CPU;
-        a NaN is kept as the +-inf it ranks as."""
-        if isinstance(logged, torch.Tensor) and logged.numel() == 1 and not math.isnan(float(logged)):
-            return logged.detach().to("cpu").reshape(())
-        return torch.tensor(value)
-
-    def _better(self, value: float, than: float | None) -> bool:
-        if than is None:
-            return True
-        return value < than if self.mode == "min" else value > than
-
-    def _worst(self) -> str:
-        pick = max if self.mode == "min" else min
-        return pick(self.best_k_models, key=lambda k: float(self.best_k_models[k]))
 
     # ------------------------------------------------------------------ names
     def format_checkpoint_name(

@@ -1,44 +1,43 @@
 """Checkpoint files: writing, contents, validation and restore, automatic resume, the writers.
 
 ==================  ======================================================================
-``io.py``           files only: atomic durable writes, the directory lock, temporary files,
-                    validated loading (ember's format and Lightning's), weights for a module
-``files.py``        file operations of ModelCheckpoint's rotation: links, removal inside a directory
+``format.py``       what a checkpoint is: format tag and version, plain data only, the errors
+``atomic.py``       writing a file atomically and durably; the writability probe
+``temporaries.py``  temporary files' names, and removing those whose writer died
+``lock.py``         ``DirectoryLock``: one run at a time writes into a directory
+``reading.py``      ``verify`` and ``load``: a whole file, of a format this version reads
+``lightning.py``    PyTorch Lightning's checkpoints, read as they are
+``weights.py``      a module's weights checked against it; ``load_from_checkpoint``'s reading
+``files.py``        files in their directory: names, ``last`` links, removal inside a directory
 ``writer.py``       ``CheckpointWriter`` (synchronous, the strategy's default) and ``BackgroundSave``
 ``background.py``   ``BackgroundWriter``: the same file, written by a thread after one copy
 ``contents.py``     what a checkpoint holds (``dump``) and ``save``: state -> dict -> the strategy's writer
-``validation.py``   every entry checked against the resuming run before anything changes
+``validation.py``   the entries' form, and each part against the resuming run, before anything changes
 ``optimizers.py``   each optimizer's state checked against the optimizer it would go into
-``restore.py``      resuming a fit in Lightning's three parts, all or nothing
-``locate.py``       ``ckpt_path="last"`` / ``"best"`` / ``"auto"`` -> a file
+``restore.py``      ``Restore``: every part checked, snapshotted, loaded, put back on a failure
 ``auto_resume.py``  a restarted torchrun or SLURM job resumes from its own latest checkpoint
 ==================  ======================================================================
 
-The package sits below the callbacks, the strategies and the trainer (they import it; it imports
-none of them): what it needs of them it gets as arguments, the fit's state through
-``trainer.fit_state`` (``ember/trainer/state.py``).
+The package takes the fit's state (``ember.state.State``: named parts, each with ``state_dict`` /
+``load_state_dict``) and the strategy, never the Trainer: it imports nothing of ``ember.trainer``
+(pyproject.toml's import-linter contract and ruff's TID251 rule hold it to that), and sits below the
+callbacks, the strategies and the trainer, which import it.
 """
 
-from ember.checkpoint.io import (
+from ember.checkpoint.atomic import fsync_dir, unwritable, write_atomic
+from ember.checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
     CheckpointError,
     CheckpointNotFoundError,
-    DirectoryLock,
     check_plain_data,
-    check_state_dict,
-    fsync_dir,
     is_lightning_checkpoint,
-    load,
-    load_lightning_checkpoint,
-    match_compiled_keys,
-    read_for_module,
-    remove_stale_temporaries,
-    temporary_prefix,
-    unwritable,
-    verify,
-    write_atomic,
 )
+from ember.checkpoint.lightning import load_lightning_checkpoint
+from ember.checkpoint.lock import DirectoryLock
+from ember.checkpoint.reading import load, verify
+from ember.checkpoint.temporaries import remove_stale_temporaries, temporary_prefix
+from ember.checkpoint.weights import check_state_dict, match_compiled_keys, read_for_module
 from ember.checkpoint.writer import BackgroundSave, CheckpointWriter
 
 __all__ = [

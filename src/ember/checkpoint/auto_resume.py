@@ -29,14 +29,12 @@ import os
 import socket
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ember.checkpoint.io import FORMAT, CheckpointError, verify
-
-if TYPE_CHECKING:
-    from ember.trainer.trainer import Trainer
+from ember.checkpoint.format import FORMAT, CheckpointError
+from ember.checkpoint.reading import verify
 
 #: ``fit(ckpt_path=AUTO)``: resume when a checkpoint exists, else start fresh.
 AUTO = "auto"
@@ -142,7 +140,7 @@ def applies(ckpt_path: Any) -> bool:
     return ckpt_path == AUTO or restart() is not None
 
 
-def choose(trainer: Trainer, ckpt_path: Any, patterns: list[str]) -> tuple[str | None, bool]:
+def choose(ckpt_path: Any, patterns: list[str]) -> tuple[str | None, bool]:
     """What ``fit`` resumes from when :func:`applies`: ``(path or None, whether it was found here)``;
     ``ckpt_path`` comes back, not found here, when a restarted job has no checkpoint of its own yet.
     Runs on global rank zero."""

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from ember.checkpoint.io import write_atomic
+from ember.checkpoint.atomic import write_atomic
 from ember.checkpoint.writer import After, CheckpointWriter
 
 

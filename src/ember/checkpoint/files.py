@@ -1,11 +1,46 @@
-"""File operations of ModelCheckpoint's rotation: ``last`` as a link made atomically, and removal of a
-checkpoint only inside the directory this run writes to (never another run's file)."""
+"""Checkpoint files in their directory: where a name may point, ``last`` as a link made atomically, and
+removal of a checkpoint only inside the directory this run writes to (never another run's file).
+
+What ModelCheckpoint decides (which files, when) is ``ember/callbacks/checkpoint_rotation.py``; the file
+operations and the rules on names are here, with no callback or trainer in sight.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 
-from ember.checkpoint.io import fsync_dir, temporary_prefix
+from ember.checkpoint.atomic import fsync_dir
+from ember.checkpoint.temporaries import temporary_prefix
+
+FILE_EXTENSION = ".ckpt"
+
+
+def check_template(what: str, template: str, field: re.Pattern[str]) -> None:
+    """Raise unless the file names ``template`` makes stay inside the checkpoint directory: not
+    absolute, no ``..`` above it (a folder such as ``"sub/{epoch}"`` is fine). Outside it, top-k
+    rotation would never remove them, ``"last"``/``"auto"`` would never find them, and they might land
+    among another run's files."""
+    name = field.sub("x", template)
+    if os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == os.pardir:
+        raise ValueError(
+            f"ModelCheckpoint({what}={template!r}) names a file outside the checkpoint directory. "
+            "Checkpoints are rotated (save_top_k) and found again (ckpt_path='last' / 'auto') only "
+            "inside that directory. Choose the directory with dirpath= and keep the name relative to "
+            "it, without '..' (folders inside it, such as 'sub/{epoch}', are fine)."
+        )
+
+
+def check_inside(path: str, dirpath: str | None, template: str) -> str:
+    """``path`` (normalised) when it is inside ``dirpath``; else an error naming the logged values' fault."""
+    path = os.path.normpath(path)
+    if dirpath and not inside(path, dirpath):
+        raise ValueError(
+            f"ModelCheckpoint(filename={template!r}) with this save's values names {path}, outside the "
+            f"checkpoint directory {dirpath}: a logged value in the name contains '..' or a path "
+            "separator. Leave that value out of the file name, or log a number instead."
+        )
+    return path
 
 
 def link_atomic(src: str, dst: str, symbolic: bool = False) -> bool:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember.checkpoint.io import write_atomic
+from ember.checkpoint.atomic import write_atomic
 
 #: ``after(write)`` runs once the checkpoint is complete on disk; ``write(path)`` writes the same
 #: checkpoint atomically to another path.

@@ -4,7 +4,7 @@ The ``<save_dir>/<name>/version_N/`` directory scheme, agreed across processes, 
 ``hparams.yaml`` (written with ``ember/yaml.py``, because PyYAML is not a dependency).
 
 A fit resumed from a checkpoint continues in the run directory of the run that wrote it
-(``checkpoint/locate.py``), and that run may have gone on past the checkpoint before it was stopped
+(``trainer/locate.py``), and that run may have gone on past the checkpoint before it was stopped
 (killed, preempted). What it logged from the checkpoint's step on describes steps the resumed fit
 runs again, so the logger drops it (``rewind``): CSVLogger rewrites ``metrics.csv`` without those
 rows, TensorBoardLogger starts its next event file with TensorBoard's purge marker. Each step then

@@ -45,7 +45,7 @@ from ember.utils import sized_len
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from ember.checkpoint.restore import Resume
+    from ember.checkpoint.restore import Restore
     from ember.trainer.evaluation import EvaluationLoop
     from ember.trainer.hooks import Hooks
     from ember.trainer.loaders import FitData
@@ -121,7 +121,7 @@ class FitLoop:
         self.fetches_batches = False
 
     # ------------------------------------------------------------------ fit
-    def run(self, resume: Resume | None = None, preemption: PreemptionHandler | None = None) -> None:
+    def run(self, resume: Restore | None = None, preemption: PreemptionHandler | None = None) -> None:
         """Train until a limit or a stop, completing ``resume`` (if any) on the way, as in Lightning."""
         t, p, data = self.trainer, self.progress, self.data
         self._warned_uneven = False
@@ -138,7 +138,7 @@ class FitLoop:
                 stacklevel=2,
             )
         if resume is not None:
-            resume.training_state()
+            resume.load("training")
         if t.num_sanity_val_steps and data.validates:  # on a resume too, as in Lightning
             self._sanity_check()
         if t.limit_train_batches == 0:  # as Lightning: no training at all, not even its loader or hooks
@@ -156,7 +156,7 @@ class FitLoop:
                 stacklevel=2,
             )
         if resume is not None:
-            resume.data_position()
+            resume.load("data")
         # As Lightning (max_epochs=0, max_steps=0, a finished run resumed, a stop requested before training
         # that the minimums allow): no train hooks.
         if self._done() or (t.should_stop and self.can_stop()):

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ember.checkpoint import validation
 from ember.checkpoint.optimizers import CLASS_KEY, class_name
 from ember.module import TrainModule
 from ember.types import SchedulerConfig
@@ -280,13 +281,22 @@ class OptimizerState:
             "lr_schedulers": [cfg.scheduler.state_dict() for cfg in self.schedulers],
         }
 
-    def load_state_dict(self, state: dict[str, Any], stepped: bool = False) -> None:
+    def check(self, checkpoint: dict[str, Any], source: str) -> None:
+        """Raise ``ember.checkpoint.validation.Invalid`` unless the checkpoint's optimizer and scheduler states
+        fit this fit's optimizers and schedulers (``ember.checkpoint.validation.optimizers``)."""
+        module_name = type(self.module).__name__
+        saved, saved_schedulers = checkpoint.get("optimizer_states"), checkpoint.get("lr_schedulers")
+        opts, n = self.optimizers, len(self.schedulers)
+        validation.check("optimizer_states", validation.optimizers, saved, saved_schedulers, opts, n, module_name)
+        validation.check("lr_schedulers", validation.schedulers, saved_schedulers)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load ``state_dict()``'s entries into this fit's optimizers and schedulers, in order (checked
-        beforehand by ``ember.checkpoint.validation``). ``stepped``: the optimizers have stepped in the
-        run that saved them."""
+        beforehand by :meth:`check`). ``state`` is a whole checkpoint on a resume: its ``progress`` says
+        whether the optimizers had stepped in the run that saved them."""
         for opt, saved in zip(self.optimizers, state["optimizer_states"]):
             opt.load_state_dict(saved)
-        self._resumed_unstepped = stepped
+        self._resumed_unstepped = (state.get("progress") or {}).get("global_step", 0) > 0
         for cfg, saved in zip(self.schedulers, state["lr_schedulers"]):
             cfg.scheduler.load_state_dict(saved)
 

@@ -54,10 +54,11 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from ember.checkpoint import contents, locate
+from ember.checkpoint import contents
 from ember.exceptions import Preempted, exit_code
 from ember.strategies.launchers.launcher import note_stop_signal
 from ember.strategies.watchdog.watchdog import exit_with_stacks
+from ember.trainer import locate
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -190,7 +191,7 @@ class PreemptionHandler:
                 cb.dirpath or ""
             ):
                 cb.last_model_path = os.path.abspath(target)
-        path = contents.save(t, t.fit_state, target)
+        path = contents.save(t.fit_state, t.strategy, target)
         signum = self.received if self.received is not None else signal.SIGTERM
         requeued = None
         if signum == getattr(signal, "SIGUSR1", None) and os.environ.get("SLURM_JOB_ID"):

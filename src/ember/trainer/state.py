@@ -1,45 +1,318 @@
-"""What a fit carries, in one object: ``trainer.fit_state``.
+"""What a fit carries, in one object: ``trainer.fit_state``, the registry of the fit's named parts.
 
-As torchtnt's ``State`` and its unit's ``app_state()``: the Trainer builds one :class:`FitState` and
-hands it to the loop, to the checkpoint writer (``ember.checkpoint.contents``) and to the restore
-(``ember.checkpoint.restore``). Each part has ``state_dict`` / ``load_state_dict`` under the
-checkpoint's own keys, so saving and resuming read and write a fit through these methods only,
+As torchtnt's ``State`` and its unit's ``app_state()``: the Trainer builds one :class:`FitState`, which
+registers every part of the fit's state (``ember/state.py`` says what a part is) and is handed to the loop,
+to the checkpoint writer (``ember.checkpoint.contents.save(state, strategy, ...)``) and to the restore
+(``ember.checkpoint.restore.Restore``). Saving and resuming read and write a fit through the parts only,
 never through the Trainer's attributes:
 
-============  =====================================================  ================================
-part          what                                                    checkpoint keys
-============  =====================================================  ================================
-progress      epoch, global step, batches consumed (``FitProgress``)  ``progress``
-optim         optimizers and LR schedulers (``OptimizerState``)       ``optimizer_states``, ``lr_schedulers``
-precision     the GradScaler (``Precision``)                          ``precision``
-metrics       latest values, the training epoch's running sums        ``callback_metrics``, ``epoch_metrics``
-position      where the training data continues (:class:`DataPosition`)  ``sampler``, ``loader``
-============  =====================================================  ================================
+==========  ===========================================  ==================================  ==========
+part        what (class)                                  checkpoint entries                  resumed at
+==========  ===========================================  ==================================  ==========
+module      the weights (:class:`ModuleWeights`)         ``state_dict``; ``module_class``,   modules
+                                                         ``hyper_parameters``, ...
+datamodule  its state (:class:`DataModuleState`)         its class's ``__qualname__``         modules
+callbacks   their states and checkpoint hooks             ``callbacks``                       modules
+            (:class:`CallbackStates`)
+optimizers  optimizers and LR schedulers                  ``optimizer_states``,               training
+            (``OptimizerState``, ``optim.py``)            ``lr_schedulers``
+precision   the GradScaler (:class:`PrecisionState`)     ``precision``                       training
+progress    epoch, step, batches (:class:`ProgressState`)  ``progress``; ``epoch``, ...       training
+metrics     latest values, the epoch's running sums       ``callback_metrics``,               training
+            (:class:`MetricState`)                        ``epoch_metrics``
+position    where the training data continues             ``sampler``, ``loader``             data
+            (``DataPosition``, ``position.py``)
+rng         every rank's generators (:class:`RngState`)  ``rng``                             data
+==========  ===========================================  ==================================  ==========
 
-The module's weights, the callbacks' and the datamodule's states and the RNG streams are not here:
-they belong to their owners (the module, the callbacks, the process), and the checkpoint package
-asks them directly.
+They are registered in that order, the order a resume loads them in at each of Lightning's moments
+(``ember.state.MOMENTS``). The parts defined here wrap an object of the user's or of the process, and read
+the Trainer's current one when called (the module of this run, its callbacks), so they are registered once;
+the optimizers' part is renewed with each fit's ``configure_optimizers``, the position's with each fit. The
+module, the datamodule and the callbacks restore through their own hooks, exactly as Lightning calls them
+(``on_load_checkpoint``, ``load_state_dict``); what a failed resume puts back of them is a copy of their
+attributes, taken without calling any of their hooks.
+
+The trainer package uses the objects behind the parts directly, under the names it always has:
+``progress``, ``optim``, ``metrics`` (the ``self.log`` collector), ``data`` (the fit's loaders),
+``precision`` and ``position``.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.data.resumable import SkipFirstBatches, resumable_sampler_of
-from ember.trainer.loaders import FitData
+from ember.callbacks.callback import overrides
+from ember.checkpoint.contents import ENTRIES
+from ember.checkpoint.format import CheckpointError, check_plain_data
+from ember.checkpoint.weights import check_state_dict, match_compiled_keys
+from ember.data.datamodule import saved_state
+from ember.rng import apply_rng, capture_rng, gather_rng
+from ember.state import State
 from ember.trainer.metrics import MetricCollector
 from ember.trainer.optim import OptimizerState
+from ember.trainer.position import DataPosition
 from ember.trainer.progress import FitProgress
-from ember.utils import sized_len
 
 if TYPE_CHECKING:
+    from ember.data import DataModule
+    from ember.module import TrainModule
     from ember.strategies.strategy import Strategy
+    from ember.trainer.loaders import FitData
     from ember.trainer.precision import Precision
+    from ember.trainer.trainer import Trainer
+
+
+class FitState(State):
+    """What a fit carries; built once by the Trainer, its parts renewed as each run starts.
+
+    Args:
+        trainer: the Trainer, whose module, datamodule and callbacks of the current run the parts read.
+        strategy: the Trainer's strategy (world size and device, for the metrics and the data position).
+        precision: the Trainer's precision plugin (its GradScaler state is a part).
+        data: the fit's loaders (``FitData``; the data position reads the train loader from it).
+    """
+
+    def __init__(self, trainer: Trainer, strategy: Strategy, precision: Precision, data: FitData) -> None:
+        super().__init__()
+        self.strategy = strategy
+        self.precision = precision
+        self.data = data
+        self.progress = FitProgress()
+        self.metrics = MetricCollector(strategy)
+        self.position = DataPosition(self)
+        self.register("module", ModuleWeights(trainer), "modules", weights=True)
+        self.register("datamodule", DataModuleState(trainer), "modules")
+        self.register("callbacks", CallbackStates(trainer), "modules")
+        self.optim = OptimizerState([], [])
+        self.register("precision", PrecisionState(precision), "training")
+        self.register("progress", ProgressState(self, trainer), "training")
+        self.register("metrics", MetricState(self), "training")
+        self.register("position", self.position, "data")
+        self.register("rng", RngState(strategy), "data")
+
+    @property
+    def optim(self) -> OptimizerState:
+        """The optimizers and LR schedulers of the fit (``configure_optimizers``'), the ``optimizers`` part."""
+        return self._optim
+
+    @optim.setter
+    def optim(self, optim: OptimizerState) -> None:
+        self._optim = optim
+        self.register("optimizers", optim, "training")
+
+    def start_run(self) -> None:
+        """Each fit / validate / test / predict starts from empty metrics, as in Lightning."""
+        self.metrics = MetricCollector(self.strategy)
+
+    def start_fit(self, data: FitData) -> None:
+        """A new fit: its loaders, fresh progress, no position carried over from an earlier fit."""
+        self.data = data
+        self.progress = FitProgress()
+        self.position = DataPosition(self)
+        self.register("position", self.position, "data")
+
+
+# ------------------------------------------------------------------------------------------ the parts
+class ModuleWeights:
+    """The ``module`` part: the weights under ``state_dict`` (every checkpoint, weights-only ones too), and
+    the module's class and hyper-parameters beside them for ``load_from_checkpoint``."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+
+    @property
+    def module(self) -> TrainModule:
+        module = self._trainer.module
+        assert module is not None  # parts are saved and loaded during a run, with the module attached
+        return module
+
+    def summary(self) -> dict[str, Any]:
+        module = self.module
+        return {
+            "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
+            "hyper_parameters": plain_hparams(module),
+            # As Lightning: the argument a single config object (dict, Namespace) was saved from, so that
+            # load_from_checkpoint passes it back as that argument.
+            "hparams_name": getattr(module, "_hparams_name", None),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state_dict": self._trainer.strategy.model_state_dict()}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.module.on_save_checkpoint(checkpoint)
+
+    def check(self, checkpoint: dict[str, Any], source: str) -> None:
+        module = self.module
+        # A module with strict_loading=False (it saves part of its weights) loads the keys the file holds; a
+        # shape mismatch still raises in load_state_dict, and the snapshot puts the weights back. A fit
+        # continues training in the saved dtype; evaluation may cast (a float64 file into float32).
+        if module.strict_loading:
+            weights = match_compiled_keys(module, checkpoint["state_dict"])
+            check_state_dict(module, weights, source, exact_dtype=self._trainer.state == "fitting")
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        module = self.module
+        # Saved with or without torch.compile: the keys as this module names them, before its hook sees them.
+        checkpoint["state_dict"] = match_compiled_keys(module, checkpoint["state_dict"])
+        module.on_load_checkpoint(checkpoint)  # first, as Lightning: it may rewrite the weights
+        module.load_state_dict(checkpoint["state_dict"], strict=module.strict_loading)  # by keyword, as Lightning
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def rollback(self, weights: dict[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(weights)
+
+
+class _CopiesAsLoaded:
+    """What a failed resume puts back of the objects whose hooks a load calls (the datamodule, the
+    callbacks): a copy of each one's attributes, taken as the load reaches it, before its first hook.
+    Copies of attributes, since a resume calls no ``state_dict`` (as Lightning), and of those objects only,
+    since a datamodule's attributes may hold whole datasets."""
+
+    _trainer: Trainer
+    _copies: list[tuple[Any, dict[str, Any]]] | None = None
+
+    def snapshot(self) -> list[tuple[Any, dict[str, Any]]]:
+        self._copies = []  # filled by load_state_dict, which the restore calls next
+        return self._copies
+
+    def rollback(self, copies: list[tuple[Any, dict[str, Any]]]) -> None:
+        for owner, saved in reversed(copies):
+            vars(owner).clear()
+            vars(owner).update(saved)
+
+    def _copier(self) -> Callable[[Any], None]:
+        """A function that copies an object's attributes into this load's snapshot, once (none without one)."""
+        copies, self._copies = self._copies, None  # the restore keeps the list: this part need not
+        shared = shared_objects(self._trainer)
+
+        def copy_once(owner: Any) -> None:
+            if copies is not None and hasattr(owner, "__dict__") and all(owner is not o for o, _ in copies):
+                copies.append((owner, attributes(owner, shared)))
+
+        return copy_once
+
+
+class DataModuleState(_CopiesAsLoaded):
+    """The ``datamodule`` part: its ``state_dict()`` when not empty, under its class's ``__qualname__``
+    (Lightning's key), and its hyper-parameters beside the module's."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+
+    def summary(self) -> dict[str, Any]:
+        dm = self._trainer.datamodule
+        if dm is None or not dm.__dict__.get("_hparams"):
+            return {}
+        return {
+            "datamodule_hyper_parameters": plain_hparams(dm),
+            "datamodule_hparams_name": getattr(dm, "_hparams_name", None),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        dm = self._trainer.datamodule
+        state = dm.state_dict() if dm is not None else None
+        if not state:
+            return {}
+        key = type(dm).__qualname__
+        if key in ENTRIES:
+            raise ValueError(
+                f"{key}.state_dict() would be saved under the checkpoint key {key!r} (a datamodule's state is saved "
+                "under its class name, as in Lightning), which the checkpoint already uses for its own entry. "
+                "Rename the datamodule class."
+            )
+        return {key: state}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        copy_once = self._copier()
+        dm = self._trainer.datamodule
+        state = None if dm is None else saved_state(checkpoint, dm)
+        if dm is not None and state:
+            copy_once(dm)
+            dm.load_state_dict(state)
+
+
+class CallbackStates(_CopiesAsLoaded):
+    """The ``callbacks`` part: ``{callback.state_key: callback.state_dict()}`` under ``callbacks``, and the
+    callbacks' ``on_save_checkpoint`` / ``on_load_checkpoint`` hooks."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+
+    def _module(self) -> TrainModule:
+        module = self._trainer.module
+        assert module is not None  # parts are saved and loaded during a run, with the module attached
+        return module
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"callbacks": {cb.state_key: cb.state_dict() for cb in self._trainer.callbacks}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        t, module = self._trainer, self._module()
+        for cb in t.callbacks:
+            if overrides(cb, "on_save_checkpoint"):
+                cb.on_save_checkpoint(t, module, checkpoint)
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        copy_once, t, module = self._copier(), self._trainer, self._module()
+        for cb in t.callbacks:
+            if overrides(cb, "on_load_checkpoint"):
+                copy_once(cb)
+                cb.on_load_checkpoint(t, module, checkpoint)
+        saved = checkpoint.get("callbacks") or {}
+        for cb in t.callbacks:
+            if saved.get(cb.state_key):
+                copy_once(cb)
+                cb.load_state_dict(saved[cb.state_key])
+
+
+class PrecisionState:
+    """The ``precision`` part: the GradScaler's state (empty unless 16-mixed)."""
+
+    def __init__(self, precision: Precision) -> None:
+        self._precision = precision
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"precision": self._precision.state_dict()}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        self._precision.load_state_dict(checkpoint.get("precision") or {})
+
+
+class ProgressState:
+    """The ``progress`` part: epoch, global step, batches consumed (``FitProgress``), and the epoch and
+    step every checkpoint names."""
+
+    def __init__(self, state: FitState, trainer: Trainer) -> None:
+        self._state, self._trainer = state, trainer
+
+    def summary(self) -> dict[str, Any]:
+        p = self._state.progress
+        return {"epoch": p.current_epoch, "global_step": p.global_step}
+
+    def state_dict(self) -> dict[str, Any]:
+        progress = self._state.progress.state_dict()
+        # A save inside a fit's validation counts that validation as done, so a resume does not repeat it.
+        if self._trainer.state == "fitting" and self._state.metrics.stage == "validate":
+            progress["val_checks_in_epoch"] += 1
+        return {"progress": progress}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        self._state.progress.load_state_dict(checkpoint["progress"])
+
+    def snapshot(self) -> dict[str, Any]:
+        return self._state.progress.state_dict()
+
+    def rollback(self, progress: dict[str, Any]) -> None:
+        self._state.progress.load_state_dict(progress)
 
 
 class MetricState:
@@ -59,193 +332,80 @@ class MetricState:
         sums = collector.state_dict() if self._state.strategy.world_size == 1 and mid_epoch else []
         return {"callback_metrics": latest, "epoch_metrics": sums}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
         collector, strategy = self._state.metrics, self._state.strategy
         collector.callback_metrics.clear()  # the same dict: trainer.callback_metrics reads through it
-        collector.callback_metrics.update(state.get("callback_metrics") or {})
+        collector.callback_metrics.update(checkpoint.get("callback_metrics") or {})
         if strategy.world_size == 1:
-            collector.load_state_dict(state.get("epoch_metrics") or [], strategy.root_device)
+            collector.load_state_dict(checkpoint.get("epoch_metrics") or [], strategy.root_device)
 
 
-class DataPosition:
-    """The ``position`` part: where the training data continues, for an exact mid-epoch resume.
+class RngState:
+    """The ``rng`` part: every rank's torch / CUDA / Python / NumPy generator states (gathered on save, so
+    a save is a collective); a resume gives each rank its own."""
 
-    A sampler ember can resume (``ShardedSampler``, a default ``RandomSampler`` / ``SequentialSampler``)
-    records ``{"seed", "epoch", "position"}``, the position counted in samples of the global order the
-    loop consumed (not what workers prefetched); a train loader that keeps its own position (a
-    ``CombinedLoader``) records its ``state_dict()``; any other loader is skipped forward batch by batch
-    on resume, with a warning.
-    """
-
-    def __init__(self, state: FitState) -> None:
-        self._state = state
-        #: ``(epoch, samples)``: where a resume on another number of ranks left the global position of
-        #: that epoch relative to ``batch_in_epoch * batch_size * world_size``.
-        self.offset: tuple[int, int] | None = None
+    def __init__(self, strategy: Strategy) -> None:
+        self._strategy = strategy
 
     def state_dict(self) -> dict[str, Any]:
-        sampler = self._sampler_state()
-        return {"sampler": sampler, "loader": self._loader_state() if sampler is None else None}
+        return {"rng": gather_rng(self._strategy)}
 
-    def _sampler_state(self) -> dict[str, Any] | None:
-        loader = self._state.data.train_loader
-        sampler = resumable_sampler_of(loader)
-        if sampler is None:
-            return None
-        progress = self._state.progress
-        state = dict(sampler.state_dict())
-        # Batches the loop consumed, not what the sampler handed out: workers prefetch ahead.
-        batch_size = getattr(loader, "batch_size", None) or 1
-        consumed = progress.batch_in_epoch * batch_size * self._state.strategy.world_size
-        if self.offset is not None and self.offset[0] == progress.current_epoch:
-            consumed += self.offset[1]  # this epoch was resumed from a checkpoint of another number of ranks
-        total = _dataset_len(loader)
-        state["position"] = min(consumed, total) if total is not None else consumed
-        state["epoch"] = progress.current_epoch
-        state["batch_size"] = batch_size
-        return state
-
-    def _loader_state(self) -> dict[str, Any] | None:
-        """The state of a train loader that keeps its own position (a ``CombinedLoader``: each inner
-        loader's), when it has a length: then the loop takes exactly the batches it yields (no
-        look-ahead), so its count is the loop's."""
-        loader = self._state.data.train_loader
-        if not callable(getattr(loader, "state_dict", None)) or not callable(getattr(loader, "load_state_dict", None)):
-            return None
-        if sized_len(loader) is None:
-            return None
-        return loader.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any], saved_world_size: int = 1, source: str = "the checkpoint") -> None:
-        """Continue the training data where ``state`` (``state_dict()``, with ``progress`` already loaded)
-        left it. ``saved_world_size``: the number of ranks that wrote it; with another number, the epoch
-        continues from the next sample of the global order no rank has seen. ``source`` names the
-        checkpoint in a warning."""
-        progress, data = self._state.progress, self._state.data
-        world = self._state.strategy.world_size
-        saved = state.get("sampler")
-        loader = data.train_loader
-        sampler = resumable_sampler_of(loader)
-        mid_epoch = progress.batch_in_epoch and not progress.epoch_finished
-        new_world = saved is not None and saved_world_size != world and mid_epoch
-        if new_world and saved is not None:
-            # Continue from the next unseen sample of the global order, counted in this run's batches.
-            batch_size = getattr(loader, "batch_size", None) or saved.get("batch_size", 1)
-            progress.batch_in_epoch = math.ceil(saved["position"] / (batch_size * world))
-        if sampler is not None:
-            if saved is not None:
-                full = sized_len(loader)
-                # An epoch whose end already ran continues with the next epoch, from its first sample.
-                position = 0 if progress.epoch_finished else saved["position"]
-                sampler.load_state_dict({"seed": saved["seed"], "epoch": saved["epoch"], "position": position})
-                left = sized_len(loader)
-                if new_world:
-                    if full is not None and left is not None:
-                        # What is left of the epoch is padded to a multiple of this run's ranks (see
-                        # ShardedSampler._end): count as done what this run's epoch length leaves over,
-                        # so the loop runs exactly the batches the sampler still yields on every rank.
-                        progress.batch_in_epoch = max(0, full - left)
-                    # How far that count is from the global position, so checkpoints written later in
-                    # this epoch record where it really is.
-                    self.offset = (
-                        progress.current_epoch,
-                        saved["position"] - progress.batch_in_epoch * batch_size * world,
-                    )
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        rng = checkpoint.get("rng")
+        if not rng:
             return
-        saved_loader = state.get("loader")
-        if saved_loader is not None and callable(getattr(loader, "load_state_dict", None)):
-            if mid_epoch:
-                loader.load_state_dict(saved_loader)  # continues each inner loader where it was (CombinedLoader)
-            return
-        if mid_epoch:
+        rank, world = self._strategy.global_rank, self._strategy.world_size
+        per_rank = rng["per_rank"]
+        if world != rng.get("world_size", len(per_rank)) and self._strategy.is_global_zero:
             warnings.warn(
-                f"Resuming mid-epoch from {source!r} with a train loader ember cannot resume at the sampler level: "
-                f"the first {progress.batch_in_epoch} batches of the epoch are loaded again and skipped, and the "
-                "order matches the interrupted run only if the loader's order is deterministic. Use a plain "
-                "DataLoader (map-style dataset, default sampler) for an exact resume.",
+                f"The checkpoint was written by {len(per_rank)} process(es) and this run has {world}: per-rank "
+                "random streams cannot carry over exactly; ranks that did not exist keep their current streams.",
                 UserWarning,
             )
-            data.train_loader = SkipFirstBatches(loader, progress.batch_in_epoch)
+        if rank < len(per_rank):
+            apply_rng(per_rank[rank])
 
-    def snapshot(self) -> tuple[Any, ...]:
-        """What :meth:`restore` puts back: the train loader, the offset and the sampler's own state (a
-        failed resume leaves the data where it was)."""
-        loader = self._state.data.train_loader
-        sampler = resumable_sampler_of(loader)
-        return loader, self.offset, sampler, (sampler.state_dict() if sampler is not None else None)
+    def snapshot(self) -> dict[str, Any]:
+        return capture_rng()
 
-    def restore(self, snapshot: tuple[Any, ...]) -> None:
-        loader, self.offset, sampler, sampler_state = snapshot
-        self._state.data.train_loader = loader
-        if sampler is not None:
-            sampler.load_state_dict(sampler_state)
+    def rollback(self, state: dict[str, Any]) -> None:
+        apply_rng(state)
 
 
-class FitState:
-    """What a fit carries; built once by the Trainer, its parts renewed as each run starts.
-
-    Args:
-        strategy: the Trainer's strategy (world size and device, for the metrics and the data position).
-        precision: the Trainer's precision plugin (its GradScaler state is a part).
-        data: the fit's loaders (``FitData``; the data position reads the train loader from it).
-    """
-
-    def __init__(self, strategy: Strategy, precision: Precision, data: FitData) -> None:
-        self.strategy = strategy
-        self.precision = precision
-        self.data = data
-        self.progress = FitProgress()
-        self.optim = OptimizerState([], [])
-        self.metrics = MetricCollector(strategy)
-        self.metric_state = MetricState(self)
-        self.position = DataPosition(self)
-
-    def start_run(self) -> None:
-        """Each fit / validate / test / predict starts from empty metrics, as in Lightning."""
-        self.metrics = MetricCollector(self.strategy)
-
-    def start_fit(self, data: FitData) -> None:
-        """A new fit: its loaders, fresh progress, no position carried over from an earlier fit."""
-        self.data = data
-        self.progress = FitProgress()
-        self.position = DataPosition(self)
-
-    def state_dict(self, fitting: bool = True) -> dict[str, Any]:
-        """Every part's state, under the checkpoint's keys. ``fitting``: the Trainer is in a fit (a save
-        inside its validation counts that validation as done, so a resume does not repeat it)."""
-        progress = self.progress.state_dict()
-        if fitting and self.metrics.stage == "validate":  # inside a validation not yet counted
-            progress["val_checks_in_epoch"] += 1
-        return {
-            **self.optim.state_dict(),
-            "precision": self.precision.state_dict(),
-            "progress": progress,
-            **self.position.state_dict(),
-            **self.metric_state.state_dict(),
-        }
-
-    def training_parts(self) -> dict[str, Any]:
-        """The parts a resume loads before the loaders exist, by name (each with ``state_dict`` /
-        ``load_state_dict``), in the order they are loaded."""
-        return {
-            "optim": self.optim,
-            "precision": self.precision,
-            "progress": self.progress,
-            "metrics": self.metric_state,
-        }
-
-    def snapshot_training(self) -> dict[str, Any]:
-        """Copies of :meth:`training_parts`' states, for :meth:`restore_training` to put back."""
-        return {name: copy.deepcopy(part.state_dict()) for name, part in self.training_parts().items()}
-
-    def restore_training(self, snapshot: dict[str, Any]) -> None:
-        parts = self.training_parts()
-        for name, state in snapshot.items():
-            parts[name].load_state_dict(state)
+# ---------------------------------------------------------------------------------------------- helpers
+def plain_hparams(owner: TrainModule | DataModule) -> dict[str, Any]:
+    """``owner.hparams`` without the entries a checkpoint cannot hold (said once per save, with what to do)."""
+    out: dict[str, Any] = {}
+    for k, v in dict(owner.hparams).items():
+        try:
+            check_plain_data(v)
+        except CheckpointError:
+            warnings.warn(
+                f"Hyper-parameter {k!r} ({type(v).__name__}) is not plain data and is left out of the "
+                "checkpoint (ember's checkpoints load with torch.load(weights_only=True)); load_from_checkpoint "
+                f"then uses the constructor's default unless given {k}=... . Pass ignore=[{k!r}] to "
+                "save_hyperparameters to silence this.",
+                UserWarning,
+            )
+            continue
+        out[k] = v
+    return out
 
 
-def _dataset_len(loader: Any) -> int | None:
-    try:
-        return len(loader.dataset)
-    except (AttributeError, TypeError):
-        return None
+def shared_objects(trainer: Trainer) -> dict[int, Any]:
+    """What a copy of a callback's or datamodule's attributes refers to rather than copies: the Trainer,
+    the module, the datamodule and the callbacks (a deep copy's memo)."""
+    objs = (trainer, trainer.module, trainer.datamodule, *trainer.callbacks)
+    return {id(o): o for o in objs if o is not None}
+
+
+def attributes(owner: Any, shared: dict[int, Any]) -> dict[str, Any]:
+    """A copy of ``owner``'s attributes to put back: deep where it can be (``shared`` objects stay shared),
+    shallow for a value that cannot be copied (a lock, a file)."""
+    out = {}
+    for name, value in vars(owner).items():
+        try:
+            out[name] = copy.deepcopy(value, dict(shared))
+        except Exception:
+            out[name] = value
+    return out

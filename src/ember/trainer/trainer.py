@@ -1,20 +1,17 @@
 """The Trainer: arguments, the fit / validate / test / predict entry points, the one run helper they
-share (prepare -> setup -> restore -> run -> teardown), and public state."""
+share (prepare -> setup -> restore -> run -> teardown; the stages inside it are ``stages.py``), checkpoint
+saving, and public state (``properties.py``)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import torch
-
 from ember.callbacks.callback import Callback
-from ember.checkpoint import contents, locate
-from ember.checkpoint.restore import Resume, restore_for_evaluation
+from ember.checkpoint import contents
 from ember.checkpoint.writer import BackgroundSave
 from ember.data import DataModule
 from ember.hparams import drop_unpicklable
@@ -22,29 +19,22 @@ from ember.loggers.logger import DummyLogger, Logger
 from ember.module import TrainModule, takes_dataloader_iter
 from ember.profilers import Profiler
 from ember.strategies.strategy import Strategy
-from ember.trainer import arguments
+from ember.trainer import arguments, locate
 from ember.trainer.compile import is_compiled, unwrap_compiled
-from ember.trainer.evaluation import EvaluationLoop
-from ember.trainer.fit_summary import print_fit_summary
 from ember.trainer.hooks import Hooks
-from ember.trainer.loaders import FitData, close_loaders, eval_loaders
+from ember.trainer.loaders import FitData
 from ember.trainer.log_writer import LogWriter
 from ember.trainer.loops import FitLoop
-from ember.trainer.optim import NO_OPTIMIZER_WARNING, NoOptimizer, OptimizerState, check_scheduler_api, parse_optimizers
 from ember.trainer.precision import Precision, normalize_precision
-from ember.trainer.preemption import preemption
-from ember.trainer.progress import FitProgress
-from ember.trainer.properties import TrainerProperties
-from ember.trainer.results_table import print_results
+from ember.trainer.stages import TrainerStages
 from ember.trainer.state import FitState
-from ember.trainer.step import TrainingStep
 from ember.types import PrecisionInput, Stage, TrainerState
 from ember.utils import is_overridden
 
 log = logging.getLogger(__name__)
 
 
-class Trainer(TrainerProperties):
+class Trainer(TrainerStages):
     """Runs a ``TrainModule``'s training, evaluation and prediction on a chosen strategy.
 
     Args:
@@ -206,9 +196,10 @@ class Trainer(TrainerProperties):
         self.strategy = arguments.resolve_strategy(self, strategy, accelerator_name, device_list)
         precision_plugin = Precision(self._precision_name, self.strategy.root_device.type)
         self._input_dtype = precision_plugin.input_dtype
-        #: What a fit carries (progress, optimizers and schedulers, precision, metric accumulators, data
-        #: position), each part with ``state_dict`` / ``load_state_dict``: what checkpoints save and restore.
-        self.fit_state = FitState(self.strategy, precision_plugin, FitData(self, None, None))
+        #: What a fit carries, as named parts (module, datamodule, callbacks, optimizers and schedulers,
+        #: precision, progress, metric accumulators, data position, RNG), each with ``state_dict`` /
+        #: ``load_state_dict``: what checkpoints save and restore (``state.py``).
+        self.fit_state = FitState(self, self.strategy, precision_plugin, FitData(self, None, None))
 
         self.callbacks: list[Callback] = arguments.build_callbacks(
             self, callbacks, enable_progress_bar, enable_checkpointing, enable_model_summary, max_time
@@ -316,159 +307,6 @@ class Trainer(TrainerProperties):
         self.profiler.setup(stage, self.global_rank if self.world_size > 1 else None, self.log_dir)
         return path
 
-    def _fit(self, module: TrainModule, loaders: tuple[Any, ...], path: str | None) -> None:
-        if not module.automatic_optimization and (self.accumulate_grad_batches > 1 or self.gradient_clip_val):
-            raise ValueError(
-                "accumulate_grad_batches and gradient_clip_val apply to automatic optimization only; "
-                "with automatic_optimization=False, accumulate and clip in training_step yourself."
-            )
-        self.fit_state.start_fit(FitData(self, *loaders))
-        self._data.warn_validation_step_without_data()
-        if self._data.validates:  # (a fit without validation data never runs validation_step)
-            self._refuse_dp_iter_steps(module, ("validation_step",))
-        self._precision.convert_module(module)
-        # Resuming, in Lightning's order (checkpoint/restore.py): the weights, the datamodule's and the callbacks' state
-        # now, before configure_optimizers; the training state and the data position in FitLoop.run.
-        resume = Resume(self, self.fit_state, path) if path is not None else None
-        if resume is not None:
-            resume.modules_and_callbacks()
-        self.strategy.setup(self, module)
-        if not is_overridden("configure_optimizers", module, TrainModule):
-            TrainModule.configure_optimizers(module)  # raises the explanatory NotImplementedError
-        configured = module.configure_optimizers()
-        if configured is None:  # as Lightning: warn, and train with a stand-in that updates nothing
-            warnings.warn(f"{type(module).__name__}.{NO_OPTIMIZER_WARNING}.", UserWarning, stacklevel=2)
-            configured = NoOptimizer()
-        optimizers, schedulers = parse_optimizers(configured, module.automatic_optimization)
-        check_scheduler_api(schedulers, module)
-        if module.automatic_optimization and len(optimizers) != 1:
-            raise ValueError(
-                f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization "
-                "needs exactly one. For several, set self.automatic_optimization = False and step "
-                "them in training_step."
-            )
-        self.fit_state.optim = OptimizerState(
-            optimizers, schedulers, module=module, precision=self._precision, strategy=self.strategy, hooks=self._hooks
-        )
-        self.should_stop = False
-        self.history = []
-        self.fit_state.progress = FitProgress()
-        step = TrainingStep(
-            strategy=self.strategy,
-            module=module,
-            precision=self._precision,
-            optim=self._optim,
-            metrics=self._metrics,
-            hooks=self._hooks,
-            progress=self.progress,
-            profiler=self.profiler,
-            accumulate_grad_batches=self.accumulate_grad_batches,
-            gradient_clip_val=self.gradient_clip_val,
-            gradient_clip_algorithm=self.gradient_clip_algorithm,
-        )
-        evaluation = EvaluationLoop(self, module, self._hooks, self._metrics, self._precision, self._input_dtype)
-        self._loop = FitLoop(
-            self,
-            hooks=self._hooks,
-            metrics=self._metrics,
-            optim=self._optim,
-            data=self._data,
-            logs=self._logs,
-            evaluation=evaluation,
-            step=step,
-            input_dtype=self._input_dtype,
-        )
-        self._hooks.call("on_fit_start")
-        if self.enable_autolog_hparams:
-            self._logs.hyperparams()
-        module.zero_grad()  # every stage starts without gradients, as Lightning's _run_stage
-        # No module.train() here: as in Lightning, submodules a user put in eval mode stay there.
-        with preemption(self) as handler, torch.autograd.set_detect_anomaly(self.detect_anomaly):
-            self._loop.run(resume, handler)  # SIGTERM -> checkpoint at the next step boundary -> Preempted exit
-        self._hooks.call("on_fit_end")
-        self._logs.finalize("success")
-        print_fit_summary(self)  # one line on rank zero: where the logs and checkpoints went
-
-    def _evaluate_or_predict(self, stage: Stage, module: TrainModule, given: Any, path: str | None) -> Any:
-        module.zero_grad()  # every stage starts without gradients, as Lightning's _run_stage
-        attr, limit = {
-            "validate": ("val_dataloader", self.limit_val_batches),
-            "test": ("test_dataloader", self.limit_test_batches),
-            "predict": ("predict_dataloader", self.limit_predict_batches),
-        }[stage]
-        if stage != "predict":
-            hook = "validation" if stage == "validate" else "test"
-            if not is_overridden(f"{hook}_step", module, TrainModule):
-                raise ValueError(f"{type(module).__name__} defines no {hook}_step; define it to {stage}.")
-        # A limit of 0 batches runs nothing, and (as Lightning) does not even request the loaders.
-        loaders, limits = eval_loaders(self, given, stage, attr, limit) if limit != 0 else ([], [])
-        self._eval_batches[stage] = limits
-        self._eval_loaders[stage] = loaders
-        self._precision.convert_module(module)
-        self.strategy.setup(self, module)
-        if path is not None:
-            restore_for_evaluation(self, self.fit_state, path)
-        if stage != "predict" and self.enable_autolog_hparams:  # as Lightning; predict logs nothing at all
-            self._logs.hyperparams()
-        evaluation = EvaluationLoop(self, module, self._hooks, self._metrics, self._precision, self._input_dtype)
-        if stage == "predict":
-            outputs = evaluation.predict(loaders, limits, keep=self._return_predictions)
-            if not self._return_predictions or not outputs:  # (no loader: limit_predict_batches=0)
-                return None
-            return outputs[0] if len(outputs) == 1 else outputs
-        results = evaluation.run(stage, loaders, limits)
-        # As Lightning: trainer.logged_metrics gets them with or without loggers; the loggers also get "epoch"
-        # (and nothing at all when nothing was logged).
-        logged = {k: v for r in results for k, v in r.items()}
-        if logged:
-            self._logs.write(logged)
-        if self._verbose and self.is_global_zero:
-            print_results(results, stage)
-        return results
-
-    def _on_exception(self, exc: BaseException) -> None:
-        for h in self._hooks.get("on_exception"):
-            try:
-                h(exc)
-            except Exception as hook_exc:  # never hide the original error behind a hook's
-                # Named by its owner's class: the repr of a bound hook would print the whole module.
-                fn = getattr(h, "func", h)
-                owner = type(getattr(fn, "__self__", None)).__name__
-                warnings.warn(
-                    f"{owner}.on_exception raised {type(hook_exc).__name__}: {hook_exc} (while handling "
-                    f"{type(exc).__name__}, which follows)",
-                    RuntimeWarning,
-                )
-        if self.datamodule is not None:  # after the callbacks and the module, as in Lightning
-            try:
-                self.datamodule.on_exception(exc)
-            except Exception as hook_exc:
-                warnings.warn(
-                    f"{type(self.datamodule).__name__}.on_exception raised {type(hook_exc).__name__}: "
-                    f"{hook_exc} (while handling {type(exc).__name__}, which follows)",
-                    RuntimeWarning,
-                )
-        self._logs.finalize("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
-
-    def _teardown(self, stage: Stage) -> None:
-        try:
-            # The datamodule first, then callbacks and the module: the reverse of setup, as in Lightning.
-            if self.datamodule is not None:
-                self.datamodule.teardown(stage=stage)
-            if self.module is not None:
-                self._hooks.call("teardown", stage=stage)
-        finally:
-            try:
-                # As Lightning: the worker processes of the stage's loaders end with it (persistent ones too).
-                if stage == "fit":
-                    self._data.close()
-                else:
-                    close_loaders(self._eval_loaders.get(stage, []))
-                self.profiler.describe()  # the report: written to its file, or printed on rank zero
-            finally:
-                self.strategy.teardown()
-                self.state = "finished"
-
     def save_checkpoint(
         self, filepath: str | os.PathLike, weights_only: bool = False, storage_options: BackgroundSave | None = None
     ) -> None:
@@ -484,7 +322,9 @@ class Trainer(TrainerProperties):
                 ``ember.checkpoint.BackgroundSave``, which writes on the strategy's background writer after
                 one copy of the state (what ``ModelCheckpoint(async_save=True)`` passes).
         """
-        contents.save(self, self.fit_state, filepath, weights_only=weights_only, storage_options=storage_options)
+        if self.module is None:
+            raise RuntimeError("save_checkpoint needs a module: call it during or after trainer.fit(...).")
+        contents.save(self.fit_state, self.strategy, filepath, weights_only, storage_options)
 
     # ------------------------------------------------------------------ entry points
     def fit(

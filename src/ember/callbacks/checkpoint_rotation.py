@@ -1,58 +1,26 @@
-"""How ModelCheckpoint puts files in place beside ``trainer.save_checkpoint``: the save point's file,
-``last`` as a hard or symbolic link to the file just written (each made atomically), the removal of
-files that left the top k (``CheckpointFiles``), all of it on the strategy's background writer with
-``async_save`` (the save passes a ``BackgroundSave`` saying what to do once the file exists); and the
-checkpoints written when fit raises (``save_on_exception``, ``OnExceptionCheckpoint``). The file
-operations themselves are ``ember.checkpoint.files``."""
+"""ModelCheckpoint's files at a save point (``CheckpointRotation``): which files it keeps (the best k by the
+monitored value, with their scores), then the top-k file and ``last`` (a hard or symbolic link to the file
+just written, each made atomically), then the removal of the previous ``last`` and of the files that left
+the top k; with ``async_save``, all of it on the strategy's background writer (the save passes a
+``BackgroundSave`` saying what to do once the file exists). Which files, and when, is decided here; the
+file operations themselves are ``ember.checkpoint.files``."""
 
 from __future__ import annotations
 
 import inspect
+import math
 import os
-import re
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.callbacks.callback import Callback
-from ember.checkpoint.files import inside, link_atomic, remove_checkpoint
+from ember.checkpoint.files import link_atomic, remove_checkpoint
 from ember.checkpoint.writer import BackgroundSave
-from ember.exceptions import Preempted
 
 if TYPE_CHECKING:
-    from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
-
-FILE_EXTENSION = ".ckpt"
-
-
-def check_template(what: str, template: str, field: re.Pattern[str]) -> None:
-    """Raise unless the file names ``template`` makes stay inside the checkpoint directory: not
-    absolute, no ``..`` above it (a folder such as ``"sub/{epoch}"`` is fine). Outside it, top-k
-    rotation would never remove them, ``"last"``/``"auto"`` would never find them, and they might land
-    among another run's files."""
-    name = field.sub("x", template)
-    if os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == os.pardir:
-        raise ValueError(
-            f"ModelCheckpoint({what}={template!r}) names a file outside the checkpoint directory. "
-            "Checkpoints are rotated (save_top_k) and found again (ckpt_path='last' / 'auto') only "
-            "inside that directory. Choose the directory with dirpath= and keep the name relative to "
-            "it, without '..' (folders inside it, such as 'sub/{epoch}', are fine)."
-        )
-
-
-def check_inside(path: str, dirpath: str | None, template: str) -> str:
-    """``path`` (normalised) when it is inside ``dirpath``; else an error naming the logged values' fault."""
-    path = os.path.normpath(path)
-    if dirpath and not inside(path, dirpath):
-        raise ValueError(
-            f"ModelCheckpoint(filename={template!r}) with this save's values names {path}, outside the "
-            f"checkpoint directory {dirpath}: a logged value in the name contains '..' or a path "
-            "separator. Leave that value out of the file name, or log a number instead."
-        )
-    return path
 
 
 # What names ModelCheckpoint's files: with async_save, the values after a save are published once its
@@ -69,12 +37,23 @@ _LISTING = (
 )
 
 
-class CheckpointFiles:
-    """ModelCheckpoint's file operations (a mixin): write a save point's top-k file and ``last``, then
-    remove the previous ``last`` and the files that left the top k; with ``async_save``, all of that on
-    the strategy's background writer, in that order, after one copy of the state."""
+class CheckpointRotation:
+    """ModelCheckpoint's files at a save point (a mixin; when to save is ``model_checkpoint.py``'s): name
+    this save's ``last``, decide whether the save enters the top k (and which file leaves it), write the
+    top-k file and ``last``, then remove the previous ``last`` and the files that left the top k; with
+    ``async_save``, the writing and removing on the strategy's background writer, in that order, after one
+    copy of the state."""
 
-    # Set by ModelCheckpoint.
+    # ModelCheckpoint's settings and state (``model_checkpoint.py``).
+    CHECKPOINT_NAME_LAST: str
+    monitor: str | None
+    mode: str
+    kth_best_model_path: str
+    kth_value: torch.Tensor | None
+    best_model_score: torch.Tensor | None
+    current_score: torch.Tensor | None
+    _validation_ran: bool
+    _warned_missing: bool
     dirpath: str | None
     verbose: bool
     save_last: bool | str
@@ -105,6 +84,100 @@ class CheckpointFiles:
             step = trainer.global_step if step is None else step
             print(f"ModelCheckpoint: epoch {epoch}, step {step}: saved {path}")
 
+    if TYPE_CHECKING:  # ModelCheckpoint's own: finish a write in flight, the values a file is named by, a name
+
+        def _finish_write(self, trainer: Trainer) -> None: ...
+        def _candidates(self, trainer: Trainer) -> dict[str, Any]: ...
+        def _versioned(
+            self, trainer: Trainer, metrics: dict[str, Any], filename: str | None, keep: str | None
+        ) -> str: ...
+
+    # ------------------------------------------------------------------ names
+    def next_last_path(self, trainer: Trainer) -> str:
+        """The path this callback's next ``last`` checkpoint gets now: ``CHECKPOINT_NAME_LAST`` formatted,
+        with ``-v1``... beside an earlier run's file of that name (for a checkpoint written outside the
+        callback, such as on preemption). Every process must call it (rank zero's answer is broadcast)."""
+        self._finish_write(trainer)  # a last.ckpt still being written is this run's own, not an earlier run's
+        return self._versioned(trainer, self._candidates(trainer), self.CHECKPOINT_NAME_LAST, keep=self.last_model_path)
+
+    def _next_last(self, trainer: Trainer, metrics: dict[str, Any]) -> str:
+        """Name this save's ``last`` (before any file is written, as every checkpoint holds
+        ``last_model_path``); returns the previous one."""
+        previous = self.last_model_path
+        if self.save_last:
+            self.last_model_path = self._versioned(trainer, metrics, self.CHECKPOINT_NAME_LAST, keep=previous)
+        return previous
+
+    # ------------------------------------------------------------------ the top k
+    def _monitored(self, trainer: Trainer, metrics: dict[str, Any], at_epoch_end: bool) -> float | None:
+        if self.monitor in metrics:
+            value = float(metrics[self.monitor])
+            if math.isnan(value):  # a NaN never ranks as better
+                value = math.inf if self.mode == "min" else -math.inf
+            return value
+        logged = sorted(k for k in metrics if k not in ("epoch", "step"))
+        message = (
+            f"ModelCheckpoint(monitor={self.monitor!r}) could not find {self.monitor!r} in the logged metrics. "
+            f"Logged keys: {logged}. Log it with self.log({self.monitor!r}, value) in your module, or "
+            "change monitor to one of the logged keys."
+        )
+        if self._validation_ran or at_epoch_end:
+            raise ValueError(message)
+        if not self._warned_missing:  # saving before the first validation: the key may not exist yet
+            warnings.warn(message + " (Skipping top-k until it is logged.)", UserWarning)
+            self._warned_missing = True
+        return None
+
+    def _save_top_k(self, trainer: Trainer, metrics: dict[str, Any], at_epoch_end: bool) -> str | None:
+        if self.monitor is None:
+            path = self._versioned(trainer, metrics, None, keep=self.best_model_path)
+            previous = self.best_model_path
+            self.best_model_path = path
+            if self.save_top_k == 1 and previous and previous != path:
+                self._replaced.append(previous)
+            return path
+        value = self._monitored(trainer, metrics, at_epoch_end)
+        if value is None:
+            return None
+        full = self.save_top_k != -1 and len(self.best_k_models) >= self.save_top_k
+        if full and not self._better(value, None if self.kth_value is None else float(self.kth_value)):
+            return None
+        self.current_score = self._score(metrics[self.monitor], value)
+        path = self._versioned(trainer, metrics, None, keep=self._worst() if full else None)
+        self.best_k_models[path] = self.current_score
+        dropped = None
+        if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
+            dropped = self._worst()
+            del self.best_k_models[dropped]
+        if self.save_top_k == -1 or len(self.best_k_models) == self.save_top_k:  # as Lightning: once k are kept
+            worst = self._worst()
+            self.kth_best_model_path, self.kth_value = worst, self.best_k_models[worst]
+        pick = min if self.mode == "min" else max
+        best = pick(self.best_k_models, key=lambda k: float(self.best_k_models[k]))
+        self.best_model_path = best
+        self.best_model_score = self.best_k_models[best]
+        if dropped is not None and dropped != path:
+            self._replaced.append(dropped)
+        return path
+
+    @staticmethod
+    def _score(logged: Any, value: float) -> torch.Tensor:
+        """The monitored value as a tensor (as Lightning keeps it): the logged tensor itself, on the CPU;
+        a NaN is kept as the +-inf it ranks as."""
+        if isinstance(logged, torch.Tensor) and logged.numel() == 1 and not math.isnan(float(logged)):
+            return logged.detach().to("cpu").reshape(())
+        return torch.tensor(value)
+
+    def _better(self, value: float, than: float | None) -> bool:
+        if than is None:
+            return True
+        return value < than if self.mode == "min" else value > than
+
+    def _worst(self) -> str:
+        pick = max if self.mode == "min" else min
+        return pick(self.best_k_models, key=lambda k: float(self.best_k_models[k]))
+
+    # ------------------------------------------------------------------ the files
     def _put_files(self, trainer: Trainer, written: str | None, previous_last: str, before: dict[str, Any]) -> None:
         """Write this save point's files: the top-k file ``written`` (None: none) and ``last_model_path``
         (named by ``_next_last``, when ``save_last``), then remove ``previous_last`` and ``_replaced``.
@@ -196,37 +269,3 @@ def _takes_storage_options(trainer: Trainer) -> bool:
         return "storage_options" in inspect.signature(trainer.save_checkpoint).parameters
     except (TypeError, ValueError):  # no signature to read: let the call say what is wrong
         return True
-
-
-def save_on_exception(trainer: Trainer, dirpath: str, name: str, exception: BaseException) -> None:
-    if isinstance(exception, Preempted) or trainer.module is None:
-        return  # preemption already saved at a step boundary
-    if trainer.world_size > 1:
-        # Saving gathers state from every rank; a rank that raised alone would leave the others waiting.
-        warnings.warn(
-            "Exception checkpoints are only written in single-process runs; use preemption (SIGTERM) "
-            "for multi-process runs.",
-            UserWarning,
-        )
-        return
-    trainer.save_checkpoint(os.path.join(dirpath, name + FILE_EXTENSION))
-
-
-class OnExceptionCheckpoint(Callback):
-    """Write ``<dirpath>/<filename>.ckpt`` when fit raises (Ctrl-C included).
-
-    The state is whatever it was when the exception arrived, which may be mid-step; resuming from
-    it is exact only if the exception was raised at a step boundary (for clean stops, send SIGTERM:
-    see ``ember.trainer.preemption``).
-
-    Args:
-        dirpath: the directory.
-        filename: the file name without extension.
-    """
-
-    def __init__(self, dirpath: str | os.PathLike, filename: str = "on_exception") -> None:
-        self.dirpath = os.path.abspath(os.fspath(dirpath))
-        self.filename = filename
-
-    def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
-        save_on_exception(trainer, self.dirpath, self.filename, exception)

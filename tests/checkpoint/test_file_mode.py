@@ -9,7 +9,7 @@ import stat
 import pytest
 
 import ember
-from ember.checkpoint_io import write_atomic
+from ember.checkpoint import write_atomic
 from tests.helpers.models import BoringModel, regression_loader
 
 

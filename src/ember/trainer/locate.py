@@ -7,8 +7,9 @@ that run's directory. ``"best"`` is the first ModelCheckpoint's ``best_model_pat
 restarts of a torchrun or SLURM job go through ``auto_resume.py``.
 
 Loggers are recognised by what they can do (a file logger has ``run_dirs``, ``runs_root`` and
-``continue_run``), checkpoint callbacks by ``best_model_path`` and ``dirpath``: this package sits
-below the callbacks and loggers and imports none of them.
+``continue_run``), checkpoint callbacks by ``best_model_path`` and ``dirpath`` (a user's own included).
+This module is the trainer's: where a Trainer's checkpoints are is a question about the Trainer (its
+callbacks, loggers and ``default_root_dir``), and ``ember.checkpoint`` only reads the files.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from ember.checkpoint import auto_resume
-from ember.checkpoint.io import CheckpointError, CheckpointNotFoundError
+from ember.checkpoint.format import CheckpointError, CheckpointNotFoundError
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -182,7 +183,7 @@ def resolve(trainer: Trainer, ckpt_path: str | os.PathLike | None, continue_run:
     if continue_run and auto_resume.applies(ckpt_path):  # fit: a restarted job, or "auto" (auto_resume.py)
         chosen, found_here, run = None, False, None
         if strategy.is_global_zero:
-            chosen, found_here = auto_resume.choose(trainer, ckpt_path, search_patterns(trainer))
+            chosen, found_here = auto_resume.choose(ckpt_path, search_patterns(trainer))
             if not found_here:  # a restart with no checkpoint yet: the run its first attempt began, if any
                 run = _job_run(trainer)
         chosen, found_here, run = strategy.broadcast((chosen, found_here, run))

@@ -1,4 +1,4 @@
-"""The directory lock (ember/checkpoint_io.py): other processes are excluded, this one never is, and a
+"""The directory lock (ember/checkpoint/lock.py): other processes are excluded, this one never is, and a
 forked child never keeps it after its parent released it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ember.checkpoint_io import DirectoryLock
+from ember.checkpoint import DirectoryLock
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="flock and fork are POSIX")
 
@@ -88,7 +88,7 @@ def test_a_child_forked_while_the_lock_is_held_does_not_hold_it_after_its_parent
     # The parent killed outright (no release): its orphaned child must not keep the directory locked.
     code = """if True:
         import os, sys, time
-        from ember.checkpoint_io import DirectoryLock
+        from ember.checkpoint import DirectoryLock
         assert DirectoryLock(sys.argv[1]).acquire() is None
         child = os.fork()
         if child == 0:

@@ -1,0 +1,50 @@
+"""``OnExceptionCheckpoint``: write a checkpoint when fit raises; ``save_on_exception`` is what it (and
+``ModelCheckpoint(save_on_exception=True)``) write."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import TYPE_CHECKING
+
+from ember.callbacks.callback import Callback
+from ember.checkpoint.files import FILE_EXTENSION
+from ember.exceptions import Preempted
+
+if TYPE_CHECKING:
+    from ember.module import TrainModule
+    from ember.trainer.trainer import Trainer
+
+
+def save_on_exception(trainer: Trainer, dirpath: str, name: str, exception: BaseException) -> None:
+    if isinstance(exception, Preempted) or trainer.module is None:
+        return  # preemption already saved at a step boundary
+    if trainer.world_size > 1:
+        # Saving gathers state from every rank; a rank that raised alone would leave the others waiting.
+        warnings.warn(
+            "Exception checkpoints are only written in single-process runs; use preemption (SIGTERM) "
+            "for multi-process runs.",
+            UserWarning,
+        )
+        return
+    trainer.save_checkpoint(os.path.join(dirpath, name + FILE_EXTENSION))
+
+
+class OnExceptionCheckpoint(Callback):
+    """Write ``<dirpath>/<filename>.ckpt`` when fit raises (Ctrl-C included).
+
+    The state is whatever it was when the exception arrived, which may be mid-step; resuming from
+    it is exact only if the exception was raised at a step boundary (for clean stops, send SIGTERM:
+    see ``ember.trainer.preemption``).
+
+    Args:
+        dirpath: the directory.
+        filename: the file name without extension.
+    """
+
+    def __init__(self, dirpath: str | os.PathLike, filename: str = "on_exception") -> None:
+        self.dirpath = os.path.abspath(os.fspath(dirpath))
+        self.filename = filename
+
+    def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
+        save_on_exception(trainer, self.dirpath, self.filename, exception)
