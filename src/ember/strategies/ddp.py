@@ -267,7 +267,7 @@ class DDPStrategy(Strategy):
             self._init_group()
         # The rank-zero helpers (ember.utilities, Lightning's) read their rank from the environment when first
         # imported, which a spawned worker sets only afterwards: this process knows its rank now.
-        rank_zero_only.rank = dist.get_rank()
+        setattr(rank_zero_only, "rank", dist.get_rank())  # noqa: B010 (an attribute of the function, untyped)
         if not self._control_open and dist.get_world_size() > 1:
             self._control_group = open_control_group(self.timeout)  # collective: every rank is here
             self._control_open = True
