@@ -179,8 +179,8 @@ def test_the_default_step_is_the_fit_the_closure_path_runs(case, record):
         assert ("before_optimizer_step", [None, None]) in direct["calls"]  # the all-None window still "steps"
 
 
-#: What a step with nothing between its parts runs, and what it then leaves out.
-PLAIN, NOT_PLAIN = {"TrainingStep.plain_step"}, {"TrainingStep.__call__", "TrainingStep.forward_backward"}
+#: What every automatic step runs, on either path: the batch's work is one function.
+WORK = {"TrainingStep.__call__", "TrainingStep.forward_backward"}
 
 
 class OnAfterBackward(Callback):
@@ -222,35 +222,37 @@ class DictStep(Net):
 
 
 @pytest.mark.parametrize(
-    "cls, options, plain",
+    "cls, options, direct",
     [
         (Net, dict(), True),
         (OwnBackward, dict(), True),
         (DictStep, dict(), True),
         (FrozenBias, dict(), True),
         (Net, dict(sized=False), True),
-        (Net, dict(callbacks=[OnAfterBackward()]), False),
-        (Net, dict(accumulate_grad_batches=2), False),
-        (Net, dict(precision="bf16-mixed"), False),
-        (Net, dict(gradient_clip_val=1.0), False),
-        (ZeroGrad, dict(), False),
-        (ModuleHooks, dict(), False),
+        (Net, dict(callbacks=[OnAfterBackward()]), True),
+        (Net, dict(accumulate_grad_batches=2), True),
+        (Net, dict(precision="bf16-mixed"), True),
+        (Net, dict(gradient_clip_val=1.0), True),
+        (ZeroGrad, dict(), True),
+        (ModuleHooks, dict(), True),
         (ThroughEveryLayer, dict(), False),
         (Net, dict(profiler="simple"), False),
     ],
 )
-def test_a_step_with_nothing_between_its_parts_runs_in_one_frame(cls, options, plain):
-    """Nothing between training_step, zero_grad, backward and the optimizer's step (no hook, override, window,
-    autocast, clipping or profiler): the step is one frame, and the same fit as through every layer."""
+def test_each_fit_takes_the_direct_path_unless_a_layer_adds_work(cls, options, direct):
+    """One fast path: whatever runs between training_step, zero_grad, backward and the optimizer's step (a hook,
+    an override, a window, autocast, clipping), the step skips the layers that add nothing; only an overridden
+    optimizer_step or a profiler goes through them. Either way it is the same fit as through every layer."""
     fit = _fit(cls, record=False, **options)
-    assert (PLAIN <= fit["called"], NOT_PLAIN <= fit["called"]) == (plain, not plain)
+    assert WORK <= fit["called"]
+    assert (not fit["called"] & LAYERS, CLOSURE_LAYERS <= fit["called"]) == (direct, not direct)
     layered_cls = cls if issubclass(cls, ThroughEveryLayer) else type("Layered", (ThroughEveryLayer, cls), {})
     layered = _fit(layered_cls, record=False, trace=False, **options)
     assert fit["global_step"] == layered["global_step"] == (14 if options.get("accumulate_grad_batches") is None else 8)
     assert all(torch.equal(a, b) for a, b in zip(fit["weights"], layered["weights"]))
 
 
-def test_own_backward_in_the_one_frame_step_is_called_once_a_step():
+def test_own_backward_in_the_direct_step_is_called_once_a_step():
     module = OwnBackward()
     trainer = fast_trainer(max_epochs=1)
     trainer.fit(module, _loader())
@@ -259,16 +261,16 @@ def test_own_backward_in_the_one_frame_step_is_called_once_a_step():
 
 def test_a_window_that_changes_size_between_epochs_changes_the_step_with_it():
     """GradientAccumulationScheduler sets accumulate_grad_batches per epoch: one batch a step in the first
-    epoch (the one-frame step), three in the next (every layer), one again after."""
+    epoch, three in the next, one again after; the direct path in each, the same fit as every layer's."""
     from ember.callbacks import GradientAccumulationScheduler
 
     def fit(cls: type[Net]) -> dict[str, Any]:
         return _fit(cls, record=False, max_epochs=3, callbacks=[GradientAccumulationScheduler({1: 3, 2: 1})])
 
-    fit_plain, layered = fit(Net), fit(ThroughEveryLayer)
-    assert PLAIN | NOT_PLAIN <= fit_plain["called"]
-    assert fit_plain["global_step"] == layered["global_step"] == 7 + 3 + 7
-    assert all(torch.equal(a, b) for a, b in zip(fit_plain["weights"], layered["weights"]))
+    fit_direct, layered = fit(Net), fit(ThroughEveryLayer)
+    assert WORK <= fit_direct["called"] and not fit_direct["called"] & LAYERS
+    assert fit_direct["global_step"] == layered["global_step"] == 7 + 3 + 7
+    assert all(torch.equal(a, b) for a, b in zip(fit_direct["weights"], layered["weights"]))
 
 
 def test_a_profiler_sees_every_layer():

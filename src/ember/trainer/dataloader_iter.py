@@ -7,7 +7,7 @@ Such a step receives a :class:`DataLoaderIter`; each ``next(dataloader_iter)`` f
 not moved to the device and the transfer hooks do not run, because the point of the flavor is that the step
 decides when and how its data moves.
 
-What the loops do differently for it (``FitLoop.run_iter_epoch``, ``EvaluationLoop``), chosen once per run
+What the loops do differently for it (``EpochLoop.run_iter``, ``EvaluationLoop``), chosen once per run
 from the step's signature, so that the usual ``(batch, batch_idx)`` step pays nothing for it:
 
 - a step is not a batch. ``num_training_batches`` (``limit_train_batches``) bounds both the steps and the

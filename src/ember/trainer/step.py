@@ -13,16 +13,23 @@ Automatic optimization, per batch::
     several times).
 
 Overriding a module hook (``optimizer_step``, ``optimizer_zero_grad``, ``backward``,
-``configure_gradient_clipping``) changes what that point does, nothing else. A fit where the layers between
-the loop and the work add nothing (the default ``optimizer_step``, no gradient scaler, an optimizer whose
-step takes no closure, a strategy that only passes the calls on, no profiler) skips them: the step calls
-the module's ``training_step``, ``loss.backward()`` and ``optimizer.step()`` itself, with the same hooks in
-the same order (:meth:`TrainingStep._skip_layers`); where, besides, nothing runs between those parts (no step
-hook or ``optimizer_zero_grad`` override, one batch per step, no autocast, no clipping), the loop calls
-:meth:`TrainingStep.plain_step`, the whole step in one frame (:meth:`TrainingStep.runner`). Each step
-returns the batch's outputs and how many optimizer steps it took (as in Lightning, a window whose
-batches all returned None from ``training_step`` takes a step that updates nothing but counts), which
-the fit loop counts into ``global_step``.
+``configure_gradient_clipping``) changes what that point does, nothing else.
+
+Two paths run that step, and one function, :meth:`TrainingStep.forward_backward` (with
+:meth:`TrainingStep.pre_step`), does the batch's work in both:
+
+- the direct path, where the layers between the loop and the work add nothing (the default ``optimizer_step``,
+  no gradient scaler, an optimizer whose step takes no closure, no profiler: :meth:`TrainingStep._skip_layers`):
+  the batch's work, then ``optimizer.step()``; it calls the module's ``training_step`` and ``loss.backward()``
+  itself where the strategy's methods would only pass them on;
+- the closure path, through every layer: ``module.optimizer_step(..., closure)``, where the closure
+  (:class:`_Closure`) does the batch's work.
+
+Both run the same hooks in the same order and give the same fit, to the bit. Manual optimization is its own
+path (:meth:`TrainingStep.manual_step`): the module's ``training_step`` steps its optimizers itself. Each step
+returns the batch's outputs and how many optimizer steps it took (as in Lightning, a window whose batches all
+returned None from ``training_step`` takes a step that updates nothing but counts), which the fit loop counts
+into ``global_step``.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ if TYPE_CHECKING:
 
 def check_loss(output: Any) -> torch.Tensor | None:
     """The loss inside what ``training_step`` returned, or None to skip the batch."""
+    if type(output) is torch.Tensor and output.requires_grad and not output.ndim:
+        return output  # the usual return, a scalar that requires grad: nothing more to check
     if output is None:
         return None
     loss = output
@@ -108,14 +117,13 @@ class _Closure:
     """What ``optimizer_step`` receives as ``optimizer_closure``: one call runs the batch's forward,
     backward and pre-step work and returns the loss (None when ``training_step`` returned None)."""
 
-    __slots__ = ("_step", "_batch", "_batch_idx", "_pos", "_window", "outputs", "called", "skipped")
+    __slots__ = ("_step", "_batch", "_batch_idx", "_pos", "_window", "outputs", "called")
 
     def __init__(self, step: TrainingStep, batch: Any, batch_idx: int, pos: int) -> None:
         self._step, self._batch, self._batch_idx, self._pos = step, batch, batch_idx, pos
         self._window: list[torch.Tensor | None] | None = None
         self.outputs: Any = None
         self.called = False
-        self.skipped = False
 
     def __call__(self) -> torch.Tensor | None:
         step = self._step
@@ -126,7 +134,7 @@ class _Closure:
         outputs, loss = step.forward_backward(self._batch, self._batch_idx, self._pos, warn=warn)
         if not self.called:
             self.called, self.outputs = True, outputs
-        self.skipped = not step.pre_step(self._pos)
+        step.pre_step(self._pos)
         return loss
 
     def _window_gradients(self) -> None:
@@ -256,30 +264,15 @@ class TrainingStep:
             and not defines_hook("optimizer_step", self.precision, Precision)
             and not defines_hook("optimizer_step", strategy, Strategy)
         )
-        # Nothing runs between the module's training_step, zero_grad, backward and the optimizer's step: with
-        # one batch per window, the whole step is the plain loop's (plain_step).
-        self._plain = bool(
-            self._direct_step
-            and self._module_step
-            and self._own_backward
-            and self._autocast is None
-            and self._zero_grad_override is None
-            and not (self._h_zero_grad or self._h_before_backward or self._h_after_backward or self.pre_step_work)
-        )
 
     def runner(self) -> Callable[[Any, int, bool], tuple[Any, int]]:
-        """What runs each batch of an epoch (``k`` is read per epoch): :meth:`plain_step` when it does all the step
-        does, else :meth:`__call__`."""
+        """What runs each batch of an epoch: :meth:`__call__`, or :meth:`manual_step` in manual optimization."""
         if not self._hooks_bound:
             self.bind_hooks()
-        return self.plain_step if self._plain and self.k == 1 else self.__call__
+        return self.__call__ if self.automatic else self.manual_step
 
     def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[Any, int]:
-        """Run one batch; return its outputs and the optimizer steps it took."""
-        if not self._hooks_bound:
-            self.bind_hooks()
-        if not self.automatic:
-            return self._manual(batch, batch_idx)
+        """Run one batch in automatic optimization; return its outputs and the optimizer steps it took."""
         k = self.k
         pos = batch_idx % k if k > 1 else 0
         if pos != k - 1 and not is_last:
@@ -287,7 +280,7 @@ class TrainingStep:
                 outputs, _ = self.forward_backward(batch, batch_idx, pos)
             return outputs, 0
         self.batch_idx = batch_idx
-        if self._direct_step:  # what the closure path below does, without its layers (see _skip_layers)
+        if self._direct_step:  # the closure path's work and step, without its layers (see _skip_layers)
             outputs, _ = self.forward_backward(batch, batch_idx, pos)
             if self.pre_step(pos):
                 self._optimizer.step()
@@ -311,33 +304,8 @@ class TrainingStep:
         # window returned None and nothing is updated.
         return closure.outputs, 1
 
-    def plain_step(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[Any, int]:
-        """:meth:`__call__` when the step is the plain loop's (one batch per step, the module's ``training_step``,
-        ``optimizer.zero_grad(set_to_none=True)``, ``loss.backward()`` or the module's ``backward``, and
-        ``optimizer.step()``, nothing between them: :meth:`runner`), in one frame: what
-        :meth:`forward_backward` and :meth:`pre_step` do there, without the checks that cannot apply."""
-        outputs = self.module.training_step(batch, batch_idx)
-        loss = (
-            outputs
-            if type(outputs) is torch.Tensor and outputs.requires_grad and not outputs.ndim
-            else check_loss(outputs)
-        )
-        self.batch_idx = batch_idx
-        optimizer = self._optimizer
-        optimizer.zero_grad(set_to_none=True)
-        if loss is None:  # nothing to update; as Lightning, the step still counts
-            self.window_has_grad = False
-            self._warn_none(batch_idx)
-            return outputs, 1
-        if self._backward_override is None:
-            loss.backward()
-        else:
-            self._backward_override(loss)
-        self.window_has_grad = True
-        optimizer.step()
-        return outputs, 1
-
     def _warn_none(self, batch_idx: int) -> None:
+        """Say, once per fit, that ``training_step`` returned None."""
         if self._warned_none:
             return
         self._warned_none = True
@@ -349,7 +317,7 @@ class TrainingStep:
             stacklevel=4,
         )
 
-    # ------------------------------------------------------------------ the closure's parts
+    # ------------------------------------------------------------------ the batch's work, on both paths
     def forward_backward(self, batch: Any, batch_idx: int, pos: int, warn: bool = True) -> tuple[Any, Any]:
         """training_step, then (first batch of a window) zero_grad, then backward; returns (outputs, loss)."""
         step = self.module.training_step if self._module_step else self._training_step
@@ -358,12 +326,7 @@ class TrainingStep:
         else:
             with self._autocast():
                 outputs = step(batch, batch_idx)
-        # The usual return (a scalar tensor that requires grad) needs no further checking.
-        loss = (
-            outputs
-            if type(outputs) is torch.Tensor and outputs.requires_grad and not outputs.ndim
-            else check_loss(outputs)
-        )
+        loss = check_loss(outputs)
         if pos == 0:
             optimizer = self._optimizer
             for h in self._h_zero_grad:
@@ -491,7 +454,9 @@ class TrainingStep:
             )
 
     # ------------------------------------------------------------------ manual optimization
-    def _manual(self, batch: Any, batch_idx: int) -> tuple[Any, int]:
+    def manual_step(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[Any, int]:
+        """Run one batch in manual optimization: its ``training_step`` steps the optimizers itself (``is_last``
+        is not needed); return its outputs and the optimizer steps it took."""
         before = self.optim.steps_taken
         with self.precision.autocast():
             outputs = self._training_step(batch, batch_idx)
