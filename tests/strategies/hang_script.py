@@ -3,7 +3,9 @@ SIGTERM-grace tests (``python hang_script.py ...`` in a fresh directory: default
 and progress bar).
 
 - ``--hang-rank r --hang-step s``: rank ``r`` sleeps for good in ``training_step`` at batch ``s``,
-  after writing ``<out>/hanging<r>`` so a test knows when the hang has begun.
+  after writing ``<out>/hanging<r>`` so a test knows when the hang has begun. With ``--hang-in-loader``
+  the sleep is in one of rank ``r``'s two DataLoader workers instead, fetching batch ``s``'s samples: the
+  rank waits for that batch for good.
 - ``--slow-rank r --slow SECONDS[,SECONDS...]``: rank ``r``'s steps sleep that long (the last value
   repeats), so the other ranks wait for it in every gradient all-reduce.
 - ``--timeout``, ``--watchdog`` (seconds, or ``none``), ``--grace``, ``--start-method``:
@@ -32,6 +34,25 @@ from ember.strategies import DDPStrategy
 atexit.register(gc.freeze)  # end without the shutdown garbage collection: see tests/conftest.py
 
 
+class StuckInWorker(torch.utils.data.Dataset):
+    """A dataset whose samples of one batch never come, on one rank (in a loader worker, as a stuck read)."""
+
+    def __init__(self, data: TensorDataset, args: argparse.Namespace, rank: int) -> None:
+        self.data, self.args, self.rank = data, args, rank
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        a = self.args
+        if self.rank == a.hang_rank and i // 2 == a.hang_step:  # batch_size 2, in order
+            with open(os.path.join(a.out, f"hanging{self.rank}"), "w"):
+                pass
+            while True:
+                time.sleep(3600)
+        return self.data[i]
+
+
 class Net(ember.TrainModule):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
@@ -44,7 +65,7 @@ class Net(ember.TrainModule):
 
     def training_step(self, batch, batch_idx):
         a = self.args
-        if self.global_rank == a.hang_rank and batch_idx == a.hang_step:
+        if self.global_rank == a.hang_rank and batch_idx == a.hang_step and not a.hang_in_loader:
             with open(os.path.join(a.out, f"hanging{self.global_rank}"), "w"):
                 pass
             while True:
@@ -65,6 +86,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--hang-rank", type=int, default=-1)
     parser.add_argument("--hang-step", type=int, default=3)
+    parser.add_argument("--hang-in-loader", action="store_true")
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow", type=lambda v: [float(s) for s in v.split(",")], default=[0.0])
     parser.add_argument("--steps", type=int, default=64)
@@ -92,7 +114,12 @@ def main() -> None:
         torch.randn(args.steps * args.devices * 2, 2, generator=g),
     )
     module = Net(args)
-    trainer.fit(module, DataLoader(data, batch_size=2))
+    if args.hang_in_loader:
+        rank = int(os.environ.get("RANK", "0"))  # the script's own copy per rank (ddp re-runs it)
+        loader = DataLoader(StuckInWorker(data, args, rank), batch_size=2, num_workers=2)
+    else:
+        loader = DataLoader(data, batch_size=2)
+    trainer.fit(module, loader)
     watchdog = getattr(trainer.strategy, "watchdog", None)
     with open(os.path.join(args.out, f"done{trainer.global_rank}"), "w") as f:
         json.dump(

@@ -26,7 +26,7 @@ from ember.strategies.watchdog import watchdog as wd
 from ember.strategies.watchdog.verdicts import AFTER_BACKWARD
 from tests.helpers import session_jobs
 from tests.helpers.dist import assert_processes_gone
-from tests.helpers.jobs import finish_job, start_job
+from tests.helpers.jobs import finish_job, job_processes, start_job
 
 pytestmark = pytest.mark.processes
 
@@ -246,13 +246,15 @@ def test_acting_on_a_verdict_prints_the_stack_and_exits(capfd, monkeypatch):
         raise SystemExit(code)
 
     monkeypatch.setattr(wd.os, "_exit", fake_exit)
+    ended_children: list[bool] = []  # in this process, the real one would end the suite's own jobs
+    monkeypatch.setattr(wd, "end_children", lambda: ended_children.append(True))
     monkeypatch.setattr(wd, "ANSWER_S", 0.5)
     ranks = Ranks()
     dog = ranks.dogs[1]
     verdict = {"summary": "stopping the job: rank 1 is stuck", "dump": [1], "exit": 1, "by": 0}
     with pytest.raises(SystemExit):
         wd.Watchdog._act(dog, verdict)
-    assert exits == [1]
+    assert exits == [1] and ended_children == [True]  # the rank's loader workers end with it
     err = capfd.readouterr().err
     assert "[ember ddp] rank 1: stopping the job: rank 1 is stuck" in err
     assert "Python stack (pid" in err and "in test_acting_on_a_verdict_prints_the_stack_and_exits" in err
@@ -298,6 +300,21 @@ def test_a_hung_rank_ends_the_job_within_seconds_under_a_short_collective_timeou
     assert "The watchdog deadline was 5 s" in log, log  # half the 10 s collective timeout
     assert ended - began < 30, f"{ended - began:.1f} s"
     print(f"hang to end: {ended - hung:.1f} s; whole job {ended - began:.1f} s")
+    assert_processes_gone(tmp_path, count=2)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_stuck_waiting_for_its_loader_worker_ends_with_the_job_and_so_does_the_worker(tmp_path):
+    # Rank 1's loader worker never returns its batch (a stuck read, or a deadlock inherited through fork):
+    # rank 1 waits in next(loader), rank 0 in the gradient all-reduce. The verdict ends both ranks, and
+    # the stuck worker with them: left alone it would outlive the job for good, holding the job's output
+    # open, so that whatever reads it (a shell pipeline, this test) never sees it end.
+    proc = start(tmp_path, "--hang-rank", "1", "--hang-in-loader", "--timeout", "10")
+    hang_began(tmp_path, 1, proc)
+    code, log = finish(proc, limit=40)  # finish_job: the output ends only when every holder has ended
+    assert code == wd.HUNG_EXIT_CODE, log
+    assert "rank 1 is stuck in the training loop" in log, log
+    assert not job_processes(proc.pid), "a process of the job outlived it"
     assert_processes_gone(tmp_path, count=2)
 
 

@@ -32,6 +32,7 @@ import contextlib
 import ctypes
 import datetime
 import gc
+import multiprocessing
 import os
 import re
 import signal
@@ -64,6 +65,9 @@ __all__ = [
     "is_peer_failure",
     "destroy_group",
     "import_before_the_group",
+    "end_children",
+    "descendants",
+    "kill_processes",
 ]
 
 _job_store: dist.Store | None = None  # this process's job store, once it has joined a job
@@ -182,6 +186,7 @@ def stop_processes(procs: list[Any], grace: float = _STOP_GRACE_S) -> None:
         return p.poll() if isinstance(p, subprocess.Popen) else p.exitcode
 
     alive = [p for p in procs if poll(p) is None]
+    below = [d for p in alive for d in descendants(p.pid)]  # their loader workers: see end_children
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in alive:
             with contextlib.suppress(ProcessLookupError):
@@ -190,6 +195,7 @@ def stop_processes(procs: list[Any], grace: float = _STOP_GRACE_S) -> None:
         while any(poll(p) is None for p in alive) and time.monotonic() < deadline:
             time.sleep(0.02)
         alive = [p for p in alive if poll(p) is None]
+    kill_processes(below)
     for p in procs:
         p.wait() if isinstance(p, subprocess.Popen) else p.join()
 
@@ -545,9 +551,53 @@ class PopenLauncher(Launcher):
                 _exit(status)
 
 
+def descendants(pid: int) -> list[int]:
+    """The running processes below ``pid`` (children, theirs, ...), parents first; empty without /proc."""
+    parents: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if fields[0] != "Z":
+            parents[int(entry)] = int(fields[1])
+    found: list[int] = []
+    level = [pid]
+    while level:
+        level = [p for p, parent in parents.items() if parent in level]
+        found.extend(level)
+    return found
+
+
+def kill_processes(pids: list[int]) -> None:
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+
+
+def end_children() -> None:
+    """SIGKILL every process below this one (the ranks it started, every rank's DataLoader workers) before it
+    ends with ``os._exit``, which runs none of the shutdown that would stop them.
+
+    A rank this process started dies with it (``die_with_parent``), but that rank's loader workers do not: a
+    worker notices its parent's death only while it waits for work, so one stuck in a dataset's
+    ``__getitem__`` (or in a deadlock inherited through ``fork`` from a threaded rank) would outlive the job
+    for good, holding the job's output pipe open: whatever waits for that output to end waits too.
+    """
+    kill_processes(descendants(os.getpid()) or [c.pid for c in multiprocessing.active_children() if c.pid])
+
+
 def _exit(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
+    end_children()
     os._exit(status)
 
 

@@ -64,7 +64,7 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from ember.strategies.launchers.launcher import FailureRecord
+from ember.strategies.launchers.launcher import FailureRecord, end_children
 from ember.strategies.watchdog.verdicts import (
     abort_summary,
     behind,
@@ -161,8 +161,10 @@ def print_stacks(header: str) -> None:
 
 
 def exit_with_stacks(header: str, code: int) -> NoReturn:
-    """Print ``header`` and every thread's stack, then end this process now with status ``code``."""
+    """Print ``header`` and every thread's stack, then end this process now with status ``code`` (and its
+    DataLoader workers with it: ``end_children``)."""
     print_stacks(header)
+    end_children()
     os._exit(code)
 
 
@@ -471,6 +473,7 @@ class Watchdog:
                 stream.flush()
             except Exception:
                 pass
+        end_children()  # this rank's loader workers (and the ranks this process started)
         os._exit(verdict["exit"])
 
     # ------------------------------------------------------------------ for the strategy
