@@ -82,6 +82,7 @@ def fit(
     checkpoint: ModelCheckpoint | None = None,
     val: bool = False,
     batch_size: int = BATCH,
+    generator_seed: int | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[DropoutNet, ember.Trainer]:
     ember.seed_everything(0)
@@ -96,7 +97,8 @@ def fit(
         num_sanity_val_steps=0,
         **trainer_kwargs,
     )
-    loader = DataLoader(dataset(), batch_size=batch_size, shuffle=True, num_workers=workers)
+    generator = torch.Generator().manual_seed(generator_seed) if generator_seed is not None else None
+    loader = DataLoader(dataset(), batch_size=batch_size, shuffle=True, num_workers=workers, generator=generator)
     val_loader = DataLoader(dataset(), batch_size=8) if val else None
     trainer.fit(module, loader, val_loader, ckpt_path=ckpt_path)
     return module, trainer
@@ -141,6 +143,21 @@ def test_resume_after_callback_raises_is_bitwise(tmp_path, reference, workers, s
     assert trainer.history == REF_HISTORY[workers][-len(trainer.history) :]
     # Resumed from the last multiple of 4 steps (12: the boundary after epoch 0's last batch).
     assert len(resumed.seen) == EPOCHS * N - stop // 4 * 4 * BATCH
+
+
+@pytest.mark.parametrize("stop", [17, 12], ids=["mid-epoch", "between-epochs"])
+def test_a_loader_with_its_own_generator_shuffles_the_later_epochs_as_the_uninterrupted_run(tmp_path, stop):
+    # The epochs' orders are drawn from the loader's generator, not torch's global one: its state is saved with
+    # the sampler (the resumed epoch's continuing iterator draws nothing from it), so the epochs after the
+    # resumed one shuffle as they would have.
+    reference, _ = fit(str(tmp_path / "ref"), generator_seed=3)
+    root = str(tmp_path / "run")
+    with pytest.raises(RuntimeError, match="stop at step"):
+        fit(root, callbacks=[StopAt(stop)], generator_seed=3)
+    resumed, trainer = fit(root, ckpt_path="last", generator_seed=3)
+    assert trainer.global_step == EPOCHS * N // BATCH
+    assert_same_weights(resumed, reference)
+    assert resumed.seen == reference.seen[len(reference.seen) - len(resumed.seen) :]
 
 
 def test_resume_does_not_rerun_validation_or_epoch_end(tmp_path):

@@ -253,6 +253,9 @@ def sampler(value: Any, dataset_len: int | None) -> None:
     if s.get("seed") is not None:
         _int(s["seed"], "seed", low=-(2**63))
     _int(s.get("epoch"), "epoch")
+    generator = s.get("generator")
+    if generator is not None and not (isinstance(generator, torch.Tensor) and generator.dtype == torch.uint8):
+        raise Bad(f"its generator state is a {type(generator).__name__}, not the uint8 tensor torch saves")
     at = _int(s.get("position"), "position")
     if dataset_len is not None and at > dataset_len:
         raise Bad(

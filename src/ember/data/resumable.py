@@ -50,8 +50,9 @@ def why_not_swappable(loader: Any) -> str | None:
 
 class _ResumableDataLoader(DataLoader):
     """A DataLoader whose iterator, while continuing a restored epoch, draws nothing from torch's
-    global RNG (a fresh DataLoader iterator draws its workers' base seed from it), so that the
-    global stream restored from the checkpoint stays exactly where the interrupted run had it."""
+    global RNG nor from the loader's own generator (a fresh DataLoader iterator draws its workers' base seed
+    from it), so that the streams restored from the checkpoint stay exactly where the interrupted run had
+    them."""
 
     def __iter__(self) -> _BaseDataLoaderIter:
         sampler = self.sampler
@@ -63,6 +64,14 @@ class _ResumableDataLoader(DataLoader):
                 return super().__iter__()
             finally:
                 self.generator = None
+        if getattr(sampler, "resuming", False) and self.generator is not None:
+            # The loader's own generator, restored with the sampler (its state after the epoch's draws): the
+            # continued epoch's iterator draws its workers' seed from it, which the interrupted run had drawn.
+            state = self.generator.get_state()
+            try:
+                return super().__iter__()
+            finally:
+                self.generator.set_state(state)
         return super().__iter__()
 
 

@@ -189,8 +189,14 @@ class ShardedSampler(Sampler[int]):
         return self._start > 0
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"seed", "epoch", "position"}``: enough to continue this epoch on any world size."""
-        return {"seed": self.seed, "epoch": self.epoch, "position": min(self._handed_out, self._total())}
+        """``{"seed", "epoch", "position"}``: enough to continue this epoch on any world size; and, where the
+        epochs' seeds are drawn from a ``generator`` of the loader's, its state (``"generator"``), so that the
+        epochs after a resumed one shuffle as they would have."""
+        position = min(self._handed_out, self._total())
+        state: dict[str, Any] = {"seed": self.seed, "epoch": self.epoch, "position": position}
+        if self.generator is not None and self.base_seed is None:
+            state["generator"] = self.generator.get_state()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues epoch ``state["epoch"]`` from global position ``state["position"]``."""
@@ -199,6 +205,9 @@ class ShardedSampler(Sampler[int]):
         self._start = int(state.get("position", 0))
         self._handed_out = self._start
         self._iterated = False
+        saved = state.get("generator")
+        if saved is not None and self.generator is not None and self.base_seed is None:
+            self.generator.set_state(saved)
 
 
 def _eval_padding(n: int, world: int, rank: int, batch_size: int | None, drop_last: bool) -> tuple[int, int | None]:

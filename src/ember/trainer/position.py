@@ -98,7 +98,7 @@ class DataPosition:
                 full = sized_len(loader)
                 # An epoch whose end already ran continues with the next epoch, from its first sample.
                 position = 0 if progress.epoch_finished else saved["position"]
-                sampler.load_state_dict({"seed": saved["seed"], "epoch": saved["epoch"], "position": position})
+                sampler.load_state_dict({**saved, "position": position})
                 left = sized_len(loader)
                 if new_world:
                     if full is not None and left is not None:
