@@ -192,7 +192,9 @@ class CheckpointRotation:
             elif written is not None:
                 link = (written, False)
         primary = written if written is not None else (last if link is None else None)
-        if not self.async_save or primary is None:  # (only a link to make: nothing to write in the background)
+        # (Only a link to make: nothing to write in the background. A strategy whose ranks all write, fsdp's
+        # sharded checkpoints, writes at once.)
+        if not self.async_save or primary is None or not trainer.strategy.background_saves:
             self._put_files_now(trainer, written, previous_last)
             return
         # Decided here, with this save's lists; done on the background thread once ``primary`` is complete,

@@ -36,6 +36,7 @@ from ember.checkpoint.format import (
 from ember.checkpoint.lightning import load_lightning_checkpoint
 from ember.checkpoint.lock import DirectoryLock
 from ember.checkpoint.reading import load, verify
+from ember.checkpoint.sharded import consolidate
 from ember.checkpoint.temporaries import remove_stale_temporaries, temporary_prefix
 from ember.checkpoint.weights import check_state_dict, match_compiled_keys, read_for_module
 from ember.checkpoint.writer import BackgroundSave, CheckpointWriter
@@ -50,6 +51,7 @@ __all__ = [
     "DirectoryLock",
     "check_plain_data",
     "check_state_dict",
+    "consolidate",
     "fsync_dir",
     "is_lightning_checkpoint",
     "load",

@@ -8,9 +8,11 @@ reported as such, with the space left, even where torch's writer hides the errno
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import shutil
+import stat
 import tempfile
 import threading
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ember.checkpoint.format import SHARDED_META
 from ember.checkpoint.temporaries import temporary_prefix
 
 _umask_lock = threading.Lock()
@@ -27,7 +30,9 @@ def _file_mode(path: str) -> int:
     """The mode ``open(path, "wb")`` would leave: an existing file's own, else 0o666 less the umask (so a team
     sharing a filesystem reads the checkpoints as it reads any other file the job writes)."""
     try:
-        return os.stat(path).st_mode & 0o777
+        st = os.stat(path)
+        if stat.S_ISREG(st.st_mode):  # (not a sharded checkpoint's directory this file replaces)
+            return st.st_mode & 0o777
     except OSError:
         pass
     try:  # Linux: the umask, read without changing it (another thread may be creating files)
@@ -83,7 +88,7 @@ def write_atomic(
         fd = -1
         if before_rename is not None:
             before_rename(tmp)
-        os.replace(tmp, path)
+        rename_over(tmp, path)
     except BaseException as err:
         full = _out_of_space(err, fd)
         if fd >= 0:
@@ -171,3 +176,53 @@ def fsync_dir(directory: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def rename_over(source: str, target: str) -> None:
+    """``os.replace(source, target)``, also where ``target`` is a sharded checkpoint's directory (a file or a
+    directory taking the place of one): the two are swapped in one step where the system can
+    (``renameat2(RENAME_EXCHANGE)``, Linux), else the old one is first renamed aside under a temporary's name;
+    then the old one is deleted. Any other directory at ``target`` is an error, never deleted."""
+    if not (os.path.isdir(target) and not os.path.islink(target)):
+        if os.path.isdir(source) and os.path.lexists(target):  # a directory over a file
+            if not _exchange(source, target):
+                os.remove(target)
+                os.rename(source, target)
+                return
+            os.remove(source)
+            return
+        os.replace(source, target)
+        return
+    if not os.path.isfile(os.path.join(target, SHARDED_META)):
+        raise IsADirectoryError(
+            errno.EISDIR,
+            f"{target!r} is a directory that is not a checkpoint: ember will not replace it. Move it away, or save "
+            "the checkpoint under another name",
+            target,
+        )
+    if _exchange(source, target):
+        shutil.rmtree(source, ignore_errors=True) if os.path.isdir(source) else os.remove(source)
+        return
+    aside = source.removesuffix(".tmp") + "-previous.tmp"  # a temporary's name: reaped if we die now
+    os.rename(target, aside)
+    os.rename(source, target)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the names ``a`` and ``b`` in one step (Linux's ``renameat2``); False where that is not available."""
+    try:  # the C library this process already has loaded (no search, no subprocess)
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # this filesystem or kernel cannot: rename instead
+        return False
+    raise OSError(err, os.strerror(err), b)

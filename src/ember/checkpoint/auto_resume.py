@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ember.checkpoint import sharded
 from ember.checkpoint.format import FORMAT, CheckpointError
 from ember.checkpoint.reading import verify
 
@@ -78,6 +79,9 @@ def job_key(env: Any = None) -> str | None:
 def _peek(path: str) -> dict[str, Any]:
     """The small entries of a checkpoint (tensors stay on disk: mmap); raises a CheckpointError when
     it cannot be read."""
+    if sharded.is_sharded(path):  # a directory: its plain entries (placeholders for the shards) say it all
+        ckpt = sharded.read_meta(path)
+        return {k: ckpt.get(k) for k in ("job", "weights_only", "epoch", "global_step", "format")}
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:

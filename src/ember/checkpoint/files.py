@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 
+from ember.checkpoint import sharded
 from ember.checkpoint.atomic import fsync_dir
 from ember.checkpoint.temporaries import temporary_prefix
 
@@ -73,12 +75,18 @@ def inside(path: str, directory: str) -> bool:
 
 
 def remove_checkpoint(path: str, dirpath: str | None, protected: set[str]) -> None:
-    """Delete ``path`` unless it is outside ``dirpath`` (never delete another run's file; its sub-folders,
-    which ``filename="sub/{epoch}"`` writes into, are inside) or ``protected``."""
+    """Delete ``path`` (a file, or a sharded checkpoint's directory) unless it is outside ``dirpath`` (never
+    delete another run's file; its sub-folders, which ``filename="sub/{epoch}"`` writes into, are inside) or
+    ``protected``."""
     if not path:
         return
     path = os.path.abspath(path)
     if dirpath is None or not inside(path, dirpath) or path in protected:
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        if sharded.is_sharded(path):  # a sharded checkpoint's directory; never any other directory
+            shutil.rmtree(path, ignore_errors=True)
+            fsync_dir(os.path.dirname(path))
         return
     try:
         os.remove(path)

@@ -10,6 +10,8 @@ import torch
 
 FORMAT = "ember.checkpoint"
 FORMAT_VERSION = 1
+#: The file of plain data inside a sharded checkpoint's directory (``sharded.py``).
+SHARDED_META = "meta.pt"
 # Exact types: a subclass (e.g. torch's TorchVersion, a str) is pickled by class name and refused on load.
 _SAFE_LEAVES = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
 _SAFE_CONTAINERS = (dict, OrderedDict, Counter, list, tuple)

@@ -8,10 +8,12 @@ import glob
 import os
 import pickle
 import zipfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ember.checkpoint import sharded
 from ember.checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
@@ -49,6 +51,9 @@ def verify(path: str, purpose: str | None = None) -> int:
             f"checkpoint{_ALTERNATIVES.get(purpose or '', '')}."
         )
     if os.path.isdir(path):
+        if sharded.is_sharded(path):
+            sharded.verify(path)
+            return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
         raise CheckpointError(f"{path!r} is a directory; pass the path of a .ckpt file inside it.")
     size = os.path.getsize(path)
     if size == 0:
@@ -67,7 +72,12 @@ def verify(path: str, purpose: str | None = None) -> int:
 
 
 def load(
-    path: str, map_location: Any = "cpu", purpose: str | None = None, lightning: bool = False, weights_only: bool = True
+    path: str,
+    map_location: Any = "cpu",
+    purpose: str | None = None,
+    lightning: bool = False,
+    weights_only: bool = True,
+    read_sharded: Callable[[str], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Load and validate an ember checkpoint, with an explanatory error for every way it can be wrong.
 
@@ -75,11 +85,18 @@ def load(
     error suggests instead: only what that caller accepts. With ``lightning``, a PyTorch Lightning
     checkpoint is returned as it is (its ``state_dict`` and ``hyper_parameters`` are what ember reads).
     ``weights_only=False`` lets ``torch.load`` unpickle objects: only for files you trust.
+    A sharded checkpoint (a directory, ``sharded.py``) is read by ``read_sharded`` (the strategy's: this rank's
+    shards), by default whole on the CPU.
     """
     path = os.fspath(path)
     size = verify(path, purpose)
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=weights_only)
+        if sharded.is_sharded(path):
+            ckpt = (read_sharded or sharded.read)(path)
+        else:
+            ckpt = torch.load(path, map_location=map_location, weights_only=weights_only)
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as err:
         if "Weights only load failed" in str(err):
             raise CheckpointError(

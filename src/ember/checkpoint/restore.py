@@ -36,6 +36,7 @@ from ember.state import MOMENTS, put_back, take_snapshot
 
 if TYPE_CHECKING:
     from ember.state import State, Stateful
+    from ember.strategies.strategy import Strategy
 
 
 class Restore:
@@ -47,14 +48,21 @@ class Restore:
         purpose: ``"fit"`` (every moment, from a full checkpoint) or ``"evaluate"`` (validate / test /
             predict: the ``"modules"`` parts, from any checkpoint).
         on_complete: called once the last moment's parts are loaded (the Trainer records the path).
+        strategy: the run's strategy: a sharded checkpoint is read as it holds tensors (its ``read_sharded``).
     """
 
     def __init__(
-        self, state: State, path: str, purpose: str = "fit", on_complete: Callable[[], None] | None = None
+        self,
+        state: State,
+        path: str,
+        purpose: str = "fit",
+        on_complete: Callable[[], None] | None = None,
+        strategy: Strategy | None = None,
     ) -> None:
         self.state, self.path, self.on_complete = state, path, on_complete
         self.moments = MOMENTS if purpose == "fit" else MOMENTS[:1]
-        self.checkpoint = ckpt = load(path, purpose=purpose)
+        read_sharded = strategy.read_sharded if strategy is not None else None
+        self.checkpoint = ckpt = load(path, purpose=purpose, read_sharded=read_sharded)
         if purpose == "fit" and (ckpt.get("weights_only") or "progress" not in ckpt):
             module = str(ckpt.get("module_class") or "YourModule").rsplit(".", 1)[-1]
             raise CheckpointError(

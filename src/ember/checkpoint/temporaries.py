@@ -1,14 +1,16 @@
 """Temporary files of checkpoint writes: how they are named, and removing those whose writer died.
 
-Temporary files are named ``.<target>~<host>~<pid>~<random>.tmp``, so that a later run can tell
-whether their writer is still alive: ``remove_stale_temporaries`` deletes only those whose writer
-was on this host and no longer exists. Another live job's file in flight is never touched.
+Temporary files (and the directories of sharded checkpoints, ``sharded.py``) are named
+``.<target>~<host>~<pid>~<random>.tmp``, so that a later run can tell whether their writer is still alive:
+``remove_stale_temporaries`` deletes only those whose writer was on this host and no longer exists. Another
+live job's file in flight is never touched.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
@@ -51,8 +53,12 @@ def remove_stale_temporaries(directory: str) -> list[str]:
         m = m or _OLD_LINK.match(name)
         if m is None or host != _HOST or int(m.group("pid")) == os.getpid() or _pid_alive(int(m.group("pid"))):
             continue
+        path = os.path.join(directory, name)
         try:
-            os.remove(os.path.join(directory, name))
+            if os.path.isdir(path) and not os.path.islink(path):  # a sharded checkpoint's directory
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
             removed.append(name)
         except OSError:
             pass

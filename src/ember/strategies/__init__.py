@@ -13,6 +13,7 @@ __all__ = [
     "SingleDeviceStrategy",
     "DataParallelStrategy",
     "DDPStrategy",
+    "FSDPStrategy",
     "register_strategy",
     "get_strategy",
     "available_strategies",
@@ -29,4 +30,8 @@ def __getattr__(name: str) -> Any:
         from ember.strategies.ddp import DDPStrategy
 
         return DDPStrategy
+    if name == "FSDPStrategy":
+        from ember.strategies.fsdp import FSDPStrategy
+
+        return FSDPStrategy
     raise AttributeError(f"module 'ember.strategies' has no attribute {name!r}")

@@ -94,6 +94,11 @@ register_strategy(
     "ddp, workers started with multiprocessing spawn",
     start_method="spawn",
 )
+register_strategy(
+    "fsdp",
+    "ember.strategies.fsdp:FSDPStrategy",
+    "one process per device, parameters, gradients and optimizer states sharded (PyTorch's FSDP2)",
+)
 for _find in (True, False):
     register_strategy(
         f"ddp_find_unused_parameters_{str(_find).lower()}",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from ember.checkpoint import sharded
 from ember.checkpoint.background import BackgroundWriter
 from ember.checkpoint.writer import BackgroundSave, CheckpointWriter
 from ember.data.resumable import make_resumable
@@ -47,6 +48,11 @@ class Strategy:
     #: instance may serve every strategy; a strategy writing elsewhere sets its own.
     checkpoint_writer: CheckpointWriter = CheckpointWriter()
     _background_writer: BackgroundWriter | None = None
+    #: Whether a resume loads the module's weights after ``setup`` (a strategy that changes the module's
+    #: parameters, as fsdp shards them) rather than before it (Lightning's ``restore_checkpoint_after_setup``).
+    restore_after_setup: bool = False
+    #: Whether the strategy applies mixed precision to the module too (fsdp's ``MixedPrecisionPolicy``).
+    precision_in_module: bool = False
 
     def __init__(self, accelerator: str | None = None, devices: list[torch.device] | None = None) -> None:
         self.accelerator = accelerator
@@ -115,7 +121,7 @@ class Strategy:
     def setup(self, trainer: Trainer, module: TrainModule) -> None:
         """Move ``module`` to the root device and prepare it for this strategy."""
         self.module = module
-        module.to(self.root_device)
+        self.place(module)
         # As Lightning: a step defined without batch_idx (``def training_step(self, batch)``) gets none, and
         # one that takes ``dataloader_iter`` gets the iterator alone.
         self._without_batch_idx = frozenset(
@@ -124,6 +130,19 @@ class Strategy:
             if callable(step := getattr(module, name, None))
             and (not takes_batch_idx(step) or takes_dataloader_iter(step))
         )
+
+    def place(self, module: torch.nn.Module) -> None:
+        """Move ``module`` to where it runs (the root device)."""
+        module.to(self.root_device)
+
+    def tensor_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """Where ``trainer.init_module()`` creates tensors: on the root device (``empty_init`` matters only to
+        strategies that shard, which create them on the meta device and materialise their own shards)."""
+        return self.root_device
+
+    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Called with the optimizers ``configure_optimizers`` returned, once per fit, before any resume loads
+        their states (a strategy that shards registers how a whole state is cut to shards)."""
 
     def passes_batch_idx(self, step: str) -> bool:
         """Whether the module's ``step`` takes ``(batch, batch_idx, ...)`` (not a step defined without
@@ -277,6 +296,12 @@ class Strategy:
             self._background_writer = BackgroundWriter()
         return self._background_writer
 
+    @property
+    def background_saves(self) -> bool:
+        """Whether this strategy can write a checkpoint in the background (``ModelCheckpoint(async_save=True)``
+        writes at once where it cannot)."""
+        return True
+
     def save_checkpoint(
         self,
         checkpoint: dict[str, Any],
@@ -296,6 +321,16 @@ class Strategy:
         self.background_writer.write(
             checkpoint, path, before_rename, after=storage_options.after, on_done=storage_options.on_done
         )
+
+    def read_sharded(self, path: str) -> dict[str, Any]:
+        """A sharded checkpoint directory (``ember/checkpoint/sharded.py``) as one dict: here whole tensors on
+        the CPU, read by this process alone; a sharded strategy reads only its own shards."""
+        return sharded.read(path)
+
+    def whole_state_dict(self) -> dict[str, Any]:
+        """The module's weights as whole tensors, for a process without this strategy's processes (what
+        ``ddp_spawn``'s workers hand back). A sharding strategy gathers them: call it on every process."""
+        return self.model_state_dict()
 
     def model_state_dict(self) -> dict[str, Any]:
         """The state dict of the user's module (unwrapped)."""

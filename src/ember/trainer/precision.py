@@ -42,14 +42,22 @@ class Precision:
     Args:
         precision: one of "32-true", "64-true", "bf16-mixed", "16-mixed" (or their aliases).
         device_type: "cpu" or "cuda", for autocast and the GradScaler.
+        in_module: the strategy also applies the mixed precision to the module itself (fsdp's
+            ``MixedPrecisionPolicy``, under the same autocast, as Lightning's fsdp): a 16-mixed GradScaler
+            whose inf checks agree across the ranks of sharded gradients.
     """
 
-    def __init__(self, precision: Any, device_type: str) -> None:
+    def __init__(self, precision: Any, device_type: str, in_module: bool = False) -> None:
         self.precision = normalize_precision(precision)
         self.device_type = device_type
         self.scaler: torch.amp.GradScaler | None = None
         if self.precision == "16-mixed":
-            self.scaler = torch.amp.GradScaler(device_type)
+            if in_module:
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+                self.scaler = ShardedGradScaler(device_type)
+            else:
+                self.scaler = torch.amp.GradScaler(device_type)
         self.autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.precision)
 
     @property

@@ -80,10 +80,16 @@ class TrainerStages(TrainerProperties):
         self._precision.convert_module(module)
         # Resuming, in Lightning's order (checkpoint/restore.py): the weights, the datamodule's and the callbacks'
         # states now, before configure_optimizers; the training state and the data position in FitLoop.run.
-        resume = Restore(self.fit_state, path, on_complete=lambda: self._resumed(path)) if path is not None else None
-        if resume is not None:
+        resume = (
+            Restore(self.fit_state, path, on_complete=lambda: self._resumed(path), strategy=self.strategy)
+            if path is not None
+            else None
+        )
+        if resume is not None and not self.strategy.restore_after_setup:
             resume.load("modules")
         self.strategy.setup(trainer, module)
+        if resume is not None and self.strategy.restore_after_setup:  # into the module as the strategy made it
+            resume.load("modules")
         if not is_overridden("configure_optimizers", module, TrainModule):
             TrainModule.configure_optimizers(module)  # raises the explanatory NotImplementedError
         configured = module.configure_optimizers()
@@ -91,6 +97,7 @@ class TrainerStages(TrainerProperties):
             warnings.warn(f"{type(module).__name__}.{NO_OPTIMIZER_WARNING}.", UserWarning, stacklevel=2)
             configured = NoOptimizer()
         optimizers, schedulers = parse_optimizers(configured, module.automatic_optimization)
+        self.strategy.setup_optimizers(optimizers)
         check_scheduler_api(schedulers, module)
         if module.automatic_optimization and len(optimizers) != 1:
             raise ValueError(
@@ -241,7 +248,7 @@ class TrainerStages(TrainerProperties):
         ``ckpt_path`` names the file while its hooks run, as Lightning's does."""
         previous, self.ckpt_path = self.ckpt_path, path
         try:
-            Restore(self.fit_state, path, purpose="evaluate").load("modules")
+            Restore(self.fit_state, path, purpose="evaluate", strategy=self.strategy).load("modules")
         except BaseException:
             self.ckpt_path = previous
             raise

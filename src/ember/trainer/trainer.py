@@ -4,11 +4,14 @@ saving, and public state (``properties.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
+
+import torch
 
 from ember.callbacks.callback import Callback
 from ember.checkpoint import contents
@@ -194,7 +197,9 @@ class Trainer(TrainerStages):
         self._precision_name = normalize_precision(precision)
         accelerator_name, device_list = arguments.resolve_devices(accelerator, devices)
         self.strategy = arguments.resolve_strategy(self, strategy, accelerator_name, device_list)
-        precision_plugin = Precision(self._precision_name, self.strategy.root_device.type)
+        precision_plugin = Precision(
+            self._precision_name, self.strategy.root_device.type, in_module=self.strategy.precision_in_module
+        )
         self._input_dtype = precision_plugin.input_dtype
         #: What a fit carries, as named parts (module, datamodule, callbacks, optimizers and schedulers,
         #: precision, progress, metric accumulators, data position, RNG), each with ``state_dict`` /
@@ -325,6 +330,28 @@ class Trainer(TrainerStages):
         if self.module is None:
             raise RuntimeError("save_checkpoint needs a module: call it during or after trainer.fit(...).")
         contents.save(self.fit_state, self.strategy, filepath, weights_only, storage_options)
+
+    @contextlib.contextmanager
+    def init_module(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Create the module's tensors where they will run, as Lightning's ``Trainer.init_module``.
+
+        Under this context, layers are created on the strategy's device (``"fsdp"`` with ``empty_init=True``:
+        on the meta device, with no memory, each rank then materialising only its own shards), and in
+        float64 under ``precision="64-true"``.
+
+        Args:
+            empty_init: skip initialising the weights on creation (they are loaded or initialised later); what
+                a sharding strategy needs to build a model no device can hold.
+        """
+        dtype = torch.float64 if self._precision_name == "64-true" else None
+        previous = torch.get_default_dtype()
+        with self.strategy.tensor_init_context(empty_init):
+            if dtype is not None:
+                torch.set_default_dtype(dtype)
+            try:
+                yield
+            finally:
+                torch.set_default_dtype(previous)
 
     # ------------------------------------------------------------------ entry points
     def fit(

@@ -29,11 +29,13 @@ def run_in_worker(fn: Callable[..., Any], args: tuple, kwargs: dict, rng: dict) 
     apply_rng(rng)
     value = fn(*args, **kwargs)
     trainer = getattr(fn, "__self__", None)
-    if trainer is None or not trainer.is_global_zero:
+    if trainer is None:
         return value, None
-    module = trainer.module
+    weights = trainer.strategy.whole_state_dict()  # every rank: a sharding strategy gathers its shards
+    if not trainer.is_global_zero:
+        return value, None
     state = {
-        "weights": {k: v.detach().cpu() for k, v in module.state_dict().items()},
+        "weights": {k: v.detach().cpu() for k, v in weights.items()},
         "callback_metrics": _to_cpu(trainer.callback_metrics),
         "logged_metrics": _to_cpu(dict(trainer.logged_metrics)),
         "progress": trainer.progress.state_dict(),

@@ -1,0 +1,195 @@
+"""ember's ``fsdp`` strategy against a hand-written FSDP2 loop: step time, and what each rank holds.
+
+Both variants shard the same model the same way on the same ranks (2 gloo ranks on CPU by default, one
+compute thread each): ``--blocks`` blocks of ``Linear(d, d) + GELU`` and a linear head, each block an FSDP
+unit and the root one more (ember: ``FSDPStrategy(auto_wrap_policy={Block})``; by hand: ``fully_shard`` on
+each block, then on the model), AdamW, a per-rank batch of ``--batch`` rows. A step is zero_grad / forward /
+MSE / backward / optimizer step.
+
+Step time: the variants run in the same ranks in interleaved rounds (the order flips every round), each
+round a fresh model and ``--steps`` steps per variant; a step's time is the time between two batch starts
+(ember: ``on_train_batch_start``, so the Trainer's whole loop counts), the round's median, slower rank.
+Reported: each variant's median over rounds and the median of the per-round ratios ember / hand.
+
+Memory: the bytes each rank holds of the parameters, gradients and optimizer states after a step, against
+one process holding the whole model (``world`` times the shard, less the rounding of uneven rows).
+
+Run: ``python benchmarks/fsdp.py`` (``--help`` for options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import socket
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a clone without installing
+
+import ember  # noqa: E402
+from ember.strategies.fsdp import FSDPStrategy  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.linear(x))
+
+
+class Model(ember.TrainModule):
+    def __init__(self, d: int, blocks: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*(Block(d) for _ in range(blocks)))
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class StepClock(ember.Callback):
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self.starts.append(time.perf_counter())
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    params = list(model.parameters())
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    return {
+        "parameters": sum(local(p).nbytes for p in params),
+        "gradients": sum(local(p.grad).nbytes for p in params if p.grad is not None),
+        "optimizer states": sum(local(v).nbytes for v in states),
+    }
+
+
+def ember_round(args: argparse.Namespace, world: int) -> tuple[float, dict[str, int]]:
+    model = Model(args.d, args.blocks)
+    clock = StepClock()
+    n = world * args.batch * (args.steps + 1)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(n, args.d, generator=g), torch.randn(n, 8, generator=g))
+    trainer = ember.Trainer(
+        strategy=FSDPStrategy(auto_wrap_policy={Block}),
+        devices=world,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+    )
+    trainer.fit(model, DataLoader(data, batch_size=args.batch))
+    times = [b - a for a, b in zip(clock.starts, clock.starts[1:])]
+    return statistics.median(times), held_bytes(model, trainer.optimizers[0])
+
+
+def hand_round(args: argparse.Namespace, world: int) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = Model(args.d, args.blocks)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(args.batch, args.d, generator=g), torch.randn(args.batch, 8, generator=g))]
+    starts = []
+    for _ in range(args.steps + 1):
+        starts.append(time.perf_counter())
+        x, y = batches[0]
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    times = [b - a for a, b in zip(starts, starts[1:])]
+    return statistics.median(times)
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rounds: dict[str, list[float]] = {"ember": [], "hand": []}
+    held: dict[str, int] = {}
+    for r in range(args.rounds):
+        order = ["ember", "hand"] if r % 2 == 0 else ["hand", "ember"]
+        for variant in order:
+            if variant == "ember":
+                t, held = ember_round(args, world)
+            else:
+                t = hand_round(args, world)
+            rounds[variant].append(t)
+    out.put((rank, rounds, held))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--d", type=int, default=1024)
+    parser.add_argument("--blocks", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args.world, port, args, out)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    results = dict((rank, (rounds, held)) for rank, rounds, held in (out.get() for _ in procs))
+    for p in procs:
+        p.join()
+    # Per round, the slower rank's time.
+    rounds = {v: [max(results[r][0][v][i] for r in results) for i in range(args.rounds)] for v in ("ember", "hand")}
+    whole = Model(args.d, args.blocks)
+    params = sum(p.numel() for p in whole.parameters())
+    print(f"fsdp on {args.world} gloo ranks, {args.blocks} x Linear({args.d}, {args.d}) + head, {params / 1e6:.1f} M "
+          f"parameters, per-rank batch {args.batch}, {args.rounds} rounds x {args.steps} steps")  # fmt: skip
+    for v in ("ember", "hand"):
+        print(f"  {v:<6} median step {statistics.median(rounds[v]) * 1e3:8.2f} ms")
+    ratio = statistics.median(a / b for a, b in zip(rounds["ember"], rounds["hand"]))
+    print(f"  ember / hand-written fully_shard loop, median of per-round ratios: {ratio:.3f}")
+    one = 4 * params
+    print(f"held per rank (rank 0), against one process holding the whole model ({one / 2**20:.1f} MiB fp32):")
+    for what, nbytes in results[0][1].items():
+        whole_bytes = one * (2 if what == "optimizer states" else 1)  # AdamW: exp_avg and exp_avg_sq
+        print(f"  {what:<17} {nbytes / 2**20:8.2f} MiB of {whole_bytes / 2**20:8.2f} MiB ({nbytes / whole_bytes:.3f})")
+
+
+if __name__ == "__main__":
+    main()
