@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
+from ember.data import fork_safety  # noqa: F401 (registers the before-fork wait for ending feeder threads)
 from ember.data.sampler import ShardedSampler
 
 
