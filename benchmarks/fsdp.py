@@ -12,9 +12,12 @@ round a fresh model and ``--steps`` steps per variant; a step's time is the time
 Reported: each variant's median over rounds and the median of the per-round ratios ember / hand.
 
 Memory: the bytes each rank holds of the parameters, gradients and optimizer states after a step, against
-one process holding the whole model (``world`` times the shard, less the rounding of uneven rows).
+one process holding the whole model (``world`` times the shard, less the rounding of uneven rows). With
+``--memory``, instead: the peak RSS growth of a short fit (the model built in ``configure_model`` under
+``trainer.init_module(empty_init=True)``), one process on the whole batch against the larger fsdp rank, each
+in fresh processes after a warm-up fit that imports what a fit needs.
 
-Run: ``python benchmarks/fsdp.py`` (``--help`` for options).
+Run: ``python benchmarks/fsdp.py`` and ``python benchmarks/fsdp.py --memory --d 2048`` (``--help``).
 """
 
 from __future__ import annotations
@@ -132,6 +135,103 @@ def hand_round(args: argparse.Namespace, world: int) -> float:
     return statistics.median(times)
 
 
+class LazyModel(Model):
+    """``Model`` built in ``configure_model`` under ``init_module(empty_init=True)``: no rank holds it whole."""
+
+    def __init__(self, d: int, blocks: int) -> None:
+        ember.TrainModule.__init__(self)
+        self.d, self.n_blocks = d, blocks
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "blocks"):
+            with self.trainer.init_module(empty_init=True):
+                self.blocks = nn.Sequential(*(Block(self.d) for _ in range(self.n_blocks)))
+                self.head = nn.Linear(self.d, 8)
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def memory_fit(args: argparse.Namespace, world: int, strategy: Any, batch: int) -> dict[str, float]:
+    """Peak RSS growth of one fit of ``--memory-steps`` steps, over the RSS just before it (after a warm-up fit
+    of a tiny model that imports what the fit needs)."""
+
+    def fit(d: int, blocks: int, steps: int) -> None:
+        n = world * batch * steps
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(n, d, generator=g), torch.randn(n, 8, generator=g))
+        trainer = ember.Trainer(
+            strategy=strategy(),
+            devices=world,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(LazyModel(d, blocks), DataLoader(data, batch_size=batch))
+
+    fit(16, 1, 1)
+    before = rss_mib()
+    fit(args.d, args.blocks, args.memory_steps)
+    return {"peak growth": peak_mib() - before}
+
+
+def memory_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    if world > 1:
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        )  # fmt: skip
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        got = memory_fit(args, world, lambda: FSDPStrategy(auto_wrap_policy={Block}), args.batch)
+        dist.destroy_process_group()
+    else:
+        got = memory_fit(args, 1, lambda: "single", args.batch * args.world)
+    out.put((rank, got))
+
+
+def launch(target: Any, world: int, args: argparse.Namespace) -> dict[int, Any]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, port, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, *rest = out.get()
+        results[rank] = rest if len(rest) > 1 else rest[0]
+    for p in procs:
+        p.join()
+    return results
+
+
+def report_memory(args: argparse.Namespace) -> None:
+    single = launch(memory_worker, 1, args)[0]["peak growth"]
+    sharded = max(r["peak growth"] for r in launch(memory_worker, args.world, args).values())
+    params = sum(p.numel() for p in Model(args.d, args.blocks).parameters())
+    print(
+        f"peak RSS growth of a {args.memory_steps}-step fit, {args.blocks} x Linear({args.d}, {args.d}) + head "
+        f"({params / 1e6:.1f} M parameters, {4 * params / 2**20:.0f} MiB fp32), AdamW, built in configure_model:"
+    )
+    print(f"  one process, batch {args.batch * args.world}: {single:8.1f} MiB")
+    ratio = sharded / single
+    print(f"  fsdp, {args.world} ranks, batch {args.batch} each (the larger rank): {sharded:8.1f} MiB ({ratio:.2f})")
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     torch.set_num_threads(1)
     os.environ.update(
@@ -162,18 +262,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--memory", action="store_true", help="measure peak memory instead (fresh processes)")
+    parser.add_argument("--memory-steps", type=int, default=3)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.world, port, args, out)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    results = dict((rank, (rounds, held)) for rank, rounds, held in (out.get() for _ in procs))
-    for p in procs:
-        p.join()
+    if args.memory:
+        report_memory(args)
+        return
+    results = launch(worker, args.world, args)
     # Per round, the slower rank's time.
     rounds = {v: [max(results[r][0][v][i] for r in results) for i in range(args.rounds)] for v in ("ember", "hand")}
     whole = Model(args.d, args.blocks)

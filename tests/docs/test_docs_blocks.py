@@ -64,6 +64,11 @@ EXPECT: dict[tuple[str, int], list[str]] = {
     ("strategies.md", 1): [r"DataParallelStrategy rank 0 of 1: 30 steps, val_acc 0\.\d+"],
     # Both ranks print, with the same (reduced) metric.
     ("strategies.md", 2): [r"DDPStrategy rank 0 of 2: 16 steps, val_acc 0\.\d+", r"DDPStrategy rank 1 of 2: 16 steps"],
+    # Two ranks, each holding half of every weight; the last checkpoint is a directory of both ranks' shards.
+    ("strategies.md", 3): [
+        r"rank 0 of 2: 8 steps, holds \(32, 64\) of \(64, 64\); last checkpoint .*last\.ckpt",
+        r"rank 1 of 2: 8 steps, holds \(32, 64\) of \(64, 64\)",
+    ],
     ("checkpoints.md", 0): [
         r"\['epoch=1-step=58\.ckpt', 'epoch=2-step=87\.ckpt', 'last\.ckpt'\]",
         r"best: epoch=\d-step=\d+\.ckpt 0\.\d+",
@@ -132,9 +137,10 @@ FILES: dict[tuple[str, int], list[str]] = {
         "ember_logs/version_0/checkpoints/last.ckpt",
         "ember_logs/version_0/checkpoints/epoch=1-step=48.ckpt",
     ],
+    ("strategies.md", 3): ["ember_logs/version_0/checkpoints/last.ckpt/meta.pt"],
 }
 # Blocks that start processes of their own: a longer limit.
-SLOW = {("strategies.md", 2), ("failures.md", 0), ("failures.md", 1)}
+SLOW = {("strategies.md", 2), ("strategies.md", 3), ("failures.md", 0), ("failures.md", 1)}
 CASES = [(guide, i) for guide in GUIDES for i in range(len(_python(guide)))]
 
 

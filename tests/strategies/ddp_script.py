@@ -94,9 +94,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     module, trainer = train(args.strategy, args.devices, B, Net(args.fail, args.fail_rank, args.out))
+    weights = trainer.strategy.whole_state_dict()  # every rank: fsdp gathers its shards
     torch.save(
         {
-            "weights": module.state_dict(),
+            "weights": weights,
             "pid": os.getpid(),
             "world_size": trainer.world_size,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},

@@ -66,6 +66,29 @@ class Net(ember.TrainModule):
         return torch.optim.AdamW(self.parameters(), lr=0.05)
 
 
+class ManualNet(Net):
+    """Manual optimization with clipping and a per-step LR schedule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.3)
+        opt.step()
+        self.lr_schedulers().step()
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.05)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)]
+
+
 def data(n: int = N) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g))
@@ -228,6 +251,10 @@ def features(rank: int, world: int) -> dict:
         module = Net()
         trainer(strategy, max_epochs=1).fit(module, loader(B))
         out[name] = diff(whole(module), ref)
+    manual, manual_ddp = ManualNet(), ManualNet()
+    trainer().fit(manual, loader(B))
+    trainer("ddp").fit(manual_ddp, loader(B))
+    out["manual_vs_ddp"] = diff(whole(manual), whole(manual_ddp))
     module = Net()
     t = trainer(max_epochs=1)
     t.fit(module, loader(B))
@@ -373,6 +400,7 @@ def test_layers_built_in_configure_model_start_on_meta_and_end_sharded(ranks):
 def test_sharding_variants_train_the_same_model(ranks):
     got = results(ranks, "features")[0]
     assert got["refits"] == [6, True]
+    assert got["manual_vs_ddp"] <= TOL
     for name in ("checkpointing", "grad_op", "hybrid", "per_layer", "fsdp1_policy"):
         assert got[name] <= TOL, name
     assert got["bf16_dtype"] == "torch.float32"  # the sharded parameters stay fp32; compute is bf16

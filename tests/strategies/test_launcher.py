@@ -58,14 +58,18 @@ def assert_trained_like_single(out: Path, ranks: int) -> None:
 
 
 # ------------------------------------------------------------------------------ launch paths
-def test_plain_script_reruns_itself_for_the_other_ranks(tmp_path):
-    code, log = finish(start([sys.executable, SCRIPT, "--devices", "2", "--out", str(tmp_path)]))
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_plain_script_reruns_itself_for_the_other_ranks(tmp_path, strategy):
+    code, log = finish(
+        start([sys.executable, SCRIPT, "--strategy", strategy, "--devices", "2", "--out", str(tmp_path)])
+    )
     assert code == 0, log
     assert_trained_like_single(tmp_path, 2)
     assert_processes_gone(tmp_path)
 
 
-def test_torchrun_nproc_per_node(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_torchrun_nproc_per_node(tmp_path, strategy):
     code, log = finish(
         start(
             [
@@ -77,6 +81,8 @@ def test_torchrun_nproc_per_node(tmp_path):
                 "--master-port",
                 str(free_port()),
                 SCRIPT,
+                "--strategy",
+                strategy,
                 "--devices",
                 "2",
                 "--out",
