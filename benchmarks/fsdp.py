@@ -220,16 +220,25 @@ def launch(target: Any, world: int, args: argparse.Namespace) -> dict[int, Any]:
 
 
 def report_memory(args: argparse.Namespace) -> None:
-    single = launch(memory_worker, 1, args)[0]["peak growth"]
-    sharded = max(r["peak growth"] for r in launch(memory_worker, args.world, args).values())
     params = sum(p.numel() for p in Model(args.d, args.blocks).parameters())
     print(
         f"peak RSS growth of a {args.memory_steps}-step fit, {args.blocks} x Linear({args.d}, {args.d}) + head "
         f"({params / 1e6:.1f} M parameters, {4 * params / 2**20:.0f} MiB fp32), AdamW, built in configure_model:"
     )
-    print(f"  one process, batch {args.batch * args.world}: {single:8.1f} MiB")
-    ratio = sharded / single
-    print(f"  fsdp, {args.world} ranks, batch {args.batch} each (the larger rank): {sharded:8.1f} MiB ({ratio:.2f})")
+    # glibc's default heap keeps freed blocks (fragmentation that depends on the order of frees: fsdp frees a
+    # gathered layer at every step); with every block over 128 KiB mapped on its own, the high-water mark
+    # follows the live tensors. Both, as benchmarks/ddp.py reports them.
+    for label, threshold in (("default malloc", None), ("MALLOC_MMAP_THRESHOLD_=131072", "131072")):
+        if threshold is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = threshold  # read by each spawned process at its start
+        single = launch(memory_worker, 1, args)[0]["peak growth"]
+        sharded = max(r["peak growth"] for r in launch(memory_worker, args.world, args).values())
+        print(f"  {label}:")
+        print(f"    one process, batch {args.batch * args.world}: {single:8.1f} MiB")
+        ratio = sharded / single
+        print(f"    fsdp, {args.world} ranks, batch {args.batch} each (larger rank): {sharded:8.1f} MiB ({ratio:.2f})")
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:

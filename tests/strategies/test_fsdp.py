@@ -127,13 +127,27 @@ def trainer(strategy: str = "fsdp", devices: int = 2, **kwargs) -> ember.Trainer
 
 
 # ------------------------------------------------------------------------------------------ the checks
+class ShardedGrads(ember.Callback):
+    """Per training batch, whether the parameters hold sharded gradients when it ends: FSDP's reduce-scatter
+    is what makes them (its collectives do not go through ``torch.distributed``'s Python functions, so they
+    are seen by what they leave, not counted)."""
+
+    def __init__(self) -> None:
+        self.per_batch: list[bool] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        grads = [p.grad for p in module.parameters()]
+        self.per_batch.append(all(g is not None and hasattr(g, "to_local") for g in grads))
+
+
 def parity(rank: int, world: int, **kwargs) -> dict:
     """fsdp on 2 ranks with batch B against one process with batch 2B, and against ddp on 2 ranks."""
     fsdp = Net()
-    trainer(gradient_clip_val=0.3, **kwargs).fit(fsdp, loader(B))
+    counter = ShardedGrads()
+    trainer(gradient_clip_val=0.3, callbacks=[counter], **kwargs).fit(fsdp, loader(B))
     ddp = Net()
     trainer("ddp", gradient_clip_val=0.3, **kwargs).fit(ddp, loader(B))
-    out = {"fsdp": whole(fsdp), "ddp": whole(ddp)}
+    out = {"fsdp": whole(fsdp), "ddp": whole(ddp), "reductions": counter.per_batch}
     if rank == 0:
         single = Net()
         accumulate = kwargs.get("accumulate_grad_batches", 1)
@@ -221,9 +235,12 @@ def full_file(rank: int, world: int, tmp: str) -> dict:
 
 def lazy(rank: int, world: int) -> dict:
     """Layers built in configure_model on the meta device, sharded, then materialised rank by rank."""
+    untrained = Net(lazy=True)
+    trainer(max_epochs=1, limit_train_batches=0).fit(untrained, loader(B))
     module = Net(lazy=True)
     trainer(max_epochs=1).fit(module, loader(B))
     return {
+        "kept": whole(untrained)["scale"].tolist(),  # built in __init__, not on meta: its values, not memory's
         "seen_meta": module.seen_meta,
         "on_meta": any(p.is_meta for p in module.parameters()),
         "local_rows": module.a.weight.to_local().shape[0],
@@ -329,6 +346,15 @@ def test_two_ranks_train_like_one_process_with_twice_the_batch_and_like_ddp(rank
     assert diff(got[1]["fsdp"], got[0]["fsdp"]) == 0.0  # the same model, gathered on either rank
 
 
+def test_accumulation_reduces_gradients_only_at_the_window_end(ranks):
+    for got in results(ranks, "accumulation"):
+        reduced = got["reductions"]
+        assert len(reduced) == 2 * N // (2 * B)  # 2 epochs of N / 2B batches per rank
+        assert not any(reduced[0::2]), reduced  # inside the window: gradients kept whole on each rank, unsent
+        assert all(reduced[1::2]), reduced  # its last batch: reduce-scattered into each rank's shard
+    assert all(results(ranks, "parity")[0]["reductions"])  # without accumulation: every batch
+
+
 def test_each_rank_holds_half_of_the_parameters_gradients_and_optimizer_states(ranks):
     for got in results(ranks, "memory"):
         assert got["is_dtensor"]
@@ -395,6 +421,7 @@ def test_layers_built_in_configure_model_start_on_meta_and_end_sharded(ranks):
         assert got["seen_meta"] and not got["on_meta"], got
         assert got["local_rows"] == 8, got  # half of Linear(6, 16)'s rows
         assert got["finite"], got
+        assert got["kept"] == [1.0, 1.0, 1.0], got
 
 
 def test_sharding_variants_train_the_same_model(ranks):

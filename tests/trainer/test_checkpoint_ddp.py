@@ -24,6 +24,7 @@ import torch
 pytest.importorskip("ember.strategies.ddp")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from ember.checkpoint import load as load_checkpoint  # noqa: E402
 from tests.helpers.dist import join_as_rank, run_ranks  # noqa: E402
 from tests.helpers.jobs import run_job  # noqa: E402
 
@@ -64,24 +65,26 @@ def suite(rank: int, world: int, root: str, single_ckpt: str) -> dict:
     return out
 
 
-def program(mode: str, root: str, out: str, workers: str = "2") -> None:
+def program(mode: str, root: str, out: str, workers: str = "2", strategy: str = "ddp") -> None:
     """One ``python`` run of 2 ranks with ``workers`` DataLoader workers each (see the module doc)."""
     warnings.simplefilter("ignore")
     rank = int(os.environ.get("RANK", "0"))
     if mode == "kill":  # rank 1 dies at step 13, after the checkpoint of step 12
         stop = [R.StopAt(13, (lambda: os.kill(os.getpid(), signal.SIGKILL)) if rank == 1 else (lambda: None))]
-        R.fit(root, int(workers), stop, strategy="ddp", devices=WORLD)
+        R.fit(root, int(workers), stop, strategy=strategy, devices=WORLD)
     elif mode == "raise":  # both ranks raise at step 13, after the checkpoint of step 12
-        R.fit(root, int(workers), [R.StopAt(13)], strategy="ddp", devices=WORLD)
-    else:
-        module, trainer = R.fit(root, int(workers), ckpt_path="last", strategy="ddp", devices=WORLD)
+        R.fit(root, int(workers), [R.StopAt(13)], strategy=strategy, devices=WORLD)
+    else:  # "resume": from last.ckpt if there is one, else from the start
+        module, trainer = R.fit(root, int(workers), ckpt_path="last", strategy=strategy, devices=WORLD)
+        weights = {k: v.detach().cpu().clone() for k, v in trainer.strategy.whole_state_dict().items()}  # every rank
         if rank == 0:
-            torch.save({"weights": _weights(module), "ckpt": trainer.ckpt_path, "steps": trainer.global_step}, out)
+            torch.save({"weights": weights, "ckpt": trainer.ckpt_path, "steps": trainer.global_step}, out)
 
 
-def run_program(mode: str, root: str, out: str, workers: int = 2) -> tuple[int, str]:
+def run_program(mode: str, root: str, out: str, workers: int = 2, strategy: str = "ddp") -> tuple[int, str]:
     # kill_the_rest: a SIGKILLed rank's loader workers, orphaned.
-    code, output = run_job([sys.executable, os.path.abspath(__file__), mode, root, out, str(workers)], 60, True)
+    command = [sys.executable, os.path.abspath(__file__), mode, root, out, str(workers), strategy]
+    code, output = run_job(command, 60, True)
     return code, output[-3000:]
 
 
@@ -130,6 +133,24 @@ def test_ddp_program_resumes_bitwise_after_interruption(runs, tmp_path, mode, wo
     result = torch.load(out, weights_only=True)
     assert result["ckpt"] == last and result["steps"] == R.EPOCHS * STEPS_PER_EPOCH
     assert_equal_weights(result["weights"], runs["ranks"][0]["ref"])
+
+
+def test_fsdp_program_with_a_rank_killed_resumes_bitwise_from_its_sharded_checkpoint(tmp_path):
+    # The same program under fsdp: rank 1 SIGKILLed at step 13 ends the job; the sharded last.ckpt of step 12
+    # is whole, and the resumed run ends bitwise where an uninterrupted fsdp run ends.
+    straight = str(tmp_path / "straight.pt")
+    code, log = run_program("resume", str(tmp_path / "straight"), straight, 0, "fsdp")  # no checkpoint yet
+    assert code == 0, log
+    root, out = str(tmp_path / "run"), str(tmp_path / "result.pt")
+    last = os.path.join(root, "ckpts", "last.ckpt")
+    code, log = run_program("kill", root, out, 0, "fsdp")
+    assert code != 0, log
+    assert os.path.isdir(last) and load_checkpoint(last)["progress"]["global_step"] == 12, log
+    code, log = run_program("resume", root, out, 0, "fsdp")
+    assert code == 0, log
+    result, reference = torch.load(out, weights_only=True), torch.load(straight, weights_only=True)
+    assert result["ckpt"] == last and result["steps"] == R.EPOCHS * STEPS_PER_EPOCH
+    assert_equal_weights(result["weights"], reference["weights"])
 
 
 @pytest.mark.filterwarnings("ignore:ModelCheckpoint. the checkpoint's callback state")  # resumed into another dir
@@ -190,4 +211,4 @@ def test_one_rank_to_three_with_what_is_left_not_a_multiple_of_three(tmp_path):
 
 if __name__ == "__main__":
     atexit.register(gc.freeze)  # end without the shutdown garbage collection: see tests/conftest.py
-    program(*sys.argv[1:5])
+    program(*sys.argv[1:6])

@@ -264,16 +264,30 @@ class FSDPStrategy(DDPStrategy):
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
     def _materialise(self, module: torch.nn.Module) -> None:
-        """Each rank makes and initialises its own shards of what was built on the meta device."""
-        if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        """Each rank makes and initialises its own shards of what was built on the meta device.
+
+        ``to_empty`` remakes every tensor of the module (FSDP re-points its shards through it), so what was not
+        on the meta device (built in ``__init__``, maybe loaded) is copied aside and put back, and only the
+        submodules that held meta tensors are initialised (``reset_parameters``)."""
+        tensors = [*module.named_parameters(), *module.named_buffers()]
+        if not any(t.is_meta for _, t in tensors):
             return
+        kept = {name: t.detach().clone() for name, t in tensors if not t.is_meta}
+        fresh = [
+            sub
+            for sub in module.modules()
+            if any(t.is_meta for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False)))
+        ]
         device = torch.device("cpu") if self.cpu_offload else self.root_device
         module.to_empty(device=device)
         with torch.no_grad():
-            for sub in module.modules():
+            for sub in fresh:
                 reset = getattr(sub, "reset_parameters", None)
                 if callable(reset):
                     reset()
+            current = dict([*module.named_parameters(), *module.named_buffers()])
+            for name, value in kept.items():
+                current[name].copy_(value)
 
     # ------------------------------------------------------------------ optimizers and loading
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
