@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from ember.checkpoint import load_lightning_checkpoint
     from ember.data import DataModule
     from ember.module import TrainModule
-    from ember.seed import seed_everything
+    from ember.rng import seed_everything
     from ember.trainer import Trainer
 
 __all__ = [
@@ -61,7 +61,7 @@ _WHERE = {
     "Trainer": "ember.trainer",
     "TrainModule": "ember.module",
     "DataModule": "ember.data",
-    "seed_everything": "ember.seed",
+    "seed_everything": "ember.rng",
     "Callback": "ember.callbacks",
     "callbacks": "ember.callbacks",
     "strategies": "ember.strategies",

@@ -1,12 +1,15 @@
-"""TrainModule: the user's model, its steps, its optimizers and its hooks."""
+"""TrainModule: the user's model, its steps, its optimizers and its hooks.
+
+Beside it: the data and eval-mode hooks it inherits (``module_hooks.py``), where ``self.log`` goes under
+a strategy's redirect (``log_redirect.py``), how the loops read a step's parameters (``signatures.py``;
+those names are re-exported here) and the export to TorchScript and ONNX (``export.py``).
+"""
 
 from __future__ import annotations
 
-import inspect
 import numbers
 import os
-import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -18,8 +21,15 @@ from ember import export
 from ember.checkpoint.weights import read_for_module
 from ember.hparams import AttributeDict as AttributeDict  # re-exported: ember.module.AttributeDict
 from ember.hparams import HyperparametersMixin
+from ember.log_redirect import LOG_REDIRECTS as _LOG_REDIRECTS
+from ember.log_redirect import redirect_log as redirect_log  # re-exported: ember.module.redirect_log
+from ember.log_redirect import redirected_sink as _redirected_sink
+from ember.metric_values import is_torchmetric
+from ember.module_hooks import DataHooks, ModeHooks
+from ember.signatures import hook_parameters as hook_parameters  # re-exported, as the two below
+from ember.signatures import takes_batch_idx as takes_batch_idx
+from ember.signatures import takes_dataloader_iter as takes_dataloader_iter
 from ember.types import REDUCE_OPS, parse_reduce_fx
-from ember.utils import is_torchmetric, move_to_device
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -27,38 +37,13 @@ if TYPE_CHECKING:
 
 _M = TypeVar("_M", bound="TrainModule")
 
-# Modules whose ``self.log`` goes somewhere other than their trainer's metric collector: the replicas a
-# strategy makes (``strategies/dp.py``), by ``id``, with a weak reference to the module and the sink. Kept
-# here rather than on the module, so that no attribute name is taken from the user's namespace; an entry
-# goes with its module. A plain dict, not a WeakKeyDictionary: ``self.log`` asks whether it is empty for
-# every logged value, and a WeakKeyDictionary answers that in Python.
-_LOG_REDIRECTS: dict[int, tuple[weakref.ref[nn.Module], Any]] = {}
 
-
-def redirect_log(module: nn.Module, sink: Any) -> None:
-    """Send ``module.log`` calls to ``sink.log(name, value, **options)`` instead of its trainer's metric
-    collector (``trainer.fit_state.metrics``): for a copy of the module a strategy runs, such as a DP replica."""
-    key = id(module)
-    _LOG_REDIRECTS[key] = (weakref.ref(module), sink)
-    weakref.finalize(module, _forget_redirect, key, _LOG_REDIRECTS[key][0])
-
-
-def _forget_redirect(key: int, ref: weakref.ref[nn.Module]) -> None:
-    # Only the entry of the module that died (its id may already name a newer, redirected module).
-    if _LOG_REDIRECTS.get(key, (None,))[0] is ref:
-        del _LOG_REDIRECTS[key]
-
-
-def _redirected_sink(module: nn.Module) -> Any:
-    entry = _LOG_REDIRECTS.get(id(module))
-    return entry[1] if entry is not None and entry[0]() is module else None
-
-
-class TrainModule(HyperparametersMixin, nn.Module):
+class TrainModule(HyperparametersMixin, DataHooks, ModeHooks, nn.Module):
     """Subclass this: define ``training_step`` and ``configure_optimizers``, then ``Trainer.fit`` it.
 
-    Hooks are called in Lightning's order; every hook here is a no-op and the Trainer calls only
-    the ones a subclass overrides.
+    Hooks are called in Lightning's order; every hook here is a no-op (the loader, batch-transfer and
+    eval-mode hooks, with their defaults, come from ``module_hooks.py``) and the Trainer calls only the
+    ones a subclass overrides.
     """
 
     # Properties TorchScript must not compile (to_torchscript scripts the module).
@@ -416,33 +401,6 @@ class TrainModule(HyperparametersMixin, nn.Module):
     def configure_callbacks(self) -> Iterable[Any]:
         return []
 
-    # The loaders, when neither fit's arguments nor a datamodule give them. The Trainer calls only the ones
-    # a subclass defines (as Lightning, which defines them here too, so that hook lists name them).
-    def train_dataloader(self) -> Any:
-        """The training loader (any iterable of batches), requested once per fit after the sanity check."""
-        raise NotImplementedError(
-            f"{type(self).__name__} defines no train_dataloader(); define it, or pass train_dataloaders to fit."
-        )
-
-    def val_dataloader(self) -> Any:
-        """One validation loader or a list of them, requested when the sanity check starts (or after the
-        training loader). An empty list: this fit does not validate (None is refused, as in Lightning)."""
-        raise NotImplementedError(
-            f"{type(self).__name__} defines no val_dataloader(); define it, or pass val_dataloaders to fit."
-        )
-
-    def test_dataloader(self) -> Any:
-        """One test loader or a list of them, requested when ``trainer.test`` starts."""
-        raise NotImplementedError(
-            f"{type(self).__name__} defines no test_dataloader(); define it, or pass dataloaders to test."
-        )
-
-    def predict_dataloader(self) -> Any:
-        """One predict loader or a list of them, requested when ``trainer.predict`` starts."""
-        raise NotImplementedError(
-            f"{type(self).__name__} defines no predict_dataloader(); define it, or pass dataloaders to predict."
-        )
-
     def prepare_data(self) -> None: ...
     def configure_model(self) -> None:
         """Create layers here (called after ``setup`` on every entry point, before optimizers exist).
@@ -485,43 +443,9 @@ class TrainModule(HyperparametersMixin, nn.Module):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
 
-    def on_validation_model_zero_grad(self) -> None:
-        """Before a validation inside fit (outside an accumulation window): release the gradients
-        (``zero_grad()``, whose default sets them to None)."""
-        self.zero_grad()
-
-    def on_validation_model_eval(self) -> None:
-        """Put the module in eval mode before validation (default: ``self.eval()``)."""
-        self.eval()
-
-    def on_validation_model_train(self) -> None:
-        """After validation; by default every submodule gets back its own previous ``training`` flag."""
-        _restore_modes(self)
-
-    def on_test_model_eval(self) -> None:
-        self.eval()
-
-    def on_test_model_train(self) -> None:
-        _restore_modes(self)
-
-    def on_predict_model_eval(self) -> None:
-        self.eval()
-
     # ------------------------------------------------------------------ override points the loops call
     # The Trainer calls these only when a subclass overrides them; otherwise it does the same work
     # inline (the defaults below say what that work is).
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Change the batch before it is moved to the device; return it."""
-        return batch
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Move ``batch`` to ``device`` (default: every tensor in nested lists, tuples and dicts)."""
-        return move_to_device(batch, device)
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Change the batch after it was moved to the device; return it."""
-        return batch
-
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Compute gradients of ``loss`` (already scaled for accumulation and mixed precision)."""
         loss.backward(*args, **kwargs)
@@ -571,49 +495,3 @@ class TrainModule(HyperparametersMixin, nn.Module):
             scheduler.step()
         else:
             scheduler.step(metric)
-
-
-def hook_parameters(hook: Any) -> tuple[list[str], bool, int] | None:
-    """A bound hook's (or step's) parameters after ``self``: their names, whether it takes ``*args``, and how
-    many of them have no default; None when they cannot be read (a builtin or otherwise opaque callable)."""
-    fn = getattr(hook, "__wrapped__", hook)  # a decorated hook: read the function it wraps
-    try:
-        spec = inspect.getfullargspec(fn)
-    except TypeError:
-        return None
-    # A bound method's first argument is self; so is that of a bound method that a wrapper (torch.compile's) wraps.
-    args = spec.args[1:] if inspect.ismethod(hook) or inspect.ismethod(fn) else spec.args
-    return args, spec.varargs is not None, len(args) - len(spec.defaults or ())
-
-
-def takes_batch_idx(step: Callable[..., Any]) -> bool:
-    """Whether a bound step method (``module.training_step``...) is to receive ``batch_idx``.
-
-    As Lightning: yes when a parameter after ``batch`` is named ``batch_idx``, when it takes
-    ``*args``, or when it has at least two parameters (the second one, whatever its name, is the
-    index); ``def training_step(self, batch)`` gets the batch alone. The call sites ask once per run.
-    """
-    params = hook_parameters(step)
-    if params is None:
-        raise TypeError(f"cannot read the parameters of {step!r}")
-    args, varargs, _ = params
-    return "batch_idx" in args or varargs or len(args) >= 2
-
-
-def takes_dataloader_iter(step: Any) -> bool:
-    """Whether a bound step method is Lightning's ``dataloader_iter`` flavor, ``def training_step(self,
-    dataloader_iter)``: a parameter of that name, declared (as Lightning asks). Such a step receives an
-    iterator and fetches its own batches from it (``trainer/dataloader_iter.py``); it gets nothing else,
-    no ``batch_idx``. The call sites ask once per run."""
-    params = hook_parameters(step) if callable(step) else None
-    return params is not None and "dataloader_iter" in params[0]
-
-
-def _restore_modes(module: nn.Module) -> None:
-    """Give every submodule the ``training`` flag saved by the loop before evaluation."""
-    saved = getattr(module, "_ember_saved_modes", None)
-    if saved is None:
-        module.train()
-        return
-    for m, flag in saved:
-        m.training = flag

@@ -290,7 +290,7 @@ def test_hooks_of_a_module_on_several_devices_never_run_concurrently():
     import time
     import weakref
 
-    from ember.parallel.reducer import _locked_hook
+    from ember.parallel.grad_hooks import locked_ready_hook as _locked_hook
 
     class Recording:
         inside = peak = calls = 0

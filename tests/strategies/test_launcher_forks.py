@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ember.strategies.launchers import launcher
+from ember.strategies.launchers import launcher, processes
 from tests.helpers.dist import run_ranks
 
 pytestmark = pytest.mark.processes
@@ -33,7 +33,7 @@ def _fork_and_look(rank: int, world_size: int) -> tuple[list[int], list[int], fl
     launcher.Launcher(world, datetime.timedelta(seconds=30), store=dist.PrefixStore("again", store)).init_process_group(
         "gloo"
     )
-    ours = sorted(launcher._group_sockets)
+    ours = sorted(processes._group_sockets)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: which of the group's descriptors are still sockets here?

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ember.utils import defines_hook
+from ember.overrides import defines_hook
 
 if TYPE_CHECKING:
     import torch
@@ -110,7 +110,7 @@ class Callback:
 
 
 def overrides(callback: Callback, name: str) -> bool:
-    """Whether ``callback`` runs hook ``name``: ``ember.utils.defines_hook(name, callback, Callback)``. Its class
+    """Whether ``callback`` runs hook ``name``: ``ember.overrides.defines_hook(name, callback, Callback)``. Its class
     overrides it, or the instance was given its own (``LambdaCallback``, or ``cb.on_train_end = fn`` as
     Lightning allows; called as ``fn(trainer, module, ...)``); ``cb.on_train_end = None`` turns it off."""
     return defines_hook(name, callback, Callback)

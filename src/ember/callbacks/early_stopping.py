@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.callback import Callback
-from ember.utils import to_floats
+from ember.metric_values import to_floats
 
 if TYPE_CHECKING:
     from ember.module import TrainModule

@@ -28,8 +28,8 @@ import time
 from typing import Any, TextIO
 
 from ember.callbacks.callback import Callback
+from ember.metric_values import to_floats
 from ember.types import Stage
-from ember.utils import to_floats
 
 _MODES = ("auto", "bar", "lines")
 _SHARED = ("_given_stream", "_stream")  # a copy writes where the original does

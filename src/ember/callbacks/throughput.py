@@ -6,9 +6,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ember.batches import infer_batch_size
 from ember.callbacks.callback import Callback
 from ember.callbacks.logger_writes import logger_step, logs_after_this_batch, write_to_loggers
-from ember.utils import infer_batch_size
 
 if TYPE_CHECKING:
     from ember.module import TrainModule

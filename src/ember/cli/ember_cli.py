@@ -11,7 +11,7 @@ from ember.callbacks.callback import Callback
 from ember.cli.save_config import RESUME_KEYS, SaveConfigCallback
 from ember.data import DataModule
 from ember.module import TrainModule
-from ember.seed import seed_everything
+from ember.rng import seed_everything
 from ember.trainer.trainer import Trainer
 
 _UNUSABLE: ImportError | None = None  # why EmberCLI cannot run here, raised when it is used

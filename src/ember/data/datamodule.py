@@ -148,7 +148,7 @@ def _loaders_for(dataset: Any, batch_size: int, num_workers: int, shuffle: bool)
 
 
 def _move(batch: Any, device: Any) -> Any:
-    # Own walker, and not ember.utils.move_to_device (what the Trainer does when no hook is
+    # Own walker, and not ember.batches.move_to_device (what the Trainer does when no hook is
     # overridden), because its results differ and a DataModule that calls
     # super().transfer_batch_to_device gets them: any object with a ``.to`` is moved through it
     # (move_to_device and apply_to_collection(batch, Tensor, ...) move tensors only), dict

@@ -52,9 +52,8 @@ class TensorBoardLogger(FileLogger):
 
     Scalars and hyper-parameters are written by this logger itself, from the training thread, rather
     than through ``SummaryWriter``'s background thread: a writer thread competes with the training
-    loop for the GIL, which cost about 0.3 ms per logging event on the overhead benchmark, while a
-    direct append (serialise, frame, write, ``max_queue`` events at a time and at least every
-    ``flush_secs``) costs a fraction of that.
+    loop for the GIL at every logging event, while a direct append (serialise, frame, write,
+    ``max_queue`` events at a time and at least every ``flush_secs``) costs a fraction of that.
     """
 
     def __init__(

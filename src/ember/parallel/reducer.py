@@ -27,13 +27,15 @@ reference never sees its values overwritten.
 ``torch.autograd.graph.register_multi_grad_hook`` would not save anything here: it registers one
 Python hook per tensor too (with a lock and dictionaries per call), and it sees the gradients
 before they are accumulated into ``.grad``.
+
+The hooks themselves are in ``grad_hooks.py``; the buckets' layout and storage in ``buckets.py``.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,37 +49,9 @@ from ember.parallel.buckets import (
     compute_bucket_assignment,
 )
 from ember.parallel.comm_hooks import CommHook, GradBucket
+from ember.parallel.grad_hooks import locked_ready_hook, ready_hook, remove_handles
 
 __all__ = ["Reducer", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES", "MiB"]
-
-
-def _hook(reducer_ref: weakref.ref, index: int) -> Callable[[Tensor], None]:
-    # Weak: a dropped wrapper's hooks go quiet instead of keeping its buffers alive.
-    def hook(_param: Tensor) -> None:
-        reducer = reducer_ref()
-        if reducer is not None:
-            reducer._on_grad_ready(index)
-
-    return hook
-
-
-def _locked_hook(reducer_ref: weakref.ref, index: int, lock: threading.Lock) -> Callable[[Tensor], None]:
-    # A module spread over several devices has its gradients accumulated on one autograd thread
-    # per device, concurrently: the per-iteration state (started, pending counts, the next bucket
-    # to launch) must change under a lock, or ranks launch buckets in different orders (as
-    # PyTorch's reducer holds a mutex in its autograd hook). One device needs none: one thread.
-    def hook(_param: Tensor) -> None:
-        reducer = reducer_ref()
-        if reducer is not None:
-            with lock:
-                reducer._on_grad_ready(index)
-
-    return hook
-
-
-def _remove(handles: list) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 def _group_src(group: dist.ProcessGroup | None) -> int:
@@ -135,10 +109,12 @@ class Reducer:
         ref = weakref.ref(self)
         lock = threading.Lock()
         self._handles = [
-            p.register_post_accumulate_grad_hook(_hook(ref, i) if self._one_device else _locked_hook(ref, i, lock))
+            p.register_post_accumulate_grad_hook(
+                ready_hook(ref, i) if self._one_device else locked_ready_hook(ref, i, lock)
+            )
             for i, p in enumerate(self.params)
         ]
-        weakref.finalize(self, _remove, self._handles)
+        weakref.finalize(self, remove_handles, self._handles)
 
         # Per-iteration state, reset by prepare_for_backward.
         self._expect_hooks = False  # False under no_sync / no_grad: hooks do nothing
@@ -514,5 +490,5 @@ class Reducer:
 
     def remove_hooks(self) -> None:
         """Detaches the gradient hooks from the parameters (the reducer stops working)."""
-        _remove(self._handles)
+        remove_handles(self._handles)
         self._handles.clear()

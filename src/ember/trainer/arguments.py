@@ -17,11 +17,11 @@ from ember.callbacks.callback import Callback
 from ember.callbacks.timer import parse_duration
 from ember.loggers.logger import Logger
 from ember.loggers.tensorboard import default_logger
+from ember.names import closest
 from ember.profilers import PROFILERS, PassThroughProfiler, Profiler
 from ember.strategies.launchers.launcher import detect_world
 from ember.strategies.registry import get_strategy
 from ember.strategies.strategy import Strategy
-from ember.utils import closest
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer

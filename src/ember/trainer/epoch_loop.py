@@ -17,13 +17,13 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ember.batches import sized_len
 from ember.profilers.base import iterate, wrap
 from ember.trainer.dataloader_iter import DataLoaderIter, last_by_count, last_by_lookahead
 from ember.trainer.loader_checks import warn_if_short
 from ember.trainer.loaders import batch_transfer, set_loader_epoch
 from ember.trainer.lockstep import Lockstep, uneven_message
 from ember.trainer.step import as_output_dict
-from ember.utils import sized_len
 
 if TYPE_CHECKING:
     from ember.trainer.evaluation import EvaluationLoop

@@ -29,14 +29,18 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from ember.batches import sized_len
 from ember.data.resumable import resumable_sampler_of
-from ember.module import TrainModule, _restore_modes, hook_parameters, takes_dataloader_iter
+from ember.metric_values import to_floats
+from ember.module import TrainModule
+from ember.module_hooks import restore_modes
+from ember.overrides import defines_hook, is_overridden
 from ember.profilers.base import wrap
+from ember.signatures import hook_parameters, takes_dataloader_iter
 from ember.trainer.dataloader_iter import DataLoaderIter, Fetched, last_by_count, last_by_lookahead
 from ember.trainer.loader_checks import warn_if_short
 from ember.trainer.loaders import batch_transfer
 from ember.trainer.lockstep import COUNT_REST_SECONDS
-from ember.utils import defines_hook, is_overridden, sized_len, to_floats
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -80,7 +84,7 @@ class EvaluationLoop:
     def _to_eval(self, hook: str) -> None:
         """``on_{hook}_model_eval``: remember each submodule's ``training`` flag, then the hook (default ``eval()``)."""
         module = self.module
-        module.__dict__["_ember_saved_modes"] = [(m, m.training) for m in module.modules()]  # read by _restore_modes
+        module.__dict__["_ember_saved_modes"] = [(m, m.training) for m in module.modules()]  # read by restore_modes
         if defines_hook(f"on_{hook}_model_eval", module, TrainModule):
             getattr(module, f"on_{hook}_model_eval")()
         else:
@@ -94,7 +98,7 @@ class EvaluationLoop:
             if hook != "predict" and is_overridden(name, module, TrainModule):
                 getattr(module, name)()
             else:
-                _restore_modes(module)
+                restore_modes(module)
         finally:
             module.__dict__.pop("_ember_saved_modes", None)
 

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
 from ember.module import TrainModule
+from ember.overrides import defines_hook
 from ember.profilers.base import wrap
-from ember.utils import defines_hook
 
 if TYPE_CHECKING:
     from ember.trainer.metrics import MetricCollector

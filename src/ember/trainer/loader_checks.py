@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from ember.batches import sized_len
 from ember.utilities.combined_loader import CombinedLoader
-from ember.utils import sized_len
 
 # The loaders already warned about (a loader is warned about once, in whichever run it comes short).
 _warned_short: weakref.WeakSet[Any] = weakref.WeakSet()

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import IterableDataset, SequentialSampler
 
+from ember.batches import move_to_device, sized_len
 from ember.data import DataModule
 from ember.data.resumable import SkipFirstBatches, rebuild_with_sampler, shutdown_workers, why_not_swappable
 from ember.module import TrainModule
+from ember.overrides import defines_hook, is_overridden
 from ember.trainer.loader_checks import check_loaders
 from ember.utilities.combined_loader import CombinedLoader
-from ember.utils import defines_hook, is_overridden, move_to_device, sized_len
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer

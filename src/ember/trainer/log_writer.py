@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.logger_writes import logger_step
-from ember.utils import to_floats
+from ember.metric_values import to_floats
 
 if TYPE_CHECKING:
     from ember.trainer.metrics import MetricCollector

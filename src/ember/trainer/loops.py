@@ -31,9 +31,9 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ember.module import takes_dataloader_iter
 from ember.profilers.base import wrap
 from ember.rng import apply_rng, capture_rng
+from ember.signatures import takes_dataloader_iter
 from ember.trainer.epoch_loop import EpochLoop
 from ember.trainer.loaders import set_loader_epoch
 

@@ -1,4 +1,5 @@
 """What ``self.log`` collects: per-step values, per-epoch reductions, and their cross-rank reduction.
+Each logged key, its running epoch total and the reductions themselves are in ``reductions.py``.
 
 Hot-path rule: nothing here calls ``.item()`` or otherwise waits for a device. Values stay tensors
 until something actually prints or writes them (the progress bar's refresh, a logger's write),
@@ -8,20 +9,21 @@ A ``torchmetrics.Metric`` may be logged instead of a value (as in Lightning). It
 so nothing is accumulated here: a per-step value is the batch value its last ``forward`` returned,
 the epoch value is its ``compute()`` at the stage's end, and every logged Metric is ``reset()`` then.
 The Metric synchronises its state across processes itself inside ``compute()``, so its epoch value
-does not go through this module's cross-process reduction (it would be reduced twice).
+does not go through ``reduce_across_processes`` (it would be reduced twice).
 """
 
 from __future__ import annotations
 
 import numbers
-import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.types import ReduceFx, ReduceOp, parse_reduce_fx
-from ember.utils import infer_batch_size, is_torchmetric, to_floats
+from ember.batches import infer_batch_size
+from ember.metric_values import is_torchmetric, to_floats
+from ember.trainer.reductions import ENTRY_FIELDS, IDENTITY, MetricEntry, epoch_value, reduce_across_processes
+from ember.types import ReduceFx, parse_reduce_fx
 
 if TYPE_CHECKING:
     from ember.strategies.strategy import Strategy
@@ -63,88 +65,7 @@ _EPOCH_END_HOOKS = frozenset({"on_train_epoch_end", "on_validation_epoch_end", "
 # Stages whose per-step values are written to the loggers batch by batch (the sanity check writes nothing).
 _EVAL_STAGES = frozenset({"validate", "test"})
 
-# What a rank that has no value of a key contributes to its cross-rank reduction (with weight 0).
-_IDENTITY: dict[str, float] = {"mean": 0.0, "sum": 0.0, "max": -float("inf"), "min": float("inf")}
 _COLLECTION_HINT = "Log a MetricCollection with self.log_dict(collection)."
-_ENTRY_FIELDS = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist")
-
-
-class _Entry:
-    __slots__ = (
-        "name",
-        "prog_bar",
-        "logger",
-        "on_step",
-        "on_epoch",
-        "reduce_fx",
-        "sync_dist",
-        "total",
-        "weight",
-        "step_key",
-        "epoch_key",
-        "loader",
-        "metric",
-    )
-
-    def __init__(
-        self,
-        name: str,
-        prog_bar: bool,
-        logger: bool,
-        on_step: bool,
-        on_epoch: bool,
-        reduce_fx: ReduceOp,
-        sync_dist: bool,
-        suffix: str = "",
-        loader: str = "",
-    ) -> None:
-        #: The key (the logged name, and ``/dataloader_idx_i`` when several evaluation loaders log it).
-        self.name = name + suffix
-        self.prog_bar, self.logger = prog_bar, logger
-        self.on_step, self.on_epoch, self.reduce_fx, self.sync_dist = on_step, on_epoch, reduce_fx, sync_dist
-        self.total: Any = None
-        self.weight: Any = 0
-        #: Where the per-step and the epoch values appear (``name_step`` / ``name_epoch`` when both are kept).
-        both = on_step and on_epoch
-        self.step_key = f"{name}_step{suffix}" if both else self.name
-        self.epoch_key = f"{name}_epoch{suffix}" if both else self.name
-        #: The evaluation loader (its key suffix) that logged it first.
-        self.loader = loader
-        #: The ``torchmetrics.Metric`` logged under this name (None for numbers and tensors).
-        self.metric: Any = None
-
-    def accumulate(self, value: torch.Tensor, batch_size: int) -> None:
-        """Fold one step's ``value`` (weighted by ``batch_size`` for a mean) into the running epoch total."""
-        total, fx = self.total, self.reduce_fx
-        if total is None:
-            # A tensor of our own, never the logged one, so that later values can be added into it in place.
-            self.total = value * batch_size if fx == "mean" else value.clone()
-            self.weight = batch_size
-            return
-        # In place (one kernel, no allocation: this runs for every logged value of every step) whenever that
-        # gives what the out-of-place sum would: same dtype and device, and no autograd graph kept. A float64
-        # value into a float32 total promotes it, as ``+`` does; after that it is in place again.
-        in_place = (
-            isinstance(total, torch.Tensor)
-            and value.dtype is total.dtype
-            and value.device == total.device
-            and not (value.requires_grad or total.requires_grad)
-        )
-        if fx == "mean":
-            if in_place:
-                total.add_(value, alpha=batch_size)
-            else:
-                self.total = total + value * batch_size
-            self.weight += batch_size
-        elif fx == "sum":
-            if in_place:
-                total.add_(value)
-            else:
-                self.total = total + value
-        elif fx == "max":
-            self.total = torch.maximum(total, value)
-        else:
-            self.total = torch.minimum(total, value)
 
 
 class MetricCollector:
@@ -160,8 +81,8 @@ class MetricCollector:
         self.fx = "training_step"
         #: Appended to logged names while evaluating the i-th of several dataloaders.
         self.key_suffix = ""
-        self._stages: dict[str, dict[str, _Entry]] = {}
-        self._entries: dict[str, _Entry] = {}
+        self._stages: dict[str, dict[str, MetricEntry]] = {}
+        self._entries: dict[str, MetricEntry] = {}
         #: The batch being processed (set by the loops; :meth:`eval_batch` in evaluation) and its inferred size
         #: (None until a mean needs it).
         self.batch: Any = None
@@ -266,7 +187,7 @@ class MetricCollector:
         for e in self._stages.get("train", {}).values():
             if e.metric is not None:  # its state is the Metric's own (in the module, when persistent)
                 continue
-            d: dict[str, Any] = {f: getattr(e, f) for f in _ENTRY_FIELDS}
+            d: dict[str, Any] = {f: getattr(e, f) for f in ENTRY_FIELDS}
             # Copies: the running sums are added to in place by the next step, while the checkpoint must hold
             # this step's values. Made on their device (the writer copies them to the CPU with the weights: a
             # copy to the CPU here would make a background save wait for the GPU).
@@ -279,7 +200,7 @@ class MetricCollector:
         """Put back the training epoch's running sums from ``state_dict()``, on ``device``."""
         stage = {}
         for d in saved:
-            e = _Entry(*(d[f] for f in _ENTRY_FIELDS))
+            e = MetricEntry(*(d[f] for f in ENTRY_FIELDS))
             # A copy of our own: later values are added into it in place.
             e.total = d["total"].to(device, copy=True) if isinstance(d["total"], torch.Tensor) else d["total"]
             e.weight = d["weight"].to(device) if isinstance(d["weight"], torch.Tensor) else d["weight"]
@@ -385,7 +306,7 @@ class MetricCollector:
                 batch_size = self.batch_size
             entry.accumulate(value, batch_size or 1)
 
-    def _publish_step(self, entry: _Entry, key: str, step_value: Any) -> None:
+    def _publish_step(self, entry: MetricEntry, key: str, step_value: Any) -> None:
         # What log() does inline for a number or a tensor (inline there because it runs for every logged
         # value), for a Metric's batch value.
         step_key = entry.step_key
@@ -402,7 +323,7 @@ class MetricCollector:
             # not to callback_metrics.
             self._eval_step_value(step_key, step_value)
 
-    def _log_metric(self, entry: _Entry, key: str, metric: Any) -> None:
+    def _log_metric(self, entry: MetricEntry, key: str, metric: Any) -> None:
         # Identity, not ``in``: a Metric's == builds a CompositionalMetric.
         mixed = entry.total is not None if entry.metric is None else entry.metric is not metric
         if mixed:
@@ -436,7 +357,7 @@ class MetricCollector:
         on_epoch: bool | None,
         reduce_fx: ReduceFx,
         sync_dist: bool,
-    ) -> _Entry:
+    ) -> MetricEntry:
         if not isinstance(name, str) or not name:
             raise ValueError(f"self.log needs a non-empty string name, got {name!r}.")
         op = parse_reduce_fx(name, reduce_fx)
@@ -454,7 +375,7 @@ class MetricCollector:
             raise ValueError(
                 f"self.log({name!r}, on_step=False, on_epoch=False) would record nothing; set one of them."
             )
-        entry = _Entry(name, prog_bar, logger, on_step, on_epoch, op, sync_dist, suffix, self.key_suffix)
+        entry = MetricEntry(name, prog_bar, logger, on_step, on_epoch, op, sync_dist, suffix, self.key_suffix)
         self._entries[key] = entry
         return entry
 
@@ -488,7 +409,7 @@ class MetricCollector:
             if e.metric is not None:
                 value = e.metric.compute()  # cached by the Metric until its next update: end_stage reuses it
             elif e.total is not None:
-                value = _epoch_value(e.reduce_fx, e.total, e.weight)
+                value = epoch_value(e.reduce_fx, e.total, e.weight)
             else:
                 continue
             cm[e.epoch_key] = value
@@ -516,9 +437,9 @@ class MetricCollector:
         # A key this rank logged only in a padding batch has no value here; it joins the reduction with
         # the reduction's identity (the other ranks logged it in real batches).
         rows = [
-            (e.name, e.reduce_fx, e.total if e.total is not None else _IDENTITY[e.reduce_fx], e.weight) for e in entries
+            (e.name, e.reduce_fx, e.total if e.total is not None else IDENTITY[e.reduce_fx], e.weight) for e in entries
         ]
-        steps: list[_Entry] = []
+        steps: list[MetricEntry] = []
         if self.strategy.world_size > 1:
             steps = sorted(
                 (e for e in self._entries.values() if e.on_step and not e.sync_dist and e.step_key in cm),
@@ -527,7 +448,7 @@ class MetricCollector:
             rows += [(e.step_key + "/last", e.reduce_fx, cm[e.step_key], 1) for e in steps]
         if not rows and not metrics:
             return {}
-        values = self._reduce_across_processes(rows) if rows else []
+        values = reduce_across_processes(self.strategy, rows) if rows else []
         for entry, value in zip(steps, values[len(entries) :]):
             cm[entry.step_key] = value
             if entry.prog_bar:
@@ -542,7 +463,7 @@ class MetricCollector:
                 self._progress_bar_metrics[key] = value
         return out
 
-    def _compute_metrics(self) -> list[tuple[_Entry, Any]]:
+    def _compute_metrics(self) -> list[tuple[MetricEntry, Any]]:
         """``compute()`` every Metric logged per epoch (each synchronises across processes: every rank calls
         them in the same order, by name), then ``reset()`` every logged Metric, as Lightning does."""
         logged = sorted((e for e in self._entries.values() if e.metric is not None), key=lambda e: e.name)
@@ -571,42 +492,3 @@ class MetricCollector:
 
     def logger_keys(self) -> set[str]:
         return {e.epoch_key for e in self._entries.values() if e.on_epoch and e.logger}
-
-    def _reduce_across_processes(self, rows: list[tuple[str, ReduceOp, Any, Any]]) -> list[Any]:
-        """Reduce ``(name, reduce_fx, total, weight)`` rows: a weighted mean, or a sum / max / min."""
-        if self.strategy.world_size == 1:
-            return [_epoch_value(fx, total, weight) for _, fx, total, weight in rows]
-        # One collective per epoch: gather (total, weight) of every key from every rank, reduce here.
-        device = self.strategy.root_device
-        names_hash = float(zlib.crc32("\0".join(name for name, *_ in rows).encode()))
-        flat = [torch.tensor(names_hash, dtype=torch.float64, device=device)]
-        for _, _, total, weight in rows:
-            flat.append(torch.as_tensor(total, dtype=torch.float64, device=device).reshape(()))
-            flat.append(torch.as_tensor(weight, dtype=torch.float64, device=device).reshape(()))
-        gathered = self.strategy.gather_per_rank(torch.stack(flat))  # [world, 1 + 2k]
-        if not bool((gathered[:, 0] == gathered[0, 0]).all()):
-            raise RuntimeError(
-                "Processes logged different metric names at epoch end, so their values cannot be reduced together. "
-                f"This process logged {[name for name, *_ in rows]}. Log the same names on every rank."
-            )
-        results = []
-        for i, (_, fx, _, _) in enumerate(rows):
-            totals, weights = gathered[:, 1 + 2 * i], gathered[:, 2 + 2 * i]
-            if fx == "mean":
-                v = totals.sum() / weights.sum()
-            elif fx == "sum":
-                v = totals.sum()
-            elif fx == "max":
-                v = totals.max()
-            else:
-                v = totals.min()
-            results.append(v.float())
-        return results
-
-
-def _epoch_value(fx: ReduceOp, total: Any, weight: Any) -> Any:
-    """One process's epoch value from its running ``total``: never the total itself when later values are added
-    into it in place (a sum), so that a published value, once read, stays what it was."""
-    if fx == "mean":
-        return total / weight
-    return total.clone() if fx == "sum" and isinstance(total, torch.Tensor) else total

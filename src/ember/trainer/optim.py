@@ -11,8 +11,9 @@ import torch
 from ember.checkpoint import validation
 from ember.checkpoint.optimizers import CLASS_KEY, class_name
 from ember.module import TrainModule
+from ember.names import closest
+from ember.overrides import defines_hook, is_overridden
 from ember.types import SchedulerConfig
-from ember.utils import closest, defines_hook, is_overridden
 
 # torch's warning for a scheduler stepped before its optimizer (``LRScheduler.step``), a regex of its start.
 _ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"

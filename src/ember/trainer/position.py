@@ -7,9 +7,9 @@ import math
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from ember.batches import sized_len
 from ember.checkpoint import validation
 from ember.data.resumable import SkipFirstBatches, resumable_sampler_of
-from ember.utils import sized_len
 
 if TYPE_CHECKING:
     from ember.trainer.state import FitState

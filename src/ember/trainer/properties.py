@@ -13,8 +13,8 @@ from ember.callbacks.model_checkpoint import ModelCheckpoint
 from ember.loggers.file_logger import FileLogger
 from ember.loggers.logger import Logger
 from ember.module import TrainModule
+from ember.overrides import is_overridden
 from ember.trainer.loaders import CombinedBatches
-from ember.utils import is_overridden
 
 if TYPE_CHECKING:
     from ember.callbacks.callback import Callback

@@ -19,6 +19,7 @@ import torch
 
 from ember.checkpoint.restore import Restore
 from ember.module import TrainModule
+from ember.overrides import is_overridden
 from ember.trainer.evaluation import EvaluationLoop
 from ember.trainer.fit_summary import print_fit_summary
 from ember.trainer.loaders import FitData, close_loaders, eval_loaders
@@ -29,7 +30,6 @@ from ember.trainer.progress import FitProgress
 from ember.trainer.properties import TrainerProperties
 from ember.trainer.results_table import print_results
 from ember.trainer.step import TrainingStep
-from ember.utils import is_overridden
 
 if TYPE_CHECKING:
     from ember.data import DataModule

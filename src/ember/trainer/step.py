@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.module import TrainModule
+from ember.overrides import defines_hook
 from ember.profilers.base import Profiler, is_active, wrap
 from ember.strategies.strategy import Strategy
 from ember.trainer.optim import TrainerOptimizer
 from ember.trainer.precision import Precision
-from ember.utils import defines_hook
 
 if TYPE_CHECKING:
     from ember.trainer.hooks import Hooks

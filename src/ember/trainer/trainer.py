@@ -19,8 +19,10 @@ from ember.checkpoint.writer import BackgroundSave
 from ember.data import DataModule
 from ember.hparams import drop_unpicklable
 from ember.loggers.logger import DummyLogger, Logger
-from ember.module import TrainModule, takes_dataloader_iter
+from ember.module import TrainModule
+from ember.overrides import is_overridden
 from ember.profilers import Profiler
+from ember.signatures import takes_dataloader_iter
 from ember.strategies.strategy import Strategy
 from ember.trainer import arguments, locate
 from ember.trainer.compile import is_compiled, unwrap_compiled
@@ -32,7 +34,6 @@ from ember.trainer.precision import Precision, normalize_precision
 from ember.trainer.stages import TrainerStages
 from ember.trainer.state import FitState
 from ember.types import PrecisionInput, Stage, TrainerState
-from ember.utils import is_overridden
 
 log = logging.getLogger(__name__)
 

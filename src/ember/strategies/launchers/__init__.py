@@ -3,6 +3,8 @@
 ``launcher.py`` joins a world somebody started (torchrun, SLURM) or starts one by re-running the
 script; ``spawn.py`` starts the ranks with multiprocessing spawn (``ddp_spawn``) and
 ``worker_state.py`` is what travels between the caller and those workers; ``exits.py`` turns the
-ranks' exit statuses into words and into the job's status. Nothing here knows a strategy: the ddp
-strategy holds a launcher and calls it.
+ranks' exit statuses into words and into the job's status; ``processes.py`` makes sure no process
+outlives the job (dying with the parent, stopping children and their descendants) and that a forked
+child drops the group's connections. Nothing here knows a strategy: the ddp strategy holds a launcher
+and calls it.
 """

@@ -19,7 +19,8 @@ original error is printed once, with its rank. A rank that ends without a Python
 (``os._exit(3)``, the OOM killer, a segfault) is recorded and named by whoever started it ("rank 1
 exited with status 3", "rank 1 was killed by signal 9 (SIGKILL)"). Children die with their parent
 (``PR_SET_PDEATHSIG``) and are stopped (SIGTERM, then SIGKILL) when the job fails, so nothing
-outlives the job by more than a few seconds.
+outlives the job by more than the grace between the two signals; how, and what a forked child does
+with the group's connections, is ``processes.py``.
 
 The exit status of the process that started the job (what a scheduler reads) is the job's, as
 ``exits.py`` computes it: 1 when a rank failed, ``128 + N`` when the ranks stopped on signal N.
@@ -28,16 +29,12 @@ The exit status of the process that started the job (what a scheduler reads) is 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import ctypes
 import datetime
 import gc
-import multiprocessing
 import os
 import re
 import signal
 import socket
-import stat as statmod
 import subprocess
 import sys
 import threading
@@ -50,6 +47,14 @@ import torch
 import torch.distributed as dist
 
 from ember.strategies.launchers.exits import describe_exit, exit_status, job_status, signal_name, stop_signal
+from ember.strategies.launchers.processes import (
+    die_with_parent,
+    exit_now,
+    forget_group_sockets,
+    record_group_sockets,
+    socket_fds,
+    stop_processes,
+)
 
 __all__ = [
     "World",
@@ -60,14 +65,9 @@ __all__ = [
     "local_env",
     "FailureRecord",
     "classify_failure",
-    "die_with_parent",
-    "stop_processes",
     "is_peer_failure",
     "destroy_group",
     "import_before_the_group",
-    "end_children",
-    "descendants",
-    "kill_processes",
 ]
 
 _job_store: dist.Store | None = None  # this process's job store, once it has joined a job
@@ -80,9 +80,8 @@ def job_store() -> dist.Store | None:
 
 PARENT_ENV = "EMBER_DDP_PARENT_PID"  # set in processes ember starts: they die with that parent
 HOSTED_ENV = "EMBER_DDP_STORE_HOSTED"  # the store lives in the spawning process, not in rank 0
-_STOP_GRACE_S = 2.0
 PEERS_EXIT_S = 10.0  # how long a rank that exits on purpose (preemption) waits for the others to
-# exit too, before stopping them: they stop at the same step, so normally ms
+# exit too, before stopping them (they stop at the same step, so most are exiting already)
 
 
 @dataclass(frozen=True)
@@ -166,38 +165,6 @@ def local_env(world_size: int, port: int) -> dict[str, str]:
     if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own sockets on loopback too
     return env
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Have the kernel kill this process when ``parent_pid`` exits (Linux; elsewhere a no-op)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
-    if os.getppid() != parent_pid:  # the parent died before the request took effect
-        os._exit(1)
-
-
-def stop_processes(procs: list[Any], grace: float = _STOP_GRACE_S) -> None:
-    """SIGTERM, then SIGKILL what still runs after ``grace`` seconds; reap all (Popen or Process)."""
-
-    def poll(p: Any) -> int | None:
-        return p.poll() if isinstance(p, subprocess.Popen) else p.exitcode
-
-    alive = [p for p in procs if poll(p) is None]
-    below = [d for p in alive for d in descendants(p.pid)]  # their loader workers: see end_children
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, sig)
-        deadline = time.monotonic() + grace
-        while any(poll(p) is None for p in alive) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        alive = [p for p in alive if poll(p) is None]
-    kill_processes(below)
-    for p in procs:
-        p.wait() if isinstance(p, subprocess.Popen) else p.join()
 
 
 _PEER_SIGNS = (
@@ -325,7 +292,7 @@ class Launcher:
             timeout=self.timeout,
             **extra,
         )
-        _group_sockets.update({fd: ino for fd, ino in socket_fds().items() if before.get(fd) != ino})
+        record_group_sockets(before)  # a forked child drops them (processes.py)
         # Left to interpreter shutdown, the group's threads can abort the process ("terminate
         # called without an active exception") after a perfectly good run.
         atexit.register(destroy_group)
@@ -387,51 +354,6 @@ class Launcher:
         return []
 
 
-# ---------------------------------------------------------------------------------------------- forks
-# A process forked after the group exists (a DataLoader worker, say) holds copies of the group's
-# connections. When this rank is killed, its peers see the connection close only once every copy is
-# closed: the orphaned loader workers notice their parent's death after up to 5 s, and until then the
-# peers wait, so a restart (torchrun) comes seconds later. A forked child never uses its parent's
-# group, so it drops its copies at once (pointing the descriptors at /dev/null, so that nothing in the
-# child can close or reuse a number the parent's objects still name).
-_group_sockets: dict[int, int] = {}  # descriptor -> inode of the sockets the process group opened
-
-
-def socket_fds() -> dict[int, int]:
-    """This process's socket descriptors and their inodes (Linux; empty where /proc is missing)."""
-    out: dict[int, int] = {}
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return out
-    for name in names:
-        try:
-            st = os.fstat(int(name))
-        except (OSError, ValueError):
-            continue
-        if statmod.S_ISSOCK(st.st_mode):
-            out[int(name)] = st.st_ino
-    return out
-
-
-def _drop_group_sockets_in_child() -> None:
-    if not _group_sockets:
-        return
-    devnull = os.open(os.devnull, os.O_RDWR)
-    try:
-        for fd, ino in _group_sockets.items():
-            with contextlib.suppress(OSError):
-                if os.fstat(fd).st_ino == ino:
-                    os.dup2(devnull, fd)
-    finally:
-        os.close(devnull)
-    _group_sockets.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_drop_group_sockets_in_child)
-
-
 def import_before_the_group() -> None:
     """Imports ``torch.distributed.fsdp`` before the default group exists.
 
@@ -442,7 +364,7 @@ def import_before_the_group() -> None:
     work released on one of them during shutdown aborts the process ("terminate called without an
     active exception": a preempted rank then ends with status 1 instead of 143). Imported first, the
     defaults hold None and the group is freed, its threads joined, while Python still runs. Costs
-    nothing where the optimizer would import it anyway, about 0.2 s of CPU where none does.
+    nothing where the optimizer would import it anyway, and one import where none does.
     """
     import torch.distributed.fsdp  # noqa: F401
 
@@ -453,7 +375,7 @@ def destroy_group() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
-    _group_sockets.clear()
+    forget_group_sockets()
     gc.collect()
 
 
@@ -500,7 +422,7 @@ class PopenLauncher(Launcher):
                     time.sleep(0.05)
                 if not self._stopping:
                     self.on_failure()
-                    _exit(self.job_status(None))
+                    exit_now(self.job_status(None))
                 return
             time.sleep(0.05)
 
@@ -548,57 +470,7 @@ class PopenLauncher(Launcher):
         if self._ended is None:
             status = job_status(c.returncode for c in self.children)
             if status:
-                _exit(status)
-
-
-def descendants(pid: int) -> list[int]:
-    """The running processes below ``pid`` (children, theirs, ...), parents first; empty without /proc."""
-    parents: dict[int, int] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # ended meanwhile
-            continue
-        if fields[0] != "Z":
-            parents[int(entry)] = int(fields[1])
-    found: list[int] = []
-    level = [pid]
-    while level:
-        level = [p for p, parent in parents.items() if parent in level]
-        found.extend(level)
-    return found
-
-
-def kill_processes(pids: list[int]) -> None:
-    for p in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, signal.SIGKILL)
-
-
-def end_children() -> None:
-    """SIGKILL every process below this one (the ranks it started, every rank's DataLoader workers) before it
-    ends with ``os._exit``, which runs none of the shutdown that would stop them.
-
-    A rank this process started dies with it (``die_with_parent``), but that rank's loader workers do not: a
-    worker notices its parent's death only while it waits for work, so one stuck in a dataset's
-    ``__getitem__`` (or in a deadlock inherited through ``fork`` from a threaded rank) would outlive the job
-    for good, holding the job's output pipe open: whatever waits for that output to end waits too.
-    """
-    kill_processes(descendants(os.getpid()) or [c.pid for c in multiprocessing.active_children() if c.pid])
-
-
-def _exit(status: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    end_children()
-    os._exit(status)
+                exit_now(status)
 
 
 def rerun_command() -> list[str]:

@@ -32,11 +32,10 @@ from ember.strategies.launchers.launcher import (
     FailureRecord,
     classify_failure,
     destroy_group,
-    die_with_parent,
     local_env,
     loopback_store,
-    stop_processes,
 )
+from ember.strategies.launchers.processes import die_with_parent, stop_processes
 
 __all__ = ["SpawnLauncher", "RemoteTraceback"]
 

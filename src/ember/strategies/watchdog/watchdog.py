@@ -45,13 +45,13 @@ Cost outside the step: per rank, one store write and one store read a second; a 
 rank's record only once it has waited in a collective, or made no progress, past the deadline.
 
 What the records say (who is missing, who is behind), the words of the verdicts, and the phases
-the strategy sets are in ``verdicts.py``; this module holds the beacon, the thread and the store.
+the strategy sets are in ``verdicts.py``; printing a process's stacks, and exiting with them, is
+``stacks.py``; this module holds the beacon, the thread and the store.
 """
 
 from __future__ import annotations
 
 import datetime
-import faulthandler
 import itertools
 import json
 import os
@@ -64,7 +64,9 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from ember.strategies.launchers.launcher import FailureRecord, end_children
+from ember.strategies.launchers.launcher import FailureRecord
+from ember.strategies.launchers.processes import end_children
+from ember.strategies.watchdog.stacks import exit_with_stacks, print_stacks
 from ember.strategies.watchdog.verdicts import (
     abort_summary,
     behind,
@@ -83,6 +85,7 @@ __all__ = [
     "deadline",
     "collective_cap",
     "is_timeout",
+    # From stacks.py, where they live; still importable from here (ember/trainer/preemption.py does).
     "print_stacks",
     "exit_with_stacks",
     "HUNG_EXIT_CODE",
@@ -143,29 +146,6 @@ def is_timeout(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-def print_stacks(header: str) -> None:
-    """Print ``header`` and the Python stack of every thread of this process to stderr."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    print(header, file=sys.stderr, flush=True)
-    try:
-        fd = sys.stderr.fileno()
-    except Exception:  # stderr replaced by an object without a descriptor
-        fd = 2
-    faulthandler.dump_traceback(file=fd, all_threads=True)
-
-
-def exit_with_stacks(header: str, code: int) -> NoReturn:
-    """Print ``header`` and every thread's stack, then end this process now with status ``code`` (and its
-    DataLoader workers with it: ``end_children``)."""
-    print_stacks(header)
-    end_children()
-    os._exit(code)
 
 
 class Watchdog:
