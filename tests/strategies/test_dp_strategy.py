@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 import ember
 from ember.strategies.dp import DataParallelStrategy
 from tests.helpers.models import fast_trainer, regression_data
+from tests.helpers.weights import assert_same_weights
 
 
 class MLP(ember.TrainModule):
@@ -59,13 +60,6 @@ def fit(strategy: Any, devices: int, **kwargs: Any) -> tuple[MLP, ember.Trainer]
     )
     trainer.fit(module, loader(), loader(13, 4))
     return module, trainer
-
-
-def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        torch.testing.assert_close(sa[k], sb[k], atol=1e-6, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("devices", [2, 3])

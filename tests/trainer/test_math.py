@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 import ember
 from tests.helpers.models import UnsizedBatches, fast_trainer, regression_data, regression_loader
+from tests.helpers.weights import assert_same_weights
 
 
 class MLP(ember.TrainModule):
@@ -37,13 +38,6 @@ class MLP(ember.TrainModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-
-
-def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, atol: float = 1e-6) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        torch.testing.assert_close(sa[k], sb[k], atol=atol, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def plain_loop(

@@ -22,8 +22,8 @@ yaml = pytest.importorskip("yaml")
 
 from ember.cli import EmberCLI  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-SRC = Path(__file__).resolve().parent.parent / "src"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def run(cwd: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
