@@ -112,7 +112,7 @@ class EarlyStopping(Callback):
             self._on_epoch_end = not validates or once_per_epoch
 
     def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
-        if self._on_epoch_end or not trainer.training:  # also skips the sanity check and trainer.validate
+        if self._on_epoch_end or trainer.state != "fitting" or trainer.sanity_checking:  # trainer.validate, sanity
             return
         self._check(trainer)
 

@@ -276,13 +276,13 @@ class ProgressBar(Callback):
             return
         if self._lines:
             self._eval = _Span(desc, total, 0, self.line_interval)
-            if trainer.training:
+            if _in_fit(trainer):
                 self._before_val = dict(trainer.progress_bar_metrics)
             return
         # Inside fit the validation bar sits under the epoch's bar and goes away once full.
         # The sanity check's bar goes too; a standalone validate/test/predict bar stays if ``leave``.
-        leave = self.leave and not trainer.training and not trainer.sanity_checking
-        self._eval = self._bar(total, desc, leave=leave, position=1 if trainer.training else 0)
+        leave = self.leave and trainer.state != "fitting"
+        self._eval = self._bar(total, desc, leave=leave, position=1 if _in_fit(trainer) else 0)
 
     def _eval_step(self, trainer: Any, batch_idx: int) -> None:
         bar = self._eval
@@ -304,7 +304,7 @@ class ProgressBar(Callback):
         if self._lines:
             if bar.total != math.inf:
                 bar.n = int(bar.total)
-            if trainer.training:  # a validation inside fit: its line waits (see on_train_epoch_end)
+            if _in_fit(trainer):  # a validation inside fit: its line waits (see on_train_epoch_end)
                 raw = trainer.progress_bar_metrics
                 before, self._before_val = self._before_val, {}
                 self._val_values = {k: v for k, v in raw.items() if k not in before or before[k] is not v}
@@ -368,3 +368,8 @@ class ProgressBar(Callback):
 
     def teardown(self, trainer: Any, module: Any, stage: Stage) -> None:
         self._close(trainer)
+
+
+def _in_fit(trainer: Any) -> bool:
+    """In a fit, not its sanity check (a validation inside fit included: ``trainer.training`` is False there)."""
+    return trainer.state == "fitting" and not trainer.sanity_checking

@@ -162,7 +162,7 @@ class RichProgressBar(ProgressBar):
 
     def _eval_start(self, trainer: Any, desc: str, total: float) -> None:
         # As Lightning's rich bar: a validate / test / predict run's bar stays on screen when it ends.
-        self._standalone = not trainer.training and not trainer.sanity_checking
+        self._standalone = trainer.state != "fitting"  # not a validation (or sanity check) inside a fit
         super()._eval_start(trainer, desc, total)
 
     def _bar(self, total: float, desc: str, leave: bool, position: int = 0) -> Any:

@@ -201,6 +201,13 @@ class DDPStrategy(ProcessGroupStrategy):
         return self._world.node_rank if self._world else 0
 
     @property
+    def num_nodes(self) -> int:
+        world = self._world
+        if world is None or world.local_world_size <= 0:
+            return 1
+        return max(1, world.world_size // world.local_world_size)
+
+    @property
     def root_device(self) -> torch.device:
         if self.accelerator != "cuda":
             return torch.device("cpu")

@@ -237,7 +237,7 @@ class FSDPStrategy(DDPStrategy):
         device_type = self.root_device.type
         world = dist.get_world_size()
         if self.sharding_strategy.startswith(("HYBRID", "_HYBRID")):
-            shape = self.device_mesh_shape or (self._nodes(), world // self._nodes())
+            shape = self.device_mesh_shape or (self.num_nodes, world // self.num_nodes)
             if shape[0] * shape[1] != world:
                 raise ValueError(
                     f"device_mesh={shape} needs {shape[0] * shape[1]} processes but the job has {world}: give "
@@ -245,12 +245,6 @@ class FSDPStrategy(DDPStrategy):
                 )
             return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-
-    def _nodes(self) -> int:
-        world = self._world
-        if world is None or world.local_world_size <= 0:
-            return 1
-        return max(1, world.world_size // world.local_world_size)
 
     def _mp_policy(self) -> Any:
         from torch.distributed.fsdp import MixedPrecisionPolicy

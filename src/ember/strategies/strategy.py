@@ -92,6 +92,11 @@ class Strategy:
         return 0
 
     @property
+    def num_nodes(self) -> int:
+        """The machines of the job (1 but for multi-process strategies started on several)."""
+        return 1
+
+    @property
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
 

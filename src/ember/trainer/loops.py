@@ -187,10 +187,11 @@ class FitLoop:
             for loader in self.data.val_loaders:
                 set_loader_epoch(loader, self.progress.current_epoch)
             self.evaluation.run("sanity", self.data.val_loaders, limits)
+            metrics.callback_metrics, metrics.progress_bar_metrics = saved
+            self.hooks.call("on_sanity_check_end")  # still sanity checking, as in Lightning
         finally:
             t.sanity_checking = False
             metrics.callback_metrics, metrics.progress_bar_metrics = saved
-        self.hooks.call("on_sanity_check_end")
         apply_rng(rng)
 
     def can_stop(self) -> bool:

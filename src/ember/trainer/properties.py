@@ -4,12 +4,14 @@ ranks, metrics, optimizers, loggers, the checkpoint and early-stopping callbacks
 from __future__ import annotations
 
 import math
+import signal
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ember.callbacks.early_stopping import EarlyStopping
 from ember.callbacks.model_checkpoint import ModelCheckpoint
+from ember.callbacks.progress_bar import ProgressBar
 from ember.loggers.file_logger import FileLogger
 from ember.loggers.logger import Logger
 from ember.module import TrainModule
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from ember.trainer.metrics import MetricCollector
     from ember.trainer.optim import OptimizerState
     from ember.trainer.precision import Precision
+    from ember.trainer.preemption import PreemptionHandler
     from ember.trainer.progress import FitProgress
     from ember.trainer.state import FitState
     from ember.types import TrainerState
@@ -66,6 +69,8 @@ class TrainerProperties:
         _eval_batches: dict[str, list[float]]
         _eval_loaders: dict[str, list[Any]]
         _precision_name: str
+        _interrupted: bool
+        _preemption: PreemptionHandler | None
 
     # The parts of ``fit_state`` (``state.py``), by the names the trainer package reads them by.
     @property
@@ -210,9 +215,78 @@ class TrainerProperties:
     def precision(self) -> str:
         return self._precision_name
 
+    # ------------------------------------------------------------------ what is running (Lightning's names)
     @property
     def training(self) -> bool:
-        return self.state == "fitting" and not self.sanity_checking
+        """In a fit and not in its validation (or sanity check), as Lightning's ``trainer.training``."""
+        return self.state == "fitting" and not self.sanity_checking and self._metrics.stage != "validate"
+
+    @property
+    def validating(self) -> bool:
+        """In ``trainer.validate``, or in a validation inside a fit (not the sanity check)."""
+        if self.state == "validating":
+            return True
+        return self.state == "fitting" and not self.sanity_checking and self._metrics.stage == "validate"
+
+    @property
+    def testing(self) -> bool:
+        """In ``trainer.test``."""
+        return self.state == "testing"
+
+    @property
+    def predicting(self) -> bool:
+        """In ``trainer.predict``."""
+        return self.state == "predicting"
+
+    @property
+    def evaluating(self) -> bool:
+        """Validating, testing or sanity checking (as Lightning's: not predicting)."""
+        return self.validating or self.testing or self.sanity_checking
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the last run ended by Ctrl-C (``KeyboardInterrupt``) or a stop signal (preemption)."""
+        return self._interrupted
+
+    @property
+    def received_sigterm(self) -> bool:
+        """Whether the current (or last) fit received SIGTERM."""
+        handler = self._preemption
+        return handler is not None and handler.received == signal.SIGTERM
+
+    # ------------------------------------------------------------------ devices (Lightning's names)
+    @property
+    def device_ids(self) -> list[int]:
+        """The index of each device this process's strategy uses (0 for the CPU), as Lightning's."""
+        devices = self.strategy.parallel_devices or [self.strategy.root_device]
+        return [device.index or i for i, device in enumerate(devices)]
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.device_ids)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.strategy.num_nodes
+
+    @property
+    def node_rank(self) -> int:
+        return self.strategy.node_rank
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The 16-mixed gradient scaler (None under other precisions)."""
+        return self._precision.scaler
+
+    @property
+    def progress_bar_callback(self) -> ProgressBar | None:
+        """The progress bar among the callbacks, if any."""
+        return next((c for c in self.callbacks if isinstance(c, ProgressBar)), None)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on each machine's local rank zero only (Lightning's ``trainer.print``)."""
+        if self.local_rank == 0:
+            print(*args, **kwargs)
 
     @property
     def lightning_module(self) -> TrainModule | None:

@@ -25,7 +25,7 @@ from ember.trainer.fit_summary import print_fit_summary
 from ember.trainer.loaders import FitData, close_loaders, eval_loaders
 from ember.trainer.loops import FitLoop
 from ember.trainer.optim import NO_OPTIMIZER_WARNING, NoOptimizer, OptimizerState, check_scheduler_api, parse_optimizers
-from ember.trainer.preemption import preemption
+from ember.trainer.preemption import Preempted, preemption
 from ember.trainer.progress import FitProgress
 from ember.trainer.properties import TrainerProperties
 from ember.trainer.results_table import print_results
@@ -142,6 +142,7 @@ class TrainerStages(TrainerProperties):
         module.zero_grad()  # every stage starts without gradients, as Lightning's _run_stage
         # No module.train() here: as in Lightning, submodules a user put in eval mode stay there.
         with preemption(trainer) as handler, torch.autograd.set_detect_anomaly(self.detect_anomaly):
+            self._preemption = handler
             self._loop.run(resume, handler)  # SIGTERM -> checkpoint at the next step boundary -> Preempted exit
         self._hooks.call("on_fit_end")
         self._logs.finalize("success")
@@ -207,6 +208,7 @@ class TrainerStages(TrainerProperties):
                     f"{hook_exc} (while handling {type(exc).__name__}, which follows)",
                     RuntimeWarning,
                 )
+        self._interrupted = isinstance(exc, (KeyboardInterrupt, Preempted))
         self._logs.finalize("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
 
     def _teardown(self, stage: Stage) -> None:

@@ -31,6 +31,7 @@ from ember.trainer.loaders import FitData
 from ember.trainer.log_writer import LogWriter
 from ember.trainer.loops import FitLoop
 from ember.trainer.precision import Precision, normalize_precision
+from ember.trainer.preemption import PreemptionHandler
 from ember.trainer.stages import TrainerStages
 from ember.trainer.state import FitState
 from ember.types import PrecisionInput, Stage, TrainerState
@@ -217,6 +218,8 @@ class Trainer(TrainerStages):
 
         self.should_stop = False
         self.sanity_checking = False
+        self._interrupted = False
+        self._preemption: PreemptionHandler | None = None  # the fit's stop-signal handler (received_sigterm)
         self.state: TrainerState = "initializing"
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
@@ -273,6 +276,7 @@ class Trainer(TrainerStages):
             datamodule.trainer = self
         # Each fit / validate / test / predict starts from empty metrics, as in Lightning.
         self.fit_state.start_run()
+        self._interrupted, self._preemption = False, None
         self.logged_metrics = {}
         extra = list(module.configure_callbacks() or [])
         if extra:
