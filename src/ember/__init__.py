@@ -41,9 +41,11 @@ if TYPE_CHECKING:
     from ember.module import TrainModule
     from ember.rng import seed_everything
     from ember.trainer import Trainer
+    from ember.trainer.optim import TrainerOptimizer
 
 __all__ = [
     "Trainer",
+    "TrainerOptimizer",
     "TrainModule",
     "DataModule",
     "seed_everything",
@@ -59,6 +61,7 @@ __all__ = [
 
 _WHERE = {
     "Trainer": "ember.trainer",
+    "TrainerOptimizer": "ember.trainer.optim",
     "TrainModule": "ember.module",
     "DataModule": "ember.data",
     "seed_everything": "ember.rng",

@@ -306,9 +306,12 @@ class TrainModule(HyperparametersMixin, DataHooks, ModeHooks, nn.Module):
         return export.to_onnx(self, file_path, input_sample, **kwargs)
 
     # ------------------------------------------------------------------ optimizers
-    def optimizers(self) -> Any:
-        """The optimizers from ``configure_optimizers`` (one, or a list), for manual optimization."""
-        opts = self.trainer.fit_state.optim.wrapped_optimizers
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """The optimizers from ``configure_optimizers`` (one, or a list), for manual optimization: each wrapped so
+        that ``step`` goes through the Trainer (precision, strategy, hooks), or, with ``use_pl_optimizer=False``
+        (Lightning's name), the optimizers themselves."""
+        optim = self.trainer.fit_state.optim
+        opts = optim.wrapped_optimizers if use_pl_optimizer else optim.optimizers
         return opts[0] if len(opts) == 1 else opts
 
     def lr_schedulers(self) -> Any:

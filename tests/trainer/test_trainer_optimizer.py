@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ember
 from ember.trainer.optim import TrainerOptimizer
 from tests.helpers.models import BoringModel, fast_trainer, regression_loader
 
@@ -93,3 +94,46 @@ def test_attributes_read_through_and_zero_grad_reaches_the_optimizer():
     assert wrapped.step(factor=2.0) == "out" and calls == [(sgd, None, {"factor": 2.0})]
     with pytest.raises(AttributeError, match="no_such_thing"):
         wrapped.no_such_thing  # noqa: B018
+
+
+class SeesItsOptimizers(BoringModel):
+    """Manual optimization that records what ``self.optimizers()`` gives, and what a closure step returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.seen: dict = {}
+
+    def training_step(self, batch, batch_idx):
+        opt, raw = self.optimizers(), self.optimizers(use_pl_optimizer=False)
+        x, y = batch
+
+        def closure():
+            loss = F.mse_loss(self(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            return loss
+
+        returned = opt.step(closure=closure)
+        if batch_idx == 0:
+            self.seen = {"opt": opt, "raw": raw, "returned": returned}
+
+
+def test_the_wrapper_is_the_optimizer_to_isinstance_and_print_and_the_raw_one_is_one_call_away():
+    module = SeesItsOptimizers()
+    fast_trainer(max_epochs=1).fit(module, regression_loader())
+    opt, raw = module.seen["opt"], module.seen["raw"]
+    assert isinstance(opt, ember.TrainerOptimizer) and isinstance(opt, torch.optim.SGD)  # as Lightning's wrapper
+    assert type(raw) is torch.optim.SGD and opt.optimizer is raw
+    assert repr(opt).startswith("TrainerSGD (") and "Parameter Group 0" in str(opt)
+    assert torch.is_tensor(module.seen["returned"])  # the closure's loss, through the optimizer's step
+
+
+def test_a_wrapper_copies_and_pickles_as_a_wrapper():
+    import copy
+    import pickle
+
+    param = torch.nn.Parameter(torch.ones(2))
+    wrapper = TrainerOptimizer(torch.optim.SGD([param], lr=0.1), print)
+    for other in (copy.copy(wrapper), copy.deepcopy(wrapper), pickle.loads(pickle.dumps(wrapper))):
+        assert type(other) is TrainerOptimizer and type(other.optimizer) is torch.optim.SGD

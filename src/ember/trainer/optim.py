@@ -219,6 +219,19 @@ class TrainerOptimizer:
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
+    # As Lightning's wrapper, which is a subclass made on the fly: ``isinstance(opt, torch.optim.Adam)`` holds
+    # (isinstance consults ``__class__``), and it prints as the optimizer, its class name prefixed.
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        return type(self.optimizer)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # Copies and pickles are of this wrapper (``__class__`` above would make them of the optimizer's class).
+        return (TrainerOptimizer, (self.optimizer, self._stepper))
+
+    def __repr__(self) -> str:
+        return f"Trainer{self.optimizer!r}"
+
 
 def _then_hook(closure: Callable[[], Any], hooks: Hooks, optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     def run() -> Any:
