@@ -237,3 +237,31 @@ def test_seed_everything(monkeypatch):
 def test_seed_everything_bad_seed(bad):
     with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*32\)"):
         ember.seed_everything(bad)
+
+
+class _Trusted:
+    """An object a trusted checkpoint carries pickled (a user's own class)."""
+
+
+def test_fit_validate_test_predict_take_lightnings_model_and_weights_only(tmp_path):
+    from ember.checkpoint import CheckpointError
+
+    t = ember.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
+    t.fit(model=BoringModel(), train_dataloaders=regression_loader())  # Lightning's keyword
+    t.fit(module=BoringModel(), train_dataloaders=regression_loader())  # ember's, still
+    with pytest.raises(TypeError, match="both model= and module="):
+        t.fit(BoringModel(), regression_loader(), module=BoringModel())
+    with pytest.raises(TypeError, match="needs the module to train"):
+        t.fit()
+    assert t.validate(model=t.module, dataloaders=regression_loader(), verbose=False)
+    path = str(tmp_path / "trusted.ckpt")
+    checkpoint = torch.load(t.checkpoint_callback.last_model_path, weights_only=True)
+    checkpoint["mine"] = _Trusted()  # not plain data: only weights_only=False reads it
+    torch.save(checkpoint, path)
+    with pytest.raises(CheckpointError, match="weights_only=False"):
+        t.test(BoringModel(), regression_loader(), ckpt_path=path, verbose=False)
+    for entry in ("fit", "validate", "test", "predict"):
+        loaders = {"train_dataloaders" if entry == "fit" else "dataloaders": regression_loader()}
+        trainer = ember.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_checkpointing=False)
+        getattr(trainer, entry)(model=BoringModel(), ckpt_path=path, weights_only=False, **loaders)
+        assert trainer.ckpt_path == path

@@ -49,6 +49,8 @@ class Restore:
             predict: the ``"modules"`` parts, from any checkpoint).
         on_complete: called once the last moment's parts are loaded (the Trainer records the path).
         strategy: the run's strategy: a sharded checkpoint is read as it holds tensors (its ``read_sharded``).
+        weights_only: read plain data only (``torch.load(weights_only=True)``); False lets a trusted file
+            unpickle objects (``Trainer.fit(weights_only=False)``, as Lightning's).
     """
 
     def __init__(
@@ -58,11 +60,12 @@ class Restore:
         purpose: str = "fit",
         on_complete: Callable[[], None] | None = None,
         strategy: Strategy | None = None,
+        weights_only: bool = True,
     ) -> None:
         self.state, self.path, self.on_complete = state, path, on_complete
         self.moments = MOMENTS if purpose == "fit" else MOMENTS[:1]
         read_sharded = strategy.read_sharded if strategy is not None else None
-        self.checkpoint = ckpt = load(path, purpose=purpose, read_sharded=read_sharded)
+        self.checkpoint = ckpt = load(path, purpose=purpose, read_sharded=read_sharded, weights_only=weights_only)
         if purpose == "fit" and (ckpt.get("weights_only") or "progress" not in ckpt):
             module = str(ckpt.get("module_class") or "YourModule").rsplit(".", 1)[-1]
             raise CheckpointError(

@@ -20,6 +20,8 @@ import torch
 from ember.checkpoint.restore import Restore
 from ember.module import TrainModule
 from ember.overrides import is_overridden
+from ember.signatures import takes_dataloader_iter
+from ember.trainer.compile import is_compiled, unwrap_compiled
 from ember.trainer.evaluation import EvaluationLoop
 from ember.trainer.fit_summary import print_fit_summary
 from ember.trainer.loaders import FitData, close_loaders, eval_loaders
@@ -63,8 +65,7 @@ class TrainerStages(TrainerProperties):
         _input_dtype: Any
         _return_predictions: bool
         _verbose: bool
-
-        def _refuse_dp_iter_steps(self, module: TrainModule, steps: tuple[str, ...]) -> None: ...
+        _weights_only: bool
 
     def _fit(self, module: TrainModule, loaders: tuple[Any, ...], path: str | None) -> None:
         if not module.automatic_optimization and (self.accumulate_grad_batches > 1 or self.gradient_clip_val):
@@ -81,7 +82,13 @@ class TrainerStages(TrainerProperties):
         # Resuming, in Lightning's order (checkpoint/restore.py): the weights, the datamodule's and the callbacks'
         # states now, before configure_optimizers; the training state and the data position in FitLoop.run.
         resume = (
-            Restore(self.fit_state, path, on_complete=lambda: self._resumed(path), strategy=self.strategy)
+            Restore(
+                self.fit_state,
+                path,
+                on_complete=lambda: self._resumed(path),
+                strategy=self.strategy,
+                weights_only=self._weights_only,
+            )
             if path is not None
             else None
         )
@@ -250,9 +257,58 @@ class TrainerStages(TrainerProperties):
         ``ckpt_path`` names the file while its hooks run, as Lightning's does."""
         previous, self.ckpt_path = self.ckpt_path, path
         try:
-            Restore(self.fit_state, path, purpose="evaluate", strategy=self.strategy).load("modules")
+            Restore(
+                self.fit_state, path, purpose="evaluate", strategy=self.strategy, weights_only=self._weights_only
+            ).load("modules")
         except BaseException:
             self.ckpt_path = previous
             raise
         if self.is_global_zero:
             log.info("Loaded model weights from the checkpoint at %s", path)
+
+    # ------------------------------------------------------------------ the module a run is given
+    @staticmethod
+    def _one_module(model: Any, module: Any, entry: str) -> Any:
+        """The module passed to ``entry`` as ``model`` (Lightning's name, positional) or ``module=``."""
+        if model is not None and module is not None:
+            raise TypeError(f"Trainer.{entry} got both model= and module=: they name the same argument; pass one.")
+        if model is None and module is None and entry == "fit":
+            raise TypeError("Trainer.fit needs the module to train: trainer.fit(model, train_dataloaders, ...).")
+        return model if model is not None else module
+
+    def _module_for_eval(self, module: TrainModule | None, step: str) -> TrainModule:
+        if module is None:
+            if self.module is None:
+                raise ValueError("No module given and none was fitted with this Trainer: pass the module.")
+            module = self.module
+        return self._check_module(module, (step,))
+
+    def _check_module(self, module: Any, steps: tuple[str, ...]) -> TrainModule:
+        """The TrainModule to run (the one inside a ``torch.compile`` result, compiled), checked for a run of
+        ``steps``."""
+        module = unwrap_compiled(module)
+        if not isinstance(module, TrainModule):
+            raise TypeError(f"Expected an ember.TrainModule, got {type(module).__name__}. Subclass ember.TrainModule.")
+        if "_trainer" not in module.__dict__:  # set by TrainModule.__init__
+            raise RuntimeError(f"{type(module).__name__}.__init__ did not call super().__init__(); call it first.")
+        self._refuse_dp_iter_steps(module, steps)
+        if is_compiled(module) and self.strategy.strategy_name == "dp":
+            raise ValueError(
+                "strategy='dp' cannot run a torch.compile'd module: its replicas would share the "
+                "compiled steps of the original. Use strategy='single' or 'ddp', or pass the "
+                "module uncompiled."
+            )
+        return module
+
+    def _refuse_dp_iter_steps(self, module: TrainModule, steps: tuple[str, ...]) -> None:
+        """Under dp, refuse any of ``steps`` (steps this run will call) that takes ``dataloader_iter``."""
+        if self.strategy.strategy_name != "dp":
+            return
+        for step in steps:
+            if takes_dataloader_iter(getattr(module, step, None)):
+                raise ValueError(
+                    f"strategy='dp' cannot run {type(module).__name__}.{step}(self, dataloader_iter): dp splits "
+                    "each batch across the devices, and an iterator the step fetches its own batches from "
+                    "cannot be split. Use strategy='ddp' (each process fetches its own batches) or 'single', "
+                    f"or define {step}(self, batch, batch_idx) and let the Trainer fetch the batches."
+                )

@@ -22,10 +22,8 @@ from ember.loggers.logger import DummyLogger, Logger
 from ember.module import TrainModule
 from ember.overrides import is_overridden
 from ember.profilers import Profiler
-from ember.signatures import takes_dataloader_iter
 from ember.strategies.strategy import Strategy
 from ember.trainer import arguments, locate
-from ember.trainer.compile import is_compiled, unwrap_compiled
 from ember.trainer.hooks import Hooks
 from ember.trainer.loaders import FitData
 from ember.trainer.log_writer import LogWriter
@@ -236,6 +234,7 @@ class Trainer(TrainerStages):
         self.ckpt_path: str | None = None
         self._return_predictions = True
         self._verbose = True  # validate / test print their results table
+        self._weights_only = True  # how the run's ckpt_path is read (fit / validate / ... weights_only=)
 
     # ------------------------------------------------------------------ one run, in every process
     def _run(
@@ -361,25 +360,31 @@ class Trainer(TrainerStages):
     # ------------------------------------------------------------------ entry points
     def fit(
         self,
-        module: TrainModule,
+        model: TrainModule | None = None,
         train_dataloaders: Any = None,
         val_dataloaders: Any = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | None = None,
+        weights_only: bool | None = None,
+        *,
+        module: TrainModule | None = None,
     ) -> None:
         """Train ``module``.
 
         Args:
-            module: the TrainModule to train.
+            model: the TrainModule to train (``module=`` also works).
             train_dataloaders: a DataLoader (or any iterable of batches).
             val_dataloaders: one loader or a list of them.
             datamodule: a DataModule providing the loaders instead.
             ckpt_path: resume from this checkpoint, or "last" / "best"; "auto": resume from the most
                 recent checkpoint when one exists, else start fresh. A restart of a torchrun or SLURM
                 job resumes from the job's own latest checkpoint on its own (``ember/checkpoint/auto_resume.py``).
+            weights_only: as Lightning's: None or True reads the checkpoint as plain data only; False lets it
+                unpickle objects (only for a file you trust).
         """
         # (validation_step is checked once the fit knows whether it validates: Trainer._fit)
-        module = self._check_module(module, ("training_step",))
+        module = self._check_module(self._one_module(model, module, "fit"), ("training_step",))
+        self._weights_only = weights_only is not False
         if isinstance(train_dataloaders, DataModule) and datamodule is None:  # Lightning's fit(model, dm)
             train_dataloaders, datamodule = None, train_dataloaders
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
@@ -389,39 +394,51 @@ class Trainer(TrainerStages):
 
     def validate(
         self,
-        module: TrainModule | None = None,
+        model: TrainModule | None = None,
         dataloaders: Any = None,
-        datamodule: DataModule | None = None,
         ckpt_path: str | None = None,
         verbose: bool = True,
+        datamodule: DataModule | None = None,
+        weights_only: bool | None = None,
+        *,
+        module: TrainModule | None = None,
     ) -> list[dict[str, float]]:
         """Run ``validation_step`` over the loaders; returns one metric dict per loader, and with ``verbose``
         prints them as a table (on global rank zero), as Lightning."""
-        return self._evaluate("validate", module, dataloaders, datamodule, ckpt_path, verbose)
+        module = self._one_module(model, module, "validate")
+        return self._evaluate("validate", module, dataloaders, datamodule, ckpt_path, verbose, weights_only)
 
     def test(
         self,
-        module: TrainModule | None = None,
+        model: TrainModule | None = None,
         dataloaders: Any = None,
-        datamodule: DataModule | None = None,
         ckpt_path: str | None = None,
         verbose: bool = True,
+        datamodule: DataModule | None = None,
+        weights_only: bool | None = None,
+        *,
+        module: TrainModule | None = None,
     ) -> list[dict[str, float]]:
         """Run ``test_step`` over the loaders; returns one metric dict per loader, and with ``verbose`` prints
         them as a table (on global rank zero), as Lightning."""
-        return self._evaluate("test", module, dataloaders, datamodule, ckpt_path, verbose)
+        module = self._one_module(model, module, "test")
+        return self._evaluate("test", module, dataloaders, datamodule, ckpt_path, verbose, weights_only)
 
     def predict(
         self,
-        module: TrainModule | None = None,
+        model: TrainModule | None = None,
         dataloaders: Any = None,
         datamodule: DataModule | None = None,
         return_predictions: bool | None = None,
         ckpt_path: str | None = None,
+        weights_only: bool | None = None,
+        *,
+        module: TrainModule | None = None,
     ) -> list[Any] | None:
         """Run ``predict_step``; returns the outputs (a list per loader when there are several), or None
         with ``return_predictions=False``, which keeps no output (for predictions a callback writes out)."""
-        module = self._module_for_eval(module, "predict_step")
+        module = self._module_for_eval(self._one_module(model, module, "predict"), "predict_step")
+        self._weights_only = weights_only is not False
         if isinstance(dataloaders, DataModule) and datamodule is None:  # Lightning's predict(model, dm)
             dataloaders, datamodule = None, dataloaders
         if return_predictions not in (None, True, False):
@@ -438,47 +455,12 @@ class Trainer(TrainerStages):
         datamodule: DataModule | None,
         ckpt_path: str | None,
         verbose: bool,
+        weights_only: bool | None,
     ) -> list[dict[str, float]]:
         module = self._module_for_eval(module, "validation_step" if stage == "validate" else "test_step")
         self._verbose = bool(verbose)
+        self._weights_only = weights_only is not False
         if isinstance(dataloaders, DataModule) and datamodule is None:  # Lightning's validate/test(model, dm)
             dataloaders, datamodule = None, dataloaders
         self.state = "validating" if stage == "validate" else "testing"
         return self.strategy.launch(self._run, stage, module, (dataloaders,), datamodule, ckpt_path)
-
-    def _module_for_eval(self, module: TrainModule | None, step: str) -> TrainModule:
-        if module is None:
-            if self.module is None:
-                raise ValueError("No module given and none was fitted with this Trainer: pass the module.")
-            module = self.module
-        return self._check_module(module, (step,))
-
-    def _check_module(self, module: Any, steps: tuple[str, ...]) -> TrainModule:
-        """The TrainModule to run (the one inside a ``torch.compile`` result, compiled), checked for a run of
-        ``steps``."""
-        module = unwrap_compiled(module)
-        if not isinstance(module, TrainModule):
-            raise TypeError(f"Expected an ember.TrainModule, got {type(module).__name__}. Subclass ember.TrainModule.")
-        if "_trainer" not in module.__dict__:  # set by TrainModule.__init__
-            raise RuntimeError(f"{type(module).__name__}.__init__ did not call super().__init__(); call it first.")
-        self._refuse_dp_iter_steps(module, steps)
-        if is_compiled(module) and self.strategy.strategy_name == "dp":
-            raise ValueError(
-                "strategy='dp' cannot run a torch.compile'd module: its replicas would share the "
-                "compiled steps of the original. Use strategy='single' or 'ddp', or pass the "
-                "module uncompiled."
-            )
-        return module
-
-    def _refuse_dp_iter_steps(self, module: TrainModule, steps: tuple[str, ...]) -> None:
-        """Under dp, refuse any of ``steps`` (steps this run will call) that takes ``dataloader_iter``."""
-        if self.strategy.strategy_name != "dp":
-            return
-        for step in steps:
-            if takes_dataloader_iter(getattr(module, step, None)):
-                raise ValueError(
-                    f"strategy='dp' cannot run {type(module).__name__}.{step}(self, dataloader_iter): dp splits "
-                    "each batch across the devices, and an iterator the step fetches its own batches from "
-                    "cannot be split. Use strategy='ddp' (each process fetches its own batches) or 'single', "
-                    f"or define {step}(self, batch, batch_idx) and let the Trainer fetch the batches."
-                )
