@@ -200,3 +200,57 @@ def test_dp_trains_on_combined_batches_as_one_device_does():
         results.append([p.detach().clone() for p in module.parameters()])
     for single, dp in zip(*results):
         torch.testing.assert_close(dp, single)
+
+
+def _two() -> dict:
+    return {"a": DataLoader(range(10), batch_size=2), "b": DataLoader(range(6), batch_size=2)}  # 5 and 3 batches
+
+
+@pytest.mark.parametrize(
+    "mode, limits, length",
+    [
+        ("min_size", None, 3),
+        ("min_size", [4, 1], 1),
+        ("min_size", 2, 2),
+        ("max_size_cycle", [1, 5], 3),
+        ("max_size", 2, 2),
+        ("sequential", None, 8),
+        ("sequential", [4, 1], 5),
+    ],
+)
+def test_limits_cap_each_loader_in_the_length_as_lightnings(mode, limits, length):
+    combined = CombinedLoader(_two(), mode)
+    combined.limits = limits
+    assert len(combined) == length
+    assert combined.limits == (None if limits is None else [limits] * 2 if isinstance(limits, int) else limits)
+
+
+def test_sequential_mode_moves_on_at_a_loaders_limit():
+    combined = CombinedLoader(_two(), "sequential")
+    combined.limits = [2, 1]
+    assert [(batch.tolist(), i, d) for batch, i, d in combined] == [([0, 1], 0, 0), ([2, 3], 1, 0), ([0, 1], 0, 1)]
+
+
+def test_a_limit_per_loader_must_match_the_loaders():
+    with pytest.raises(ValueError, match="2 loaders but 3 limits"):
+        CombinedLoader(_two()).limits = [1, 2, 3]
+
+
+def test_samplers_and_batch_samplers_in_the_structure_given():
+    loaders = _two()
+    combined = CombinedLoader({**loaders, "plain": [1, 2]})
+    assert combined.sampler == {"a": loaders["a"].sampler, "b": loaders["b"].sampler, "plain": None}
+    assert combined.batch_sampler["a"] is loaders["a"].batch_sampler
+
+
+@pytest.mark.processes
+def test_reset_stops_the_workers_of_persistent_loaders():
+    loader = DataLoader(range(8), batch_size=2, num_workers=1, persistent_workers=True)
+    combined = CombinedLoader([loader])
+    next(iter(combined))
+    workers = list(loader._iterator._workers)
+    combined.reset()
+    assert loader._iterator is None
+    for worker in workers:
+        worker.join(5)
+        assert not worker.is_alive()

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
 MODES = ("min_size", "max_size_cycle", "max_size", "sequential")
 
 
@@ -97,6 +99,7 @@ class CombinedLoader(Iterable):
         self._epoch: int | None = None
         self._pending: dict[str, Any] | None = None  # a state to continue from, set by load_state_dict
         self._state: _Pass | None = None
+        self._limits: list[int | float] | None = None
 
     @property
     def iterables(self) -> Any:
@@ -120,17 +123,60 @@ class CombinedLoader(Iterable):
         self._flattened = list(loaders)
         self._iterables = _unflatten(iter(loaders), self._spec)
 
+    @property
+    def sampler(self) -> Any:
+        """Each loader's ``sampler`` (None for one without), in the structure given."""
+        return _unflatten(iter([getattr(it, "sampler", None) for it in self._flattened]), self._spec)
+
+    @property
+    def batch_sampler(self) -> Any:
+        """Each loader's ``batch_sampler`` (None for one without), in the structure given."""
+        return _unflatten(iter([getattr(it, "batch_sampler", None) for it in self._flattened]), self._spec)
+
+    @property
+    def limits(self) -> list[int | float] | None:
+        """At most this many batches of each loader count toward ``len()`` (and, in ``sequential`` mode, are
+        iterated), as Lightning's: a number for every loader, or one per loader; None: no limit."""
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: int | float | list[int | float] | None) -> None:
+        if isinstance(limits, (int, float)):
+            limits = [limits] * len(self._flattened)
+        elif isinstance(limits, list) and len(limits) != len(self._flattened):
+            raise ValueError(
+                f"CombinedLoader has {len(self._flattened)} loaders but {len(limits)} limits: give one per loader, "
+                "or one number for all."
+            )
+        self._limits = limits
+
+    def reset(self) -> None:
+        """Forget the pass in progress and stop the loaders' worker processes (their next pass starts anew)."""
+        self._state = None
+        for loader in self._flattened:
+            # torch has no public call for this: what a DataLoader iterator's own __del__ does, as Lightning.
+            iterator = getattr(loader, "_iterator", None)
+            if isinstance(iterator, _MultiProcessingDataLoaderIter):
+                iterator._shutdown_workers()  # noqa: SLF001
+            if hasattr(loader, "_iterator"):
+                loader._iterator = None  # noqa: SLF001
+
     def __len__(self) -> int:
         """Batches per pass: the shortest loader's (``min_size``), the longest's (``max_size*``), or the sum
-        (``sequential``). A TypeError when a loader that decides it has no length."""
+        (``sequential``), each loader counted up to its ``limits``. A TypeError when a loader that decides it
+        has no length."""
         lengths = [_len(it) for it in self._flattened]
         if not lengths:
             return 0
-        if self._mode == "min_size" and any(n is not None for n in lengths):
-            return min(n for n in lengths if n is not None)
-        if any(n is None for n in lengths):
+        limits = self._limits or [float("inf")] * len(lengths)
+        capped = [None if n is None else min(n, limit) for n, limit in zip(lengths, limits, strict=True)]
+        if self._mode == "min_size":
+            known = [n for n in capped if n is not None] + [x for x in limits if x != float("inf")]
+            if known:
+                return int(min(known))
+        if any(n is None for n in capped):
             raise TypeError("CombinedLoader has no length: one of its loaders has none.")
-        sized = [int(n) for n in lengths if n is not None]
+        sized = [int(n) for n in capped if n is not None]
         return sum(sized) if self._mode == "sequential" else max(sized) if self._mode != "min_size" else min(sized)
 
     def set_epoch(self, epoch: int) -> None:
@@ -146,7 +192,7 @@ class CombinedLoader(Iterable):
                     sampler.set_epoch(self._epoch)
                 elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
                     loader.sampler.set_epoch(self._epoch)
-        self._state = state = _Pass(self._flattened, self._mode, pending)
+        self._state = state = _Pass(self._flattened, self._mode, pending, self._limits)
         return state.run(self._spec)
 
     # ------------------------------------------------------------------ resuming
@@ -176,8 +222,10 @@ class CombinedLoader(Iterable):
 class _Pass:
     """One pass over the inner loaders: their iterators, and what was taken from each (for ``state_dict``)."""
 
-    def __init__(self, loaders: list[Any], mode: str, resume: dict[str, Any] | None) -> None:
-        self.loaders, self.mode = loaders, mode
+    def __init__(
+        self, loaders: list[Any], mode: str, resume: dict[str, Any] | None, limits: list[int | float] | None = None
+    ) -> None:
+        self.loaders, self.mode, self.limits = loaders, mode, limits
         n = len(loaders)
         self.taken = [0] * n  # batches taken from each loader in its current pass
         self.ran_out = [False] * n  # each loader ran out once (max_size_cycle, max_size)
@@ -252,7 +300,8 @@ class _Pass:
     def _sequential(self) -> Iterator[tuple[Any, int, int]]:
         for i in range(self.current, len(self.loaders)):
             self.current = i
-            while True:
+            limit = self.limits[i] if self.limits is not None else float("inf")
+            while self.taken[i] < limit:  # as Lightning: sequential mode moves on at a loader's limit
                 try:
                     batch = self._next(i)
                 except StopIteration:
