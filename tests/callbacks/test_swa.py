@@ -277,3 +277,29 @@ def test_ddp_ranks_end_with_the_same_mean_and_batch_norm_statistics() -> None:
         ranks[0]["state"]["net.1.running_mean"], (ranks[0]["own_mean"] + ranks[1]["own_mean"]) / 2
     )
     assert not torch.allclose(ranks[0]["own_mean"], ranks[1]["own_mean"])
+
+
+def test_lightnings_static_helpers_average_modules_and_save_and_restore_batch_norm_state():
+    from ember.callbacks import StochasticWeightAveraging
+
+    average, n = torch.nn.Linear(3, 2), torch.tensor(0)
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(torch.nn.Linear(3, 2))
+        StochasticWeightAveraging.update_parameters(average, models[-1], n, StochasticWeightAveraging.avg_fn)
+    assert int(n) == 3
+    expected = torch.stack([m.weight.detach() for m in models]).mean(0)
+    torch.testing.assert_close(average.weight.detach(), expected)
+
+    swa = StochasticWeightAveraging(swa_lrs=0.1)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4, momentum=0.3))
+    net.train()
+    net(torch.randn(8, 3))
+    bn = net[1]
+    swa.reset_batch_norm_and_save_state(net)
+    assert bn.momentum is None and swa.momenta == {bn: 0.3}
+    assert torch.equal(bn.running_mean, torch.zeros(4)) and torch.equal(bn.running_var, torch.ones(4))
+    assert int(bn.num_batches_tracked) == 0
+    swa.reset_momenta()
+    assert bn.momentum == 0.3

@@ -114,6 +114,8 @@ class StochasticWeightAveraging(Callback):
         self._device = torch.device(device) if device is not None else None
         #: How many weights the mean holds (a tensor, as Lightning's), None before SWA starts.
         self.n_averaged: Tensor | None = None
+        #: BatchNorm momenta kept while the averaged weights' statistics are recomputed (Lightning's name).
+        self.momenta: dict[nn.Module, float | None] = {}
         self._average: dict[str, Tensor] | None = None  # parameter name -> its running mean
         self._swa_scheduler: SWALR | None = None
         self._latest_update_epoch = -1
@@ -258,6 +260,32 @@ class StochasticWeightAveraging(Callback):
         return averaged_model_parameter + (model_parameter - averaged_model_parameter) / (num_averaged + 1)
 
     @staticmethod
+    def update_parameters(average_model: nn.Module, model: nn.Module, n_averaged: Tensor, avg_fn: AvgFn) -> None:
+        """Lightning's static helper: fold ``model``'s parameters into ``average_model``'s (the mean of
+        ``n_averaged`` models so far; the first model is copied) and count it (``n_averaged`` grows in place)."""
+        for averaged, current in zip(average_model.parameters(), model.parameters(), strict=True):
+            target = averaged.detach()
+            value = current.detach().to(target.device)
+            target.copy_(value if n_averaged == 0 else avg_fn(target, value, n_averaged.to(target.device)))
+        n_averaged += 1
+
+    def reset_batch_norm_and_save_state(self, module: nn.Module) -> None:
+        """Before recomputing BatchNorm statistics for the averaged weights: every BatchNorm's running
+        statistics reset (mean 0, variance 1, no batches counted) and its momentum kept in ``momenta`` and set
+        to None (a cumulative mean over the pass), as Lightning's (and ``swa_utils.update_bn``)."""
+        self.momenta = {}
+        for bn in module.modules():
+            if isinstance(bn, _BatchNorm):
+                bn.reset_running_stats()
+                self.momenta[bn] = bn.momentum
+                bn.momentum = None
+
+    def reset_momenta(self) -> None:
+        """Give each BatchNorm the momentum ``reset_batch_norm_and_save_state`` kept."""
+        for bn, momentum in self.momenta.items():
+            setattr(bn, "momentum", momentum)  # noqa: B010 (nn.Module's typing of attributes: a float here)
+
+    @staticmethod
     def transfer_weights(average: dict[str, Tensor], module: nn.Module) -> None:
         """Copy the mean into ``module``'s parameters."""
         for name, p in module.named_parameters():
@@ -267,11 +295,7 @@ class StochasticWeightAveraging(Callback):
         """Recompute BatchNorm's running statistics for the averaged weights (``swa_utils.update_bn``'s way:
         reset, cumulative average over one pass, momenta put back), running batches through ``training_step``."""
         bns = [m for m in module.modules() if isinstance(m, _BatchNorm)]
-        momenta = {}
-        for bn in bns:
-            bn.reset_running_stats()
-            momenta[bn] = bn.momentum
-            bn.momentum = None
+        self.reset_batch_norm_and_save_state(module)
         was_training = module.training
         module.train()
         device = trainer.strategy.root_device
@@ -286,8 +310,7 @@ class StochasticWeightAveraging(Callback):
                     batch = module.on_after_batch_transfer(batch, 0)
                     module.training_step(batch, batch_idx)
         finally:
-            for bn in bns:
-                bn.momentum = momenta[bn]
+            self.reset_momenta()
             module.train(was_training)
         if trainer.strategy.world_size > 1:  # every rank saw its own shard: agree on the mean of their statistics
             for bn in bns:
