@@ -88,6 +88,18 @@ class HyperparametersMixin:
             frame = here.f_back if here is not None else None
         save_hyperparameters(self, *args, ignore=ignore, frame=frame)
 
+    def remove_ignored_hparams(self, ignore_list: Sequence[str] | str) -> None:
+        """Drop the named hyper-parameters from ``hparams`` (``hparams_initial`` keeps them), as Lightning's.
+
+        ``save_hyperparameters(ignore=...)`` calls it, so that a subclass drops what a base class saved.
+
+        Args:
+            ignore_list: the names to drop (one name as a string); names not saved are skipped.
+        """
+        hparams = self.hparams
+        for key in [ignore_list] if isinstance(ignore_list, str) else ignore_list:
+            hparams.pop(key, None)
+
 
 def save_hyperparameters(
     obj: Any, *args: Any, ignore: Sequence[str] | str | None = None, frame: types.FrameType | None = None
@@ -128,8 +140,13 @@ def save_hyperparameters(
         name = "kwargs"
     hparams = obj.hparams
     hparams.update(hp)
-    for k in ignored:  # a subclass's ignore= also drops what a base class's call saved
-        hparams.pop(k, None)
+    # A subclass's ignore= also drops what a base class's call saved (through the object's method, as Lightning).
+    remove = getattr(obj, "remove_ignored_hparams", None)
+    if remove is not None:
+        remove(sorted(ignored))
+    else:
+        for k in ignored:
+            hparams.pop(k, None)
     obj.__dict__["_hparams_name"] = name
     _warn_about_modules(hparams)
     try:

@@ -25,7 +25,7 @@ from ember.log_redirect import LOG_REDIRECTS as _LOG_REDIRECTS
 from ember.log_redirect import redirect_log as redirect_log  # re-exported: ember.module.redirect_log
 from ember.log_redirect import redirected_sink as _redirected_sink
 from ember.metric_values import is_torchmetric
-from ember.module_hooks import DataHooks, ModeHooks
+from ember.module_hooks import DataHooks, ModeHooks, PlacementProperties
 from ember.signatures import hook_parameters as hook_parameters  # re-exported, as the two below
 from ember.signatures import takes_batch_idx as takes_batch_idx
 from ember.signatures import takes_dataloader_iter as takes_dataloader_iter
@@ -38,12 +38,12 @@ if TYPE_CHECKING:
 _M = TypeVar("_M", bound="TrainModule")
 
 
-class TrainModule(HyperparametersMixin, DataHooks, ModeHooks, nn.Module):
+class TrainModule(HyperparametersMixin, DataHooks, ModeHooks, PlacementProperties, nn.Module):
     """Subclass this: define ``training_step`` and ``configure_optimizers``, then ``Trainer.fit`` it.
 
     Hooks are called in Lightning's order; every hook here is a no-op (the loader, batch-transfer and
-    eval-mode hooks, with their defaults, come from ``module_hooks.py``) and the Trainer calls only the
-    ones a subclass overrides.
+    eval-mode hooks, with their defaults, come from ``module_hooks.py``, as do ``device``, ``dtype``,
+    ``on_gpu`` and ``local_rank``) and the Trainer calls only the ones a subclass overrides.
     """
 
     # Properties TorchScript must not compile (to_torchscript scripts the module).
@@ -51,7 +51,6 @@ class TrainModule(HyperparametersMixin, DataHooks, ModeHooks, nn.Module):
         "trainer",
         "logger",
         "loggers",
-        "device",
         "current_epoch",
         "global_step",
         "global_rank",
@@ -59,6 +58,7 @@ class TrainModule(HyperparametersMixin, DataHooks, ModeHooks, nn.Module):
         "hparams",
         "hparams_initial",
         "strict_loading",
+        *PlacementProperties.PLACEMENT_PROPERTIES,
     ]
 
     def __init__(self) -> None:
@@ -104,15 +104,6 @@ class TrainModule(HyperparametersMixin, DataHooks, ModeHooks, nn.Module):
     def loggers(self) -> list[Any]:
         """The Trainer's loggers (empty outside a Trainer)."""
         return self._trainer.loggers if self._trainer is not None else []
-
-    @property
-    def device(self) -> torch.device:
-        """The device of the module's first parameter or buffer (CPU for a module with none)."""
-        for param in self.parameters():
-            return param.device
-        for buf in self.buffers():
-            return buf.device
-        return torch.device("cpu")
 
     @property
     def current_epoch(self) -> int:

@@ -8,27 +8,39 @@ and the strategies can use them without importing each other.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import warnings
 from typing import Any, Protocol, cast
 
 import torch
 
+_log = logging.getLogger(__name__)  # a child of the "ember" logger, which prints on global rank zero
 
-def seed_everything(seed: int | None = None, workers: bool = False) -> int:
+
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed Python's ``random``, NumPy (when installed) and torch (CPU and CUDA).
 
     Args:
         seed: the seed; read from ``EMBER_GLOBAL_SEED`` or 0 when omitted.
         workers: also make DataLoader workers seed themselves from it (sets ``EMBER_SEED_WORKERS``).
+        verbose: log "Seed set to N" (INFO, ``ember.rng``; prefixed with ``[rank: R]`` when a launcher set
+            the process's rank), and warn when no seed was given nor found in the environment, as Lightning.
 
     Returns:
         The seed used.
     """
+    rank = _launcher_rank()
     if seed is None:
-        seed = int(os.environ.get("EMBER_GLOBAL_SEED", 0))
+        found = os.environ.get("EMBER_GLOBAL_SEED")
+        seed = int(found) if found is not None else 0
+        if found is None and verbose and not rank:  # (on rank zero only, as Lightning's rank_zero_warn)
+            warnings.warn(f"No seed found, seed set to {seed}", UserWarning, stacklevel=2)
     if not isinstance(seed, int) or not (0 <= seed < 2**32):
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}.")
+    if verbose:
+        _log.info(f"Seed set to {seed}" if rank is None else f"[rank: {rank}] Seed set to {seed}")
     os.environ["EMBER_GLOBAL_SEED"] = str(seed)
     os.environ["EMBER_SEED_WORKERS"] = str(int(workers))
     random.seed(seed)
@@ -40,6 +52,15 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
         pass
     torch.manual_seed(seed)  # seeds CUDA too
     return seed
+
+
+def _launcher_rank() -> int | None:
+    """The process's rank as a launcher's environment gives it (Lightning's order of variables), else None."""
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        value = os.environ.get(name)
+        if value is not None:
+            return int(value)
+    return None
 
 
 def capture_rng() -> dict[str, Any]:

@@ -145,3 +145,16 @@ def test_a_failing_fit_calls_the_datamodules_on_exception_after_the_callbacks():
         trainer.fit(Fails(), datamodule=Watching(calls))
     exceptions = [c for c in calls if "on_exception" in c]
     assert exceptions == ["Callback.on_exception", "DataModule.on_exception:KeyError"]
+
+
+def test_datamodule_name_is_a_class_attribute_none_by_default():
+    """As Lightning's ``LightningDataModule.name``: None unless a subclass (or an instance) sets it."""
+
+    class Named(ember.DataModule):
+        name = "mnist"
+
+    assert ember.DataModule.name is None and ember.DataModule().name is None
+    assert Named.name == "mnist" and Named().name == "mnist"
+    dm = ember.DataModule()
+    dm.name = "mine"
+    assert dm.name == "mine" and ember.DataModule().name is None

@@ -189,3 +189,71 @@ def test_under_ddp_only_rank_zero_creates_a_run(tmp_path: Any) -> None:
     assert [r["left"] for r in ranks] == [0, 0]
     rows = history(tmp_path / "rank0")
     assert [r["trainer/global_step"] for r in rows if "train_loss" in r] == [0, 1]  # 2 steps per rank
+
+
+# ---------------------------------------------------------------------- media, and the base members
+def media(row: dict[str, Any], key: str) -> dict[str, Any]:
+    """The ``key/...`` items of a history row, without the prefix."""
+    return {k[len(key) + 1 :]: v for k, v in row.items() if k.startswith(key + "/")}
+
+
+def test_log_image_and_video_write_one_item_each_with_its_keywords(offline: Any) -> None:
+    from PIL import Image
+
+    gif = str(offline / "clip.gif")
+    frames = [Image.new("RGB", (8, 8), (60 * i, 0, 0)) for i in range(3)]
+    frames[0].save(gif, save_all=True, append_images=frames[1:])
+    logger = WandbLogger(save_dir=str(offline), offline=True)
+    logger.log_image("samples", [torch.rand(3, 8, 8), torch.zeros(3, 8, 8)], step=3, caption=["a", "b"])
+    logger.log_video("clips", [gif], step=5, caption=["c"], format=["gif"])
+    shut_down_wandb()
+    images, videos = (r for r in history(offline) if any(k.startswith(("samples/", "clips/")) for k in r))
+    assert images["trainer/global_step"] == 3 and videos["trainer/global_step"] == 5
+    got = media(images, "samples")
+    assert (got["_type"], got["count"], got["captions"], got["width"]) == ("images/separated", 2, ["a", "b"], 8)
+    got = media(videos, "clips")
+    assert (got["_type"], got["count"], got["captions"]) == ("videos", 1, ["c"])
+    assert got["videos"][0]["path"].endswith(".gif")
+
+
+def test_log_audio_writes_the_files(offline: Any) -> None:
+    pytest.importorskip("soundfile")  # (what wandb.Audio needs to write any audio)
+    import wave
+
+    path = str(offline / "tone.wav")
+    with wave.open(path, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(8000)
+        out.writeframes(struct.pack("<100h", *range(100)))
+    logger = WandbLogger(save_dir=str(offline), offline=True)
+    logger.log_audio("sounds", [path, path], step=2, caption=["x", "y"])
+    shut_down_wandb()
+    (row,) = [r for r in history(offline) if "sounds/_type" in r]
+    got = media(row, "sounds")
+    assert (got["_type"], got["count"], got["captions"]) == ("audio", 2, ["x", "y"])
+    assert row["trainer/global_step"] == 2
+
+
+def test_media_arguments_that_do_not_fit_are_said(offline: Any) -> None:
+    logger = WandbLogger(save_dir=str(offline), offline=True)
+    with pytest.raises(TypeError, match="log_image expects a list of images, got a Tensor: wrap one in a list"):
+        logger.log_image("x", torch.zeros(3, 8, 8))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"log_video got 2 videos but keyword lists of other lengths \{'fps': 1\}"):
+        logger.log_video("x", ["a.gif", "b.gif"], fps=[4])
+    with pytest.raises(TypeError, match="log_audio expects a list of audios"):
+        logger.log_audio("x", "a.wav")  # type: ignore[arg-type]
+    assert logger._experiment is None  # nothing was started for them
+
+
+def test_other_ranks_log_no_media(offline: Any) -> None:
+    logger = WandbLogger(save_dir=str(offline), offline=True)
+    logger._rank = 1  # (what setup() records for a worker of a multi-process run)
+    logger.log_image("x", [torch.zeros(3, 8, 8)], caption=["a"])
+    assert logger._experiment is None and wandb.run is None
+
+
+def test_base_members(offline: Any) -> None:
+    logger = WandbLogger(save_dir=str(offline), offline=True)
+    assert logger.root_dir is None and logger.group_separator == "/"  # as Lightning: no root_dir of its own
+    assert logger.after_save_checkpoint(object()) is None and logger.log_graph(torch.nn.Linear(1, 1)) is None

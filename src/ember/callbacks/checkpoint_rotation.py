@@ -3,7 +3,8 @@ monitored value, with their scores), then the top-k file and ``last`` (a hard or
 just written, each made atomically), then the removal of the previous ``last`` and of the files that left
 the top k; with ``async_save``, all of it on the strategy's background writer (the save passes a
 ``BackgroundSave`` saying what to do once the file exists). Which files, and when, is decided here; the
-file operations themselves are ``ember.checkpoint.files``."""
+file operations themselves are ``ember.checkpoint.files``. Also Lightning's public helpers on the top k:
+``check_monitor_top_k``, ``file_exists`` and ``to_yaml``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import inspect
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +20,7 @@ import torch
 
 from ember.checkpoint.files import link_atomic, remove_checkpoint
 from ember.checkpoint.writer import BackgroundSave
+from ember.yaml import to_yaml as yaml_text
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -83,6 +86,9 @@ class CheckpointRotation:
             epoch = trainer.current_epoch if epoch is None else epoch
             step = trainer.global_step if step is None else step
             print(f"ModelCheckpoint: epoch {epoch}, step {step}: saved {path}")
+        if trainer.is_global_zero:  # as Lightning: each logger hears of each file written
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(weakref.proxy(self))
 
     if TYPE_CHECKING:  # ModelCheckpoint's own: finish a write in flight, the values a file is named by, a name
 
@@ -109,6 +115,63 @@ class CheckpointRotation:
         return previous
 
     # ------------------------------------------------------------------ the top k
+    def check_monitor_top_k(self, trainer: Trainer, current: torch.Tensor | float | None = None) -> bool:
+        """Whether a checkpoint scoring ``current`` would enter the top k now, as Lightning's.
+
+        True while fewer than ``save_top_k`` are kept (always with -1); else whether ``current`` is better
+        than the k-th best score, agreed by every process (all must say so). A NaN never beats it.
+
+        Args:
+            trainer: the trainer (its strategy agrees the answer across processes).
+            current: the monitored value; None gives False.
+
+        Returns:
+            Whether ``current`` would enter the top k.
+        """
+        if current is None or self.save_top_k == 0:  # (Lightning raises a KeyError for save_top_k=0)
+            return False
+        if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
+            return True
+        kth = self.best_k_models.get(self.kth_best_model_path)
+        if kth is None:  # a top k listed by hand: its worst score is the k-th
+            kth = self.best_k_models[self._worst()]
+        op = torch.lt if self.mode == "min" else torch.gt
+        better = bool(op(torch.as_tensor(current).detach().cpu(), torch.as_tensor(kth).cpu()))
+        return trainer.strategy.reduce_boolean_decision(better)
+
+    def file_exists(self, filepath: str | os.PathLike, trainer: Trainer) -> bool:
+        """Whether ``filepath`` exists, as Lightning's: global rank zero looks, every process gets its answer.
+
+        Args:
+            filepath: the path to look at.
+            trainer: the trainer (its strategy shares the answer).
+
+        Returns:
+            Whether the file exists (on rank zero's file system).
+        """
+        exists = os.path.exists(filepath) if trainer.is_global_zero else False
+        return trainer.strategy.reduce_boolean_decision(exists, all=False)
+
+    def to_yaml(self, filepath: str | os.PathLike | None = None) -> None:
+        """Write ``best_k_models`` (checkpoint path: score) as YAML, as Lightning's.
+
+        Args:
+            filepath: the file to write; default ``<dirpath>/best_k_models.yaml``.
+
+        Raises:
+            ValueError: no ``filepath`` was given and ``dirpath`` is not known yet.
+        """
+        if filepath is None:
+            if not self.dirpath:
+                raise ValueError(
+                    "ModelCheckpoint.to_yaml() has no file to write: this callback's dirpath is set when fit "
+                    "starts. Pass to_yaml(filepath=...), or give ModelCheckpoint(dirpath=...)."
+                )
+            filepath = os.path.join(self.dirpath, "best_k_models.yaml")
+        scores = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in self.best_k_models.items()}
+        with open(filepath, "w", encoding="utf-8") as fh:
+            fh.write(yaml_text(scores))
+
     def _monitored(self, trainer: Trainer, metrics: dict[str, Any], at_epoch_end: bool) -> float | None:
         if self.monitor in metrics:
             value = float(metrics[self.monitor])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -40,9 +41,14 @@ class EarlyStopping(Callback):
         divergence_threshold: stop as soon as the metric is worse than this value.
         check_on_train_epoch_end: force the check to the end of training epochs (True) or after
             validation (False); None chooses as described above.
+        log_rank_zero_only: in a multi-process run, log the messages on global rank zero only; with
+            False (the default, as Lightning's) every rank logs its own, prefixed ``[rank: N]``.
     """
 
     monitors_metrics = True
+    #: As Lightning's: the comparison ("is better than") and its symbol for each ``mode``.
+    mode_dict: ClassVar[dict[str, Callable[..., Any]]] = {"min": torch.lt, "max": torch.gt}
+    order_dict: ClassVar[dict[str, str]] = {"min": "<", "max": ">"}
 
     def __init__(
         self,
@@ -56,11 +62,13 @@ class EarlyStopping(Callback):
         stopping_threshold: float | None = None,
         divergence_threshold: float | None = None,
         check_on_train_epoch_end: bool | None = None,
+        log_rank_zero_only: bool = False,
     ) -> None:
         if not isinstance(monitor, str) or not monitor:
             raise ValueError(f"EarlyStopping needs the name of a logged metric to monitor, got {monitor!r}.")
-        if mode not in ("min", "max"):
-            raise ValueError(f"EarlyStopping(mode={mode!r}): mode must be 'min' or 'max'.")
+        if mode not in self.mode_dict:
+            modes = " or ".join(repr(m) for m in self.mode_dict)
+            raise ValueError(f"EarlyStopping(mode={mode!r}): mode must be {modes}.")
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
             raise ValueError(f"EarlyStopping(patience={patience!r}): patience must be a non-negative int.")
         if min_delta < 0:
@@ -78,14 +86,20 @@ class EarlyStopping(Callback):
         self.stopping_threshold = stopping_threshold
         self.divergence_threshold = divergence_threshold
         self.check_on_train_epoch_end = check_on_train_epoch_end
+        self.log_rank_zero_only = log_rank_zero_only
         self.wait_count = 0
-        self._best = math.inf if mode == "min" else -math.inf
+        self._best = math.inf if self.monitor_op is torch.lt else -math.inf
         self.stopped_epoch = 0  # as Lightning: 0 when training was not stopped
         self.stopped_step = -1
         #: Why training was stopped, once it was.
         self.stopping_reason: str | None = None
         self._on_epoch_end = False
         self._warned_missing = False
+
+    @property
+    def monitor_op(self) -> Callable[..., Any]:
+        """The comparison for ``mode``: ``torch.lt`` ("min") or ``torch.gt`` ("max"), as Lightning's."""
+        return self.mode_dict[self.mode]
 
     @property
     def best_score(self) -> torch.Tensor:
@@ -100,7 +114,7 @@ class EarlyStopping(Callback):
         return {"monitor": self.monitor, "mode": self.mode}
 
     def _better(self, a: float, b: float) -> bool:
-        return a < b if self.mode == "min" else a > b
+        return bool(self.monitor_op(torch.tensor(a, dtype=torch.float64), b))
 
     # ------------------------------------------------------------------ when to check
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
@@ -151,8 +165,18 @@ class EarlyStopping(Callback):
                     f"global step {trainer.global_step} ({self.monitor!r} = {current:.6g} here)."
                 )
             self.stopping_reason = reason
-        if reason and trainer.is_global_zero:
-            log.log(logging.WARNING if alarming else (logging.INFO if self.verbose else logging.DEBUG), reason)
+        if reason:
+            level = logging.WARNING if alarming else (logging.INFO if self.verbose else logging.DEBUG)
+            self._log(trainer, reason, level)
+
+    def _log(self, trainer: Trainer, message: str, level: int) -> None:
+        """As Lightning's: in a multi-process run every rank logs, prefixed with its rank, unless
+        ``log_rank_zero_only``."""
+        if trainer.world_size > 1:
+            if self.log_rank_zero_only and not trainer.is_global_zero:
+                return
+            message = f"[rank: {trainer.global_rank}] {message}"
+        log.log(level, message)
 
     def _evaluate(self, current: float, trainer: Trainer) -> tuple[bool, str | None, bool]:
         """(stop?, message, alarming?) for the value ``current``; updates best and wait counters."""
@@ -167,12 +191,13 @@ class EarlyStopping(Callback):
                 ),
                 True,
             )
+        order = self.order_dict.get(self.mode, self.mode)
         if self.stopping_threshold is not None and self._better(current, self.stopping_threshold):
             return (
                 True,
                 (
                     f"EarlyStopping: {name} = {current:.6g} reached the stopping threshold "
-                    f"{self.stopping_threshold} {where}; stopping."
+                    f"({current:.6g} {order} {self.stopping_threshold}) {where}; stopping."
                 ),
                 False,
             )
@@ -181,11 +206,11 @@ class EarlyStopping(Callback):
                 True,
                 (
                     f"EarlyStopping: {name} = {current:.6g} crossed the divergence threshold "
-                    f"{self.divergence_threshold} {where}; stopping."
+                    f"({self.divergence_threshold} {order} {current:.6g}) {where}; stopping."
                 ),
                 True,
             )
-        target = self._best - self.min_delta if self.mode == "min" else self._best + self.min_delta
+        target = self._best - self.min_delta if self.monitor_op is torch.lt else self._best + self.min_delta
         if self._better(current, target):
             old, self._best, self.wait_count = self._best, current, 0
             change = f" (by {abs(old - current):.6g})" if math.isfinite(old) else ""

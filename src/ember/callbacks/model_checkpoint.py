@@ -448,9 +448,10 @@ class ModelCheckpoint(CheckpointRotation, Callback):
 
     # ------------------------------------------------------------------ names
     def format_checkpoint_name(
-        self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None
+        self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None, prefix: str | None = None
     ) -> str:
-        """The file path for ``metrics`` under this callback's template (and version ``ver``)."""
+        """The file path for ``metrics`` under this callback's template (and version ``ver``); a ``prefix``
+        goes in front of the name, joined with ``CHECKPOINT_JOIN_CHAR`` (as Lightning's)."""
         template = filename or self.filename or "{epoch}" + self.CHECKPOINT_JOIN_CHAR + "{step}"
 
         def field(match: re.Match[str]) -> str:
@@ -469,6 +470,8 @@ class ModelCheckpoint(CheckpointRotation, Callback):
             return f"{safe}{self.CHECKPOINT_EQUALS_CHAR}{text}" if self.auto_insert_metric_name else text
 
         name = _FIELD.sub(field, template)
+        if prefix is not None:
+            name = self.CHECKPOINT_JOIN_CHAR.join([prefix, name])
         if ver is not None:
             name += f"{self.CHECKPOINT_JOIN_CHAR}v{ver}"
         return check_inside(os.path.join(self.dirpath or "", name + self.FILE_EXTENSION), self.dirpath, template)

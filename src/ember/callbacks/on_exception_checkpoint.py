@@ -16,7 +16,9 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 
-def save_on_exception(trainer: Trainer, dirpath: str, name: str, exception: BaseException) -> None:
+def save_on_exception(
+    trainer: Trainer, dirpath: str, name: str, exception: BaseException, extension: str = FILE_EXTENSION
+) -> None:
     if isinstance(exception, Preempted) or trainer.module is None:
         return  # preemption already saved at a step boundary
     if trainer.world_size > 1:
@@ -27,7 +29,7 @@ def save_on_exception(trainer: Trainer, dirpath: str, name: str, exception: Base
             UserWarning,
         )
         return
-    trainer.save_checkpoint(os.path.join(dirpath, name + FILE_EXTENSION))
+    trainer.save_checkpoint(os.path.join(dirpath, name + extension))
 
 
 class OnExceptionCheckpoint(Callback):
@@ -39,12 +41,24 @@ class OnExceptionCheckpoint(Callback):
 
     Args:
         dirpath: the directory.
-        filename: the file name without extension.
+        filename: the file name without extension (not empty).
     """
 
+    FILE_EXTENSION = FILE_EXTENSION
+
     def __init__(self, dirpath: str | os.PathLike, filename: str = "on_exception") -> None:
+        if not filename:
+            raise ValueError(
+                "OnExceptionCheckpoint(filename=''): the file name cannot be empty; pass a name without the "
+                "extension, such as 'on_exception' (the default)."
+            )
         self.dirpath = os.path.abspath(os.fspath(dirpath))
         self.filename = filename
 
+    @property
+    def ckpt_path(self) -> str:
+        """The file written on an exception: ``<dirpath>/<filename>.ckpt`` (as Lightning's)."""
+        return os.path.join(self.dirpath, self.filename + self.FILE_EXTENSION)
+
     def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
-        save_on_exception(trainer, self.dirpath, self.filename, exception)
+        save_on_exception(trainer, self.dirpath, self.filename, exception, self.FILE_EXTENSION)

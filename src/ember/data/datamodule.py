@@ -23,6 +23,9 @@ class DataModule(HyperparametersMixin):
     ``save_hyperparameters()`` / ``hparams`` work as the module's.
     """
 
+    #: The datamodule's name (None unless a subclass sets it), as Lightning's ``LightningDataModule.name``.
+    name: str | None = None
+
     def __init__(self) -> None:
         self.trainer: Any = None
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 import os
 from argparse import Namespace
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 class Logger(Callback):
@@ -37,6 +40,18 @@ class Logger(Callback):
     def save_dir(self) -> str | None:
         """The root directory this logger writes under, or None for a logger that writes no files."""
         return None
+
+    @property
+    def root_dir(self) -> str | None:
+        """The directory holding every version of the experiment, or None (as here) for a logger that keeps
+        no local files by version (Lightning's MLflow and wandb loggers too)."""
+        return None
+
+    @property
+    def group_separator(self) -> str:
+        """What joins a group and a name in a metric key (``"/"``: ``grad_2.0_norm/layer.weight``), so that
+        a logger's UI can group them."""
+        return "/"
 
     @property
     def log_dir(self) -> str | None:
@@ -66,6 +81,13 @@ class Logger(Callback):
     ) -> None:
         """Record the run's hyper-parameters (a dict or an ``argparse.Namespace``; none at all is allowed) and,
         optionally, final metrics beside them (at ``step``)."""
+
+    def log_graph(self, model: nn.Module, input_array: Any = None) -> None:
+        """Record ``model``'s computational graph (``input_array``: an input of its ``forward``). Does nothing
+        here; TensorBoardLogger(log_graph=True) writes it."""
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        """Called after the ``ModelCheckpoint`` ``checkpoint_callback`` saved a checkpoint (does nothing here)."""
 
     def save(self) -> None:
         """Flush what is buffered."""

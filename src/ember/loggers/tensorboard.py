@@ -11,6 +11,7 @@ import itertools
 import os
 import socket
 import time
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +21,7 @@ from ember.loggers.file_logger import HPARAMS_FILE, FileLogger, write_hparams_fi
 if TYPE_CHECKING:
     from argparse import Namespace
 
+    from torch import nn
     from torch.utils.tensorboard import SummaryWriter
 
     from ember.module import TrainModule
@@ -48,6 +50,8 @@ class TensorBoardLogger(FileLogger):
         max_queue: scalar events queued before they are written (and for ``experiment``, the
             ``SummaryWriter`` for your own images, histograms...).
         sub_dir: a directory inside the version's, where this logger writes (as Lightning's).
+        log_graph: let ``log_graph(model)`` write the module's graph, traced on ``model.example_input_array``
+            (as Lightning's; otherwise ``log_graph`` does nothing).
         **writer_kwargs: passed on to ``torch.utils.tensorboard.SummaryWriter`` (``experiment``).
 
     Scalars and hyper-parameters are written by this logger itself, from the training thread, rather
@@ -65,10 +69,12 @@ class TensorBoardLogger(FileLogger):
         flush_secs: float = 30.0,
         max_queue: int = 10,
         sub_dir: str | os.PathLike[str] | None = None,
+        log_graph: bool = False,
         **writer_kwargs: Any,
     ) -> None:
         super().__init__(save_dir, name, version, prefix)
         self.sub_dir = os.fspath(sub_dir) if sub_dir is not None else None
+        self._log_graph = bool(log_graph)
         if flush_secs <= 0:
             raise ValueError(f"flush_secs must be positive, got {flush_secs!r}.")
         self.flush_secs = flush_secs
@@ -191,6 +197,43 @@ class TensorBoardLogger(FileLogger):
         assert events is not None  # this logger writes (checked above)
         events.add_summary(_hparams_summary(session_start=flat))
         self._session_started = True
+
+    def log_graph(self, model: nn.Module, input_array: Any = None) -> None:
+        """Write ``model``'s graph (``SummaryWriter.add_graph``), traced on ``input_array`` (default
+        ``model.example_input_array``) after the module's batch-transfer hooks, as Lightning's. Only with
+        ``TensorBoardLogger(log_graph=True)``, on global rank zero; without a usable input, a warning says why."""
+        if not self._log_graph or not self._writes:
+            return
+        if input_array is None:
+            input_array = getattr(model, "example_input_array", None)
+        if input_array is None:
+            warnings.warn(
+                "Could not log the computational graph to TensorBoard: set `model.example_input_array` "
+                "or pass `input_array` to log_graph."
+            )
+        elif not isinstance(input_array, (torch.Tensor, tuple)):
+            warnings.warn(
+                "Could not log the computational graph to TensorBoard: the `input_array` or "
+                f"`model.example_input_array` is a {type(input_array).__name__}, which TensorBoard cannot trace. "
+                "Make it a tensor, or a tuple of the positional arguments of the model's `forward()`."
+            )
+        else:
+            from ember.module import TrainModule
+
+            if isinstance(model, TrainModule):  # to the module's device, through its hooks, as a batch
+                input_array = model.on_before_batch_transfer(input_array, 0)
+                input_array = model.transfer_batch_to_device(input_array, model.device, 0)
+                input_array = model.on_after_batch_transfer(input_array, 0)
+            experiment = self.experiment
+            assert experiment is not None  # this logger writes (checked above)
+            # Tracing reads every attribute: a TrainModule's ``trainer`` is None meanwhile (as while exporting).
+            already = "_exporting" in model.__dict__
+            model.__dict__["_exporting"] = True
+            try:
+                experiment.add_graph(model, input_array)
+            finally:
+                if not already:
+                    model.__dict__.pop("_exporting", None)
 
     def save(self) -> None:
         """Flush what was written; as Lightning, an ``hparams.yaml`` (empty if nothing was logged) is

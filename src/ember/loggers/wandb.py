@@ -223,6 +223,47 @@ class WandbLogger(Logger):
         """Log text as a table (as Lightning's ``log_text``)."""
         self.log_table(key, columns, data, dataframe, step)
 
+    def log_image(self, key: str, images: list[Any], step: int | None = None, **kwargs: list[Any]) -> None:
+        """Log ``wandb.Image``s of ``images`` (tensors, numpy arrays, PIL images or file paths) under ``key``;
+        each keyword is a list with one value per image (``caption=[...]``, ``masks=[...]``), as Lightning's."""
+        self._log_media("Image", key, images, step, kwargs)
+
+    def log_audio(self, key: str, audios: list[Any], step: int | None = None, **kwargs: list[Any]) -> None:
+        """Log ``wandb.Audio``s of ``audios`` (numpy arrays or file paths) under ``key``; each keyword is a list
+        with one value per audio (``caption=[...]``, ``sample_rate=[...]``), as Lightning's."""
+        self._log_media("Audio", key, audios, step, kwargs)
+
+    def log_video(self, key: str, videos: list[Any], step: int | None = None, **kwargs: list[Any]) -> None:
+        """Log ``wandb.Video``s of ``videos`` (numpy arrays or file paths) under ``key``; each keyword is a list
+        with one value per video (``caption=[...]``, ``fps=[...]``, ``format=[...]``), as Lightning's."""
+        self._log_media("Video", key, videos, step, kwargs)
+
+    def _log_media(self, kind: str, key: str, items: list[Any], step: int | None, kwargs: dict[str, list[Any]]) -> None:
+        """One ``wandb.<kind>`` per item, with the item's value of each keyword list, logged at ``step``.
+
+        Raises:
+            TypeError: when ``items`` is not a list.
+            ValueError: when a keyword's list is not as long as ``items``.
+        """
+        what = f"{kind.lower()}s"
+        if not isinstance(items, list):
+            raise TypeError(
+                f"log_{kind.lower()} expects a list of {what}, got a {type(items).__name__}: wrap one in a list."
+            )
+        uneven = {k: len(v) for k, v in kwargs.items() if len(v) != len(items)}
+        if uneven:
+            raise ValueError(
+                f"log_{kind.lower()} got {len(items)} {what} but keyword lists of other lengths {uneven}: "
+                f"give each keyword one value per item."
+            )
+        if self._rank != 0:
+            return
+        import wandb
+
+        make = getattr(wandb, kind)
+        media = [make(item, **{k: v[i] for k, v in kwargs.items()}) for i, item in enumerate(items)]
+        self.log_metrics({key: media}, step)  # type: ignore[dict-item]  # (wandb objects, as log_table's)
+
     def watch(self, model: Any, log: str | None = "gradients", log_freq: int = 100, log_graph: bool = True) -> None:
         """Have wandb record ``model``'s gradients (and parameters with ``log="all"``) every ``log_freq`` steps."""
         self.experiment.watch(model, log=log, log_freq=log_freq, log_graph=log_graph)

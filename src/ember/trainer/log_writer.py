@@ -105,10 +105,11 @@ class LogWriter:
                     "save_hyperparameters(ignore=[...])."
                 )
             params.update(hp)
-        if not params:
-            return  # as Lightning: nothing saved with save_hyperparameters, nothing logged (no empty hparams.yaml)
         for lg in t.loggers:
-            lg.log_hyperparams(params)
+            if params:  # as Lightning: nothing saved with save_hyperparameters, nothing logged (no empty hparams.yaml)
+                lg.log_hyperparams(params)
+            if t.module is not None:
+                lg.log_graph(t.module)  # a no-op but for TensorBoardLogger(log_graph=True), as Lightning
 
     def finalize(self, status: str) -> None:
         """Tell every logger the run ended ("success", "failed" or "interrupted")."""
