@@ -27,17 +27,18 @@ import sys
 import time
 from typing import Any, TextIO
 
-from ember.callbacks.callback import Callback
+from ember.callbacks.progress_members import ProgressBarMembers
 from ember.metric_values import to_floats
 from ember.types import Stage
 
 _MODES = ("auto", "bar", "lines")
-_SHARED = ("_given_stream", "_stream")  # a copy writes where the original does
+_SHARED = ("_given_stream", "_stream", "_trainer")  # a copy writes where the original does, for the same trainer
 _LIVE = ("_train", "_eval", "_val_pending")  # the bars of a running loop
 
 
-def _fmt(value: float) -> str:
-    return f"{value:.4g}"
+def _fmt(value: Any) -> str:
+    """A float to 4 significant digits; an int ("v_num"), a string or anything else as it is."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _rate(rate: float) -> str:
@@ -104,7 +105,7 @@ class _Span:
         return "  ".join(parts)
 
 
-class ProgressBar(Callback):
+class ProgressBar(ProgressBarMembers):
     """Progress for training, validation, testing and prediction.
 
     Args:
@@ -142,7 +143,10 @@ class ProgressBar(Callback):
         self._given_stream = stream
         self._stream: TextIO = stream or sys.stdout
         self._lines = False
-        self._enabled = True
+        self._enabled = True  # disable() / enable(); off on the ranks other than zero
+        self._alive = True  # the stream accepts writes (False once it went away)
+        self._trainer: Any = None
+        self._current_eval_dataloader_idx: int | None = None
         self._train: Any = None  # a tqdm bar, or a _Span in line mode
         self._last_draw = 0.0
         self._eval: Any = None
@@ -172,8 +176,11 @@ class ProgressBar(Callback):
         return self._lines
 
     def setup(self, trainer: Any, module: Any, stage: Stage) -> None:
+        self._trainer = trainer
         self._stream = self._given_stream or sys.stdout
-        self._enabled = self.refresh_rate > 0 and trainer.is_global_zero
+        self._alive = True
+        if not trainer.is_global_zero:
+            self.disable()
         if self.mode == "auto":
             isatty = getattr(self._stream, "isatty", None)
             try:
@@ -183,14 +190,25 @@ class ProgressBar(Callback):
         else:
             self._lines = self.mode == "lines"
 
+    @property
+    def _shows(self) -> bool:
+        """Whether new output is drawn: enabled, ``refresh_rate`` above 0, and the stream still there."""
+        return self._enabled and self._alive and self.refresh_rate > 0
+
     def _postfix(self, trainer: Any, raw: dict[str, Any] | None = None) -> dict[str, str]:
-        metrics = to_floats(trainer.progress_bar_metrics if raw is None else raw)
-        return {k: _fmt(v) for k, v in metrics.items()}
+        """The items shown, from ``get_metrics`` (an override takes effect). ``raw``, line mode's snapshot or
+        selection of the ``prog_bar`` metrics, replaces those metrics: its values, and none that it leaves out."""
+        items: dict[str, Any] = self.get_metrics(trainer, trainer.lightning_module)
+        if raw is not None:
+            current = trainer.progress_bar_metrics
+            snapshot = to_floats(raw)
+            items = {k: snapshot.get(k, v) for k, v in items.items() if k in snapshot or k not in current}
+        return {k: _fmt(v) for k, v in items.items()}
 
     def _flush_validation(self, trainer: Any) -> None:
         """Print the line of a validation that training continued after (one in mid-epoch)."""
         pending, self._val_pending = self._val_pending, None
-        if pending is not None and self._enabled:
+        if pending is not None and self._shows:
             span, now, raw = pending
             self._print(span.line(now, self._postfix(trainer, raw), self.line_interval, done=True))
 
@@ -199,7 +217,7 @@ class ProgressBar(Callback):
             self._stream.write(line + "\n")
             self._stream.flush()
         except (ValueError, OSError):  # the stream went away (a closed pipe): progress is not worth a crash
-            self._enabled = False
+            self._alive = False
 
     def _bar(self, total: float, desc: str, leave: bool, position: int = 0) -> Any:
         return _tqdm_class()(
@@ -215,7 +233,7 @@ class ProgressBar(Callback):
 
     # ------------------------------------------------------------------ training
     def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
-        if not self._enabled:
+        if not self._shows:
             return
         if self._lines:
             self._val_pending, self._validated = None, False
@@ -232,7 +250,7 @@ class ProgressBar(Callback):
         if self._val_pending is not None:  # a validation in mid-epoch: training went on, so it gets its line
             self._flush_validation(trainer)
         bar = self._train
-        if bar is None or (batch_idx + 1) % self.refresh_rate:
+        if bar is None or not self._enabled or (batch_idx + 1) % self.refresh_rate:
             return
         if self._lines:
             bar.n = batch_idx + 1
@@ -251,7 +269,7 @@ class ProgressBar(Callback):
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
         bar = self._train
-        if bar is None or not self._enabled:
+        if bar is None or not self._shows:
             if self._val_pending is not None:  # no epoch line (an epoch resumed in its middle): its own line
                 self._flush_validation(trainer)
             return
@@ -272,7 +290,8 @@ class ProgressBar(Callback):
 
     # ------------------------------------------------------------------ evaluation
     def _eval_start(self, trainer: Any, desc: str, total: float) -> None:
-        if not self._enabled:
+        self._current_eval_dataloader_idx = None
+        if not self._shows:
             return
         if self._lines:
             self._eval = _Span(desc, total, 0, self.line_interval)
@@ -286,7 +305,7 @@ class ProgressBar(Callback):
 
     def _eval_step(self, trainer: Any, batch_idx: int) -> None:
         bar = self._eval
-        if bar is None or (batch_idx + 1) % self.refresh_rate:
+        if bar is None or not self._enabled or (batch_idx + 1) % self.refresh_rate:
             return
         if self._lines:
             bar.n += self.refresh_rate
@@ -297,6 +316,7 @@ class ProgressBar(Callback):
         bar.update(self.refresh_rate)
 
     def _eval_end(self, trainer: Any, show_metrics: bool) -> None:
+        self._current_eval_dataloader_idx = None
         bar = self._eval
         if bar is None:
             return
@@ -310,7 +330,7 @@ class ProgressBar(Callback):
                 self._val_values = {k: v for k, v in raw.items() if k not in before or before[k] is not v}
                 self._validated = True
                 self._val_pending = (bar, time.monotonic(), dict(raw))
-            elif not trainer.sanity_checking and self._enabled:
+            elif not trainer.sanity_checking and self._shows:
                 metrics = self._postfix(trainer) if show_metrics else {}
                 self._print(bar.line(time.monotonic(), metrics, self.line_interval, done=True))
             return
@@ -321,9 +341,19 @@ class ProgressBar(Callback):
 
     def on_validation_start(self, trainer: Any, module: Any) -> None:
         if trainer.sanity_checking:
-            self._eval_start(trainer, "Sanity check", sum(trainer.num_sanity_val_batches))
+            self._eval_start(trainer, self._sanity_desc(), sum(trainer.num_sanity_val_batches))
         else:
-            self._eval_start(trainer, "Validation", sum(trainer.num_val_batches))
+            self._eval_start(trainer, self.validation_description, sum(trainer.num_val_batches))
+
+    def _sanity_desc(self) -> str:
+        """ember's "Sanity check", or the ``sanity_check_description`` of a subclass that overrides it."""
+        overridden = type(self).sanity_check_description is not ProgressBarMembers.sanity_check_description
+        return self.sanity_check_description if overridden else "Sanity check"
+
+    def on_validation_batch_start(
+        self, trainer: Any, module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.has_dataloader_changed(dataloader_idx)
 
     def on_validation_batch_end(
         self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -334,7 +364,12 @@ class ProgressBar(Callback):
         self._eval_end(trainer, show_metrics=True)
 
     def on_test_start(self, trainer: Any, module: Any) -> None:
-        self._eval_start(trainer, "Testing", sum(trainer.num_test_batches))
+        self._eval_start(trainer, self.test_description, sum(trainer.num_test_batches))
+
+    def on_test_batch_start(
+        self, trainer: Any, module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.has_dataloader_changed(dataloader_idx)
 
     def on_test_batch_end(
         self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -345,7 +380,12 @@ class ProgressBar(Callback):
         self._eval_end(trainer, show_metrics=True)
 
     def on_predict_start(self, trainer: Any, module: Any) -> None:
-        self._eval_start(trainer, "Predicting", sum(trainer.num_predict_batches))
+        self._eval_start(trainer, self.predict_description, sum(trainer.num_predict_batches))
+
+    def on_predict_batch_start(
+        self, trainer: Any, module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.has_dataloader_changed(dataloader_idx)
 
     def on_predict_batch_end(
         self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -354,6 +394,15 @@ class ProgressBar(Callback):
 
     def on_predict_end(self, trainer: Any, module: Any) -> None:
         self._eval_end(trainer, show_metrics=False)
+
+    def print(self, *args: Any, sep: str = " ", **kwargs: Any) -> None:
+        """Print without breaking a bar being drawn (through ``tqdm.write``); to the bar's stream otherwise."""
+        kwargs.setdefault("file", self._stream)
+        bar = next((b for b in (self._train, self._eval) if b is not None and not self._lines), None)
+        if bar is not None and hasattr(bar, "write"):  # a tqdm bar (rich's bar prints through its console)
+            bar.write(sep.join(map(str, args)), **kwargs)
+        else:
+            print(*args, sep=sep, **kwargs)
 
     def _close(self, trainer: Any) -> None:
         if self._val_pending is not None:  # a validation whose epoch did not end (a failure right after it)

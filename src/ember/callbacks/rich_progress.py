@@ -171,6 +171,10 @@ class RichProgressBar(ProgressBar):
         standalone, self._standalone = self._standalone, False
         return _Task(self, total, desc, leave or standalone)
 
+    def print(self, *args: Any, sep: str = " ", **kwargs: Any) -> None:
+        """``print`` (as Lightning's rich bar): while the live display draws, rich puts stdout above it."""
+        print(*args, sep=sep, **kwargs)
+
     def _close(self, trainer: Any) -> None:
         # Stop the live display first, so its last frame (the finished bars) stays on screen.
         progress, self.progress = self.progress, None
