@@ -24,6 +24,8 @@ from argparse import Namespace
 from collections.abc import MutableMapping, Sequence
 from typing import Any
 
+from ember.user_frames import user_stacklevel
+
 _VARARGS = inspect.CO_VARARGS
 _VARKEYWORDS = inspect.CO_VARKEYWORDS
 
@@ -233,7 +235,7 @@ def _warn_about_modules(hparams: dict[str, Any]) -> None:
                 f"Hyper-parameter {k!r} is an nn.Module, whose weights the checkpoint already holds. "
                 f"Leave it out with self.save_hyperparameters(ignore=[{k!r}]).",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
 
 
@@ -264,7 +266,7 @@ def drop_unpicklable(hparams: MutableMapping[str, Any]) -> list[str]:
             f"Hyper-parameter {k!r} was removed from hparams because it cannot be pickled. Leave it out "
             f"with self.save_hyperparameters(ignore=[{k!r}]) to silence this.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
         del hparams[k]
     return dropped

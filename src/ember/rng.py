@@ -16,6 +16,8 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from ember.user_frames import user_stacklevel
+
 _log = logging.getLogger(__name__)  # a child of the "ember" logger, which prints on global rank zero
 
 
@@ -36,7 +38,7 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
         found = os.environ.get("EMBER_GLOBAL_SEED")
         seed = int(found) if found is not None else 0
         if found is None and verbose and not rank:  # (on rank zero only, as Lightning's rank_zero_warn)
-            warnings.warn(f"No seed found, seed set to {seed}", UserWarning, stacklevel=2)
+            warnings.warn(f"No seed found, seed set to {seed}", UserWarning, stacklevel=user_stacklevel())
     if not isinstance(seed, int) or not (0 <= seed < 2**32):
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}.")
     if verbose:

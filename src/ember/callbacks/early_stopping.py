@@ -12,6 +12,7 @@ import torch
 
 from ember.callbacks.callback import Callback
 from ember.metric_values import to_floats
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -149,7 +150,7 @@ class EarlyStopping(Callback):
             if self.strict:
                 raise RuntimeError(message + "; pass strict=False to skip checks while it is missing.")
             if not self._warned_missing:
-                warnings.warn(message + "; skipping the check.", RuntimeWarning, stacklevel=2)
+                warnings.warn(message + "; skipping the check.", RuntimeWarning, stacklevel=user_stacklevel())
                 self._warned_missing = True
             return
         current = to_floats({self.monitor: metrics[self.monitor]})[self.monitor]

@@ -36,6 +36,7 @@ import torch
 from ember.checkpoint import sharded
 from ember.checkpoint.format import FORMAT, CheckpointError
 from ember.checkpoint.reading import verify
+from ember.user_frames import user_stacklevel
 
 #: ``fit(ckpt_path=AUTO)``: resume when a checkpoint exists, else start fresh.
 AUTO = "auto"
@@ -123,7 +124,7 @@ def find_resumable(patterns: list[str], job: str | None) -> tuple[str, dict[str,
             warnings.warn(
                 f"Skipping {path} while looking for a checkpoint to resume from: {_why(err, path)}",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
             continue
         if meta is None:

@@ -13,6 +13,7 @@ import torch
 from ember.checkpoint.format import CheckpointError
 from ember.checkpoint.reading import load
 from ember.hparams import build_from_hparams
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -110,7 +111,7 @@ def read_for_module(
     ckpt = load(path, map_location=map_location, lightning=True, weights_only=weights_only)
     try:
         module = build_from_hparams(
-            cls, ckpt.get("hyper_parameters"), ckpt.get("hparams_name"), overrides, stacklevel=3
+            cls, ckpt.get("hyper_parameters"), ckpt.get("hparams_name"), overrides, stacklevel=user_stacklevel()
         )
     except TypeError as err:
         raise CheckpointError(
@@ -137,6 +138,6 @@ def read_for_module(
             f"(left as built): {keys.missing_keys}; keys of the checkpoint not in {cls.__name__} (ignored): "
             f"{keys.unexpected_keys}.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     return module

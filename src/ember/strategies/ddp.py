@@ -56,6 +56,7 @@ from ember.strategies.process_group import ProcessGroupStrategy
 from ember.strategies.watchdog.verdicts import AFTER_BACKWARD, AFTER_STEP, BACKWARD, TRAINING_STEP
 from ember.strategies.watchdog.watchdog import Beacon, Watchdog
 from ember.types import Stage
+from ember.user_frames import user_stacklevel
 
 __all__ = ["DDPStrategy"]
 
@@ -296,7 +297,7 @@ class DDPStrategy(ProcessGroupStrategy):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         message = oversubscription_message(local_world_size, cores)
         if message is not None and self.local_rank == 0:
-            warnings.warn(message, UserWarning, stacklevel=2)
+            warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
         if "OMP_NUM_THREADS" in os.environ:
             return
         self._threads_before = torch.get_num_threads()
@@ -401,7 +402,7 @@ class DDPStrategy(ProcessGroupStrategy):
                 " so every rank iterates all of it. Shard it yourself (e.g. by "
                 "trainer.global_rank / trainer.world_size), or use a plain DataLoader.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
     # ------------------------------------------------------------------ steps

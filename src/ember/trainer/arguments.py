@@ -22,6 +22,7 @@ from ember.profilers import PROFILERS, PassThroughProfiler, Profiler
 from ember.strategies.launchers.launcher import detect_world
 from ember.strategies.registry import get_strategy
 from ember.strategies.strategy import Strategy
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -116,7 +117,7 @@ def set_backend_flags(deterministic: bool | str | None, benchmark: bool | None) 
                 "deterministic=True and benchmark=True: PyTorch ignores cudnn's deterministic setting "
                 "while torch.backends.cudnn.benchmark is True.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
     if benchmark is not None:
         torch.backends.cudnn.benchmark = benchmark

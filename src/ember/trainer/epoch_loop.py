@@ -24,6 +24,7 @@ from ember.trainer.loader_checks import warn_if_short
 from ember.trainer.loaders import batch_transfer, set_loader_epoch
 from ember.trainer.lockstep import Lockstep, uneven_message
 from ember.trainer.step import as_output_dict
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.trainer.evaluation import EvaluationLoop
@@ -150,7 +151,7 @@ class EpochLoop:
             f"an epoch of fewer batches, except on its last one when the frequency divides its number. For a step "
             f"every N optimizer steps, set frequency=N*{k}.",
             UserWarning,
-            stacklevel=5,  # FitLoop.run, which runs the epoch
+            stacklevel=user_stacklevel(),  # FitLoop.run, which runs the epoch
         )
 
     def run(self, preemption: PreemptionHandler | None = None) -> bool:
@@ -418,7 +419,7 @@ class EpochLoop:
                 f"{message} (epoch {self.progress.current_epoch}; it has no length, so the epoch ends "
                 "without training, as Lightning does; said once per fit).",
                 UserWarning,
-                stacklevel=4,  # FitLoop.run, which runs the epoch
+                stacklevel=user_stacklevel(),  # FitLoop.run, which runs the epoch
             )
         self._warned_empty = True
 
@@ -436,4 +437,4 @@ class EpochLoop:
             raise ValueError(message)
         self._warned_uneven = True
         if t.strategy.is_global_zero:
-            warnings.warn(message, UserWarning, stacklevel=2)
+            warnings.warn(message, UserWarning, stacklevel=user_stacklevel())

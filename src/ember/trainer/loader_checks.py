@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from ember.batches import sized_len
+from ember.user_frames import user_stacklevel
 from ember.utilities.combined_loader import CombinedLoader
 
 # The loaders already warned about (a loader is warned about once, in whichever run it comes short).
@@ -104,5 +105,5 @@ def warn_if_short(loader: Any, yielded: int, expected: float, name: str, consequ
         "Check its dataset (a __getitem__ that raises StopIteration ends the iteration) and its sampler or "
         "batch sampler (one that yields fewer indices than its __len__ says).",
         UserWarning,
-        stacklevel=2,
+        stacklevel=user_stacklevel(),
     )

@@ -17,6 +17,7 @@ from ember.data.resumable import SkipFirstBatches, rebuild_with_sampler, shutdow
 from ember.module import TrainModule
 from ember.overrides import defines_hook, is_overridden
 from ember.trainer.loader_checks import check_loaders
+from ember.user_frames import user_stacklevel
 from ember.utilities.combined_loader import CombinedLoader
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def warn_empty(trainer: Trainer, loaders: list[Any], kind: str) -> None:
                 f"The {kind} dataloader{which} ({type(loader).__name__}) has length 0, so no batch of it runs. "
                 "Make sure this was your intention: check its dataset, and batch_size with drop_last=True.",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
 
 
@@ -251,14 +252,14 @@ def unshuffled(loader: Any, kind: str) -> Any:
             f"sequential ({reason}), so its batches may differ between epochs. Pass a loader with "
             "shuffle=False.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
         return loader
     warnings.warn(
         f"You requested to overfit but enabled {kind} dataloader shuffling. We are turning off the {kind} "
         "dataloader shuffling for you.",
         UserWarning,
-        stacklevel=2,
+        stacklevel=user_stacklevel(),
     )
     return rebuild_with_sampler(loader, SequentialSampler(loader.dataset))
 
@@ -322,7 +323,7 @@ class FitData:
                 "(no val_dataloaders passed to fit and no val_dataloader() on the module or datamodule), "
                 "so validation is skipped. Pass val_dataloaders to validate.",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
 
     def request_val(self) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from ember.checkpoint import auto_resume
 from ember.checkpoint.format import CheckpointError, CheckpointNotFoundError
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -108,7 +109,7 @@ def find_last(trainer: Trainer) -> tuple[str | None, list[str]]:
                 "Pass the path of a checkpoint to resume from, or remove the link to start "
                 "from scratch."
             )
-        warnings.warn(f"ckpt_path='last' skips {p}, {why}.", UserWarning, stacklevel=4)
+        warnings.warn(f"ckpt_path='last' skips {p}, {why}.", UserWarning, stacklevel=user_stacklevel())
     if not found:
         # Say where a checkpoint would have been found, run directories that do not exist yet included.
         first = trainer.loggers[0] if trainer.loggers else None
@@ -219,7 +220,7 @@ def resolve(trainer: Trainer, ckpt_path: str | os.PathLike | None, continue_run:
                 warnings.warn(
                     f"ckpt_path='last' found no checkpoint (searched {dirs}); starting from scratch.",
                     UserWarning,
-                    stacklevel=5,
+                    stacklevel=user_stacklevel(),
                 )
             return None
         if continue_run:

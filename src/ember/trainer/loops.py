@@ -36,6 +36,7 @@ from ember.rng import apply_rng, capture_rng
 from ember.signatures import takes_dataloader_iter
 from ember.trainer.epoch_loop import EpochLoop
 from ember.trainer.loaders import set_loader_epoch
+from ember.user_frames import user_stacklevel
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class FitLoop:
                 "Fetch the step's batches once (keep them for the later calls), or use an optimizer whose step "
                 "takes no closure.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         if resume is not None:
             resume.load("training")
@@ -146,7 +147,7 @@ class FitLoop:
                 f"Trainer(log_every_n_steps={every}). Set a lower value for log_every_n_steps if you want "
                 "to see logs for the training epoch.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         if resume is not None:
             resume.load("data")

@@ -14,6 +14,7 @@ from ember.module import TrainModule
 from ember.names import closest
 from ember.overrides import defines_hook, is_overridden
 from ember.types import SchedulerConfig
+from ember.user_frames import user_stacklevel
 
 # torch's warning for a scheduler stepped before its optimizer (``LRScheduler.step``), a regex of its start.
 _ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
@@ -71,7 +72,7 @@ def _scheduler_config(obj: Any, automatic: bool = True) -> SchedulerConfig:
                     f"The lr scheduler dict contains the key(s) {ignored}, but the keys will be ignored. "
                     "You need to call lr_scheduler.step() yourself in manual optimization.",
                     RuntimeWarning,
-                    stacklevel=4,
+                    stacklevel=user_stacklevel(),
                 )
                 obj = {k: v for k, v in obj.items() if k not in _MANUAL_IGNORED}
         cfg = SchedulerConfig(**obj)
@@ -90,7 +91,7 @@ def _scheduler_config(obj: Any, automatic: bool = True) -> SchedulerConfig:
         warnings.warn(
             "A OneCycleLR scheduler is using 'interval': 'epoch'. Did you mean 'interval': 'step'?",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
     # step() is not required: in manual optimization the user steps it their own way, and in automatic
     # optimization check_scheduler_api asks for lr_scheduler_step when it is not one of torch's (as Lightning).
@@ -354,7 +355,7 @@ class OptimizerState:
                         f"The LR scheduler monitors {cfg.monitor!r}, which is not available, and strict is "
                         "False: skipping this learning rate update.",
                         RuntimeWarning,
-                        stacklevel=3,
+                        stacklevel=user_stacklevel(),
                     )
                     continue
             stepped = True

@@ -59,6 +59,7 @@ from ember.exceptions import Preempted, exit_code
 from ember.strategies.launchers.launcher import note_stop_signal
 from ember.strategies.watchdog.watchdog import exit_with_stacks
 from ember.trainer import locate
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -198,7 +199,7 @@ class PreemptionHandler:
             requeued = t.strategy.broadcast(requeue_slurm_job(os.environ["SLURM_JOB_ID"]) if t.is_global_zero else None)
         exc = Preempted(signum, path, requeued)
         if t.is_global_zero:
-            warnings.warn(str(exc), UserWarning, stacklevel=2)
+            warnings.warn(str(exc), UserWarning, stacklevel=user_stacklevel())
         raise exc
 
 
@@ -211,7 +212,7 @@ def requeue_slurm_job(job_id: str) -> str | None:
             "SIGUSR1 under SLURM: the checkpoint is written, but `scontrol` is not on PATH, so the job "
             "was not requeued. Resubmit it; fit resumes from the checkpoint with ckpt_path='last'.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
         return None
     try:
@@ -226,7 +227,7 @@ def requeue_slurm_job(job_id: str) -> str | None:
         f"SIGUSR1 under SLURM: the checkpoint is written, but `scontrol requeue {job_id}` failed "
         f"({failure}). Resubmit the job; fit resumes from the checkpoint with ckpt_path='last'.",
         UserWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
     return None
 

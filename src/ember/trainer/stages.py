@@ -32,6 +32,7 @@ from ember.trainer.progress import FitProgress
 from ember.trainer.properties import TrainerProperties
 from ember.trainer.results_table import print_results
 from ember.trainer.step import TrainingStep
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.data import DataModule
@@ -101,7 +102,7 @@ class TrainerStages(TrainerProperties):
             TrainModule.configure_optimizers(module)  # raises the explanatory NotImplementedError
         configured = module.configure_optimizers()
         if configured is None:  # as Lightning: warn, and train with a stand-in that updates nothing
-            warnings.warn(f"{type(module).__name__}.{NO_OPTIMIZER_WARNING}.", UserWarning, stacklevel=2)
+            warnings.warn(f"{type(module).__name__}.{NO_OPTIMIZER_WARNING}.", UserWarning, stacklevel=user_stacklevel())
             configured = NoOptimizer()
         optimizers, schedulers = parse_optimizers(configured, module.automatic_optimization)
         self.strategy.setup_optimizers(optimizers)

@@ -47,6 +47,7 @@ from ember.profilers.base import Profiler, is_active, wrap
 from ember.strategies.strategy import Strategy
 from ember.trainer.optim import TrainerOptimizer
 from ember.trainer.precision import Precision
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.trainer.hooks import Hooks
@@ -314,7 +315,7 @@ class TrainingStep:
             "batch that returns None (said once per fit). As in Lightning, the optimizer step still counts "
             "in global_step; it updates with the gradients of the accumulation window's other batches, if any.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
     # ------------------------------------------------------------------ the batch's work, on both paths
