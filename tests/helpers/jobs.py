@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import pytest
 
+from ember.strategies.launchers.processes import descendants, process_table
+
 __all__ = ["start_job", "finish_job", "complete_job", "run_job", "kill_job", "job_processes"]
 
 _OUTPUT_TAIL = 40_000  # characters of a timed-out job's output shown in the failure
@@ -47,27 +49,10 @@ def start_job(
 
 def job_processes(pid: int) -> list[int]:
     """``pid``'s running descendants and the members of its session, parents before their children."""
-    parents: dict[int, int] = {}
-    sessions: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # ended meanwhile
-            continue
-        if fields[0] == "Z":  # ended, not yet reaped
-            continue
-        parents[int(entry)] = int(fields[1])
-        sessions[int(entry)] = int(fields[3])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [p for p, parent in parents.items() if parent in frontier and p not in found]
-        found.extend(children)
-        frontier = children
+    table = process_table()
+    found = descendants(pid, table)
     # Orphans (a killed rank's loader workers) left the tree but not the session.
-    found.extend(p for p, s in sessions.items() if s == pid and p != pid and p not in found)
+    found.extend(p for p, (_, session) in table.items() if session == pid and p != pid and p not in found)
     return found
 
 

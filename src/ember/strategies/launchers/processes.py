@@ -69,13 +69,14 @@ def stop_processes(procs: list[Any], grace: float = _STOP_GRACE_S) -> None:
         p.wait() if isinstance(p, subprocess.Popen) else p.join()
 
 
-def descendants(pid: int) -> list[int]:
-    """The running processes below ``pid`` (children, theirs, ...), parents first; empty without /proc."""
-    parents: dict[int, int] = {}
+def process_table() -> dict[int, tuple[int, int]]:
+    """Every running process's ``(parent, session)`` by pid, read from /proc (ended-but-unreaped ones left out);
+    empty without /proc."""
+    table: dict[int, tuple[int, int]] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return []
+        return table
     for entry in entries:
         if not entry.isdigit():
             continue
@@ -85,7 +86,14 @@ def descendants(pid: int) -> list[int]:
         except OSError:  # ended meanwhile
             continue
         if fields[0] != "Z":
-            parents[int(entry)] = int(fields[1])
+            table[int(entry)] = (int(fields[1]), int(fields[3]))
+    return table
+
+
+def descendants(pid: int, table: dict[int, tuple[int, int]] | None = None) -> list[int]:
+    """The running processes below ``pid`` (children, theirs, ...), parents first; empty without /proc.
+    ``table``: a :func:`process_table` already read."""
+    parents = {p: parent for p, (parent, _) in (process_table() if table is None else table).items()}
     found: list[int] = []
     level = [pid]
     while level:
