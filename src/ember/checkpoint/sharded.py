@@ -137,6 +137,10 @@ def write(
 def read_meta(path: str) -> dict[str, Any]:
     """The plain part of a sharded checkpoint (placeholders left in), checked to be whole first."""
     verify(path)
+    return _plain(path)
+
+
+def _plain(path: str) -> dict[str, Any]:
     try:
         plain = torch.load(os.path.join(path, META), map_location="cpu", weights_only=True)
     except Exception as err:
@@ -149,9 +153,10 @@ def read_meta(path: str) -> dict[str, Any]:
     return plain
 
 
-def verify(path: str) -> None:
+def verify(path: str) -> Any:
     """Raise a ``CheckpointError`` unless the directory ``path`` holds every file its DCP metadata names, each
-    at least as long as the pieces it holds say (a truncated or missing shard is found before any load)."""
+    at least as long as the pieces it holds say (a truncated or missing shard is found before any load);
+    return that metadata."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -174,6 +179,7 @@ def verify(path: str) -> None:
                 f"The sharded checkpoint {path!r} is incomplete: its shard file {name!r} {what}. "
                 "Use an earlier checkpoint."
             )
+    return metadata
 
 
 def read(path: str, make_tensor: MakeTensor | None = None, process_group: Any = None) -> dict[str, Any]:
@@ -188,11 +194,11 @@ def read(path: str, make_tensor: MakeTensor | None = None, process_group: Any = 
     """
     import torch.distributed.checkpoint as dcp
 
-    plain = read_meta(path)
+    metadata = verify(path).state_dict_metadata  # (the DCP metadata is read once)
+    plain = _plain(path)
     keys = _placeholders(plain, [])
     if not keys:
         return plain
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     missing = [k for k in keys if k not in metadata]
     if missing:
         raise CheckpointError(
@@ -202,7 +208,7 @@ def read(path: str, make_tensor: MakeTensor | None = None, process_group: Any = 
     targets: dict[str, torch.Tensor] = {}
     for key in keys:
         meta = metadata[key]
-        shape, dtype = tuple(meta.size), meta.properties.dtype  # type: ignore[union-attr]
+        shape, dtype = tuple(meta.size), meta.properties.dtype
         targets[key] = make_tensor(shape, dtype) if make_tensor is not None else torch.empty(shape, dtype=dtype)
     if make_tensor is None:
         with warnings.catch_warnings():  # (DCP says it assumes one process when no group exists: we asked for one)
