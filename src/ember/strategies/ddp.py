@@ -53,7 +53,7 @@ from ember.strategies.launchers.launcher import Launcher, PopenLauncher, World, 
 from ember.strategies.launchers.spawn import SpawnLauncher
 from ember.strategies.launchers.worker_state import adopt_worker_state, dumps, loads, run_in_worker
 from ember.strategies.process_group import ProcessGroupStrategy
-from ember.strategies.watchdog.verdicts import AFTER_BACKWARD, AFTER_STEP, BACKWARD, TRAINING_STEP
+from ember.strategies.watchdog.verdicts import AFTER_STEP, TRAINING_STEP
 from ember.strategies.watchdog.watchdog import Beacon, Watchdog
 from ember.types import Stage
 from ember.user_frames import user_stacklevel
@@ -465,13 +465,7 @@ class DDPStrategy(ProcessGroupStrategy):
             run(loss)
             return
         ddp.prepare_for_backward(loss)  # a second backward of one step syncs too
-        beacon = self._beacon
-        if not ddp.require_backward_grad_sync:  # inside no_backward_sync: nothing is communicated
-            beacon.where = BACKWARD
-            run(loss)
-        else:
-            self._waiting(_GRADIENTS, run, loss)
-        beacon.where = AFTER_BACKWARD
+        self._run_backward(run, loss, ddp.require_backward_grad_sync, _GRADIENTS)  # (not inside no_backward_sync)
 
     @contextlib.contextmanager
     def no_backward_sync(self) -> Iterator[None]:

@@ -44,7 +44,7 @@ from ember.checkpoint import sharded
 from ember.checkpoint.temporaries import temporary_prefix
 from ember.checkpoint.writer import BackgroundSave
 from ember.strategies.ddp import DDPStrategy
-from ember.strategies.watchdog.verdicts import AFTER_BACKWARD, AFTER_STEP, BACKWARD, TRAINING_STEP
+from ember.strategies.watchdog.verdicts import AFTER_STEP, TRAINING_STEP
 
 __all__ = ["FSDPStrategy"]
 
@@ -326,13 +326,7 @@ class FSDPStrategy(DDPStrategy):
 
     def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None) -> None:
         run = backward or torch.Tensor.backward
-        beacon = self._beacon
-        if self.sharded_module is None or not self._sync:
-            beacon.where = BACKWARD
-            run(loss)
-        else:
-            self._waiting(_GRADIENTS, run, loss)
-        beacon.where = AFTER_BACKWARD
+        self._run_backward(run, loss, self.sharded_module is not None and self._sync, _GRADIENTS)
 
     @contextlib.contextmanager
     def no_backward_sync(self) -> Iterator[None]:

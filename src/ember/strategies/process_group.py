@@ -35,6 +35,7 @@ from ember.strategies.launchers import launcher as launcher_module
 from ember.strategies.launchers.launcher import Launcher
 from ember.strategies.strategy import Strategy
 from ember.strategies.watchdog.stacks import exit_with_stacks
+from ember.strategies.watchdog.verdicts import AFTER_BACKWARD, BACKWARD
 from ember.strategies.watchdog.watchdog import Beacon, CollectiveTimeout, Watchdog, is_timeout
 from ember.types import ReduceOp
 
@@ -152,6 +153,17 @@ class ProcessGroupStrategy(Strategy):
             raise
         finally:
             beacon.waiting = None
+
+    def _run_backward(self, run: Callable[[torch.Tensor], None], loss: torch.Tensor, syncs: bool, what: str) -> None:
+        """``run(loss)`` with the beacon saying where this rank is: waiting in the gradient collective ``what``
+        when the backward ``syncs``, in a backward that sends nothing otherwise (an accumulation window)."""
+        beacon = self._beacon
+        if syncs:
+            self._waiting(what, run, loss)
+        else:
+            beacon.where = BACKWARD
+            run(loss)
+        beacon.where = AFTER_BACKWARD
 
     def _name_missing_rank(self, exc: Exception, what: str) -> None:
         """Raises CollectiveTimeout naming the ranks that did not arrive, if ``exc`` is a timeout."""
