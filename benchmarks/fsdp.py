@@ -94,22 +94,31 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 def ember_round(args: argparse.Namespace, world: int) -> tuple[float, dict[str, int]]:
     model = Model(args.d, args.blocks)
     clock = StepClock()
-    n = world * args.batch * (args.steps + 1)
+    strategy = FSDPStrategy(auto_wrap_policy={Block})
+    trainer = fit_once(model, args.d, strategy, world, args.batch, args.steps + 1, [clock])
+    times = [b - a for a, b in zip(clock.starts, clock.starts[1:])]
+    return statistics.median(times), held_bytes(model, trainer.optimizers[0])
+
+
+def fit_once(
+    model: Any, d: int, strategy: Any, world: int, batch: int, steps: int, callbacks: Any = ()
+) -> ember.Trainer:
+    """A quiet one-epoch fit of ``steps`` steps of ``batch`` random rows of width ``d`` per rank."""
+    n = world * batch * steps
     g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(n, args.d, generator=g), torch.randn(n, 8, generator=g))
+    data = TensorDataset(torch.randn(n, d, generator=g), torch.randn(n, 8, generator=g))
     trainer = ember.Trainer(
-        strategy=FSDPStrategy(auto_wrap_policy={Block}),
+        strategy=strategy,
         devices=world,
         max_epochs=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[clock],
+        callbacks=list(callbacks),
     )
-    trainer.fit(model, DataLoader(data, batch_size=args.batch))
-    times = [b - a for a, b in zip(clock.starts, clock.starts[1:])]
-    return statistics.median(times), held_bytes(model, trainer.optimizers[0])
+    trainer.fit(model, DataLoader(data, batch_size=batch))
+    return trainer
 
 
 def hand_round(args: argparse.Namespace, world: int) -> float:
@@ -164,24 +173,9 @@ def memory_fit(args: argparse.Namespace, world: int, strategy: Any, batch: int) 
     """Peak RSS growth of one fit of ``--memory-steps`` steps, over the RSS just before it (after a warm-up fit
     of a tiny model that imports what the fit needs)."""
 
-    def fit(d: int, blocks: int, steps: int) -> None:
-        n = world * batch * steps
-        g = torch.Generator().manual_seed(1)
-        data = TensorDataset(torch.randn(n, d, generator=g), torch.randn(n, 8, generator=g))
-        trainer = ember.Trainer(
-            strategy=strategy(),
-            devices=world,
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(LazyModel(d, blocks), DataLoader(data, batch_size=batch))
-
-    fit(16, 1, 1)
+    fit_once(LazyModel(16, 1), 16, strategy(), world, batch, 1)
     before = rss_mib()
-    fit(args.d, args.blocks, args.memory_steps)
+    fit_once(LazyModel(args.d, args.blocks), args.d, strategy(), world, batch, args.memory_steps)
     return {"peak growth": peak_mib() - before}
 
 
