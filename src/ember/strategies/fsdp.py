@@ -170,10 +170,8 @@ class FSDPStrategy(DDPStrategy):
     # ------------------------------------------------------------------ sharding
     @property
     def sharded_module(self) -> Any:
-        """The module, once sharded (an ``FSDPModule``); None before ``setup``."""
-        from torch.distributed.fsdp import FSDPModule
-
-        return self.module if isinstance(self.module, FSDPModule) else None
+        """The module, once sharded (an ``FSDPModule``: ``setup`` shards the module it takes); None before."""
+        return self.module
 
     def place(self, module: torch.nn.Module) -> None:
         # fully_shard moves each unit's shards to the mesh's device: the whole module never goes there at once.
