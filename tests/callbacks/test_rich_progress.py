@@ -55,9 +55,8 @@ def rich_bar(out: io.StringIO, **kwargs: Any) -> RichProgressBar:
 
 
 def trainer(bar: ProgressBar, **kwargs: Any) -> ember.Trainer:
-    return ember.Trainer(
-        max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False, callbacks=[bar], **kwargs
-    )
+    kwargs.setdefault("max_epochs", 2)
+    return ember.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, callbacks=[bar], **kwargs)
 
 
 def shown(text: str) -> dict[str, str]:
@@ -154,3 +153,115 @@ def test_dp_draws_the_one_process_bar() -> None:
     out = io.StringIO()
     trainer(rich_bar(out), strategy="dp", devices=2).fit(Tiny(), loader(), loader())
     assert "Epoch 1/1" in out.getvalue() and set(shown(out.getvalue())) == {"train_loss", "val_loss"}
+
+
+# ---------------------------------------------------------------------- Lightning's RichProgressBar members
+def test_the_tasks_of_a_fit_one_per_stage() -> None:
+    bar = rich_bar(io.StringIO())
+    for name in ("train_progress_bar", "val_progress_bar", "test_progress_bar", "val_sanity_check_bar"):
+        with pytest.raises(TypeError, match=rf"`RichProgressBar.{name}` is not there yet"):
+            getattr(bar, name)
+    t = trainer(bar, max_epochs=3, num_sanity_val_steps=1)
+    module = Tiny()
+    t.fit(module, loader(), loader())
+    # leave=False: one training task reset at each epoch and one validation task, not one per epoch
+    tasks = [(task.description, task.completed, task.total) for task in bar.progress.tasks]
+    assert tasks == [("Sanity check", 1, 1), ("Epoch 2/2", 4, 4), ("Validation", 4, 4)]
+    assert bar.train_progress_bar.id == bar.train_progress_bar_id and bar.train_progress_bar.completed == 4
+    assert bar.val_progress_bar.description == "Validation" and bar.val_progress_bar.completed == 4
+    assert bar.val_sanity_check_bar.id == bar.val_sanity_progress_bar_id and not bar.val_sanity_check_bar.visible
+    assert bar.train_progress_bar.fields["metrics"].startswith("train_loss: ")
+    assert not bar.progress.live.is_started  # the display stopped, its object is still there
+    with pytest.raises(TypeError, match="is not there yet"):
+        _ = bar.test_progress_bar
+
+    t.test(module, loader())
+    assert bar.test_progress_bar.description == "Testing" and bar.test_progress_bar.completed == 4
+    assert [task.description for task in bar.progress.tasks] == ["Testing"]  # a new display for the new run
+    with pytest.raises(TypeError, match="a new run's display starts without the old tasks"):
+        _ = bar.train_progress_bar
+
+
+def test_leave_true_keeps_each_epoch_on_screen() -> None:
+    out = io.StringIO()
+    bar = rich_bar(out, leave=True)
+    trainer(bar, max_epochs=3, num_sanity_val_steps=0).fit(Tiny(), loader(), loader())
+    epochs = [line.split()[:2] for line in out.getvalue().splitlines() if line.startswith("Epoch")]
+    assert epochs == [["Epoch", "0/2"], ["Epoch", "1/2"], ["Epoch", "2/2"]]  # each epoch's last frame, once
+    assert bar.train_progress_bar.description == "Epoch 2/2" and bar.train_progress_bar.completed == 4
+
+
+def test_refresh_rate_is_redraws_a_second_and_every_batch_is_counted() -> None:
+    seen: list[float] = []
+
+    class Watch(RichProgressBar):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+            seen.append(self.train_progress_bar.completed)
+
+    bar = Watch(refresh_rate=3, console_kwargs={"file": io.StringIO()})
+    assert bar.refresh_rate == 3 and bar.is_enabled
+    trainer(bar, max_epochs=1).fit(Tiny(), loader(), loader())
+    assert bar.progress.live.refresh_per_second == 3
+    assert seen == [1, 2, 3, 4]  # not every third batch: the rate is in seconds
+    assert bar.val_progress_bar.completed == 4
+
+
+def test_configure_columns_gives_the_columns_drawn() -> None:
+    from rich.progress import ProgressColumn, TextColumn
+
+    default = RichProgressBar().configure_columns(None)
+    assert len(default) == 6 and all(isinstance(column, ProgressColumn) for column in default)
+
+    class Plain(RichProgressBar):
+        def configure_columns(self, trainer: Any) -> list:
+            assert trainer is self.trainer
+            return [TextColumn("{task.description} did {task.completed} of {task.total}")]
+
+    out = io.StringIO()
+    trainer(Plain(console_kwargs={"file": out, "width": 200}), max_epochs=1).fit(Tiny(), loader(), loader())
+    text = out.getvalue()
+    assert "Epoch 0/0 did 4 of 4" in text
+    assert "it/s" not in text and "━" not in text  # none of the default columns
+    assert "train_loss: " in text  # the metrics column still follows
+
+
+def test_refresh_redraws_the_live_display_now() -> None:
+    out = io.StringIO()
+    grew: list[int] = []
+
+    class Redraw(RichProgressBar):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+            before = len(out.getvalue())
+            self.refresh()
+            self.refresh(hard=True)
+            grew.append(len(out.getvalue()) - before)
+
+    # a terminal console (drawn in place), redrawn by rich's thread once a second only
+    bar = Redraw(refresh_rate=1, console_kwargs={"file": out, "force_terminal": True, "width": 120})
+    bar.refresh()  # no display yet: nothing to do
+    assert out.getvalue() == ""
+    trainer(bar, max_epochs=1).fit(Tiny(), loader(), loader())
+    assert len(grew) == 4 and all(n > 0 for n in grew)
+
+
+@pytest.mark.parametrize("save", ["pickle", "torch.save"])
+def test_a_trainer_holding_the_rich_bar_pickles_after_a_run(save: str) -> None:
+    import pickle
+
+    bar = rich_bar(io.StringIO(), refresh_rate=5, theme=RichProgressBarTheme(metrics_format=".1f"))
+    t = trainer(bar)
+    t.fit(Tiny(), loader(), loader())
+    if save == "pickle":
+        loaded = pickle.loads(pickle.dumps(t))
+    else:
+        buffer = io.BytesIO()
+        torch.save(t, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+    (copy_bar,) = [c for c in loaded.callbacks if isinstance(c, RichProgressBar)]
+    assert copy_bar.refresh_rate == 5 and copy_bar.theme.metrics_format == ".1f"
+    assert copy_bar.progress is None and "file" not in copy_bar.console_kwargs  # a stream cannot be pickled
+    assert copy_bar.console_kwargs["width"] == 200
+    assert bar.progress is not None and bar.train_progress_bar.completed == 4  # the original keeps its own

@@ -17,6 +17,9 @@ Lightning's rich bar; without an epoch limit, just "Epoch 3").
 
 Per-step cost is a counter and, at most every ``refresh_rate`` batches, a clock read. The
 metrics (which live on the device) are converted to numbers only when something is printed.
+
+A bar can be pickled (inside a pickled or ``torch.save``-d Trainer): its settings go along, the bars of
+a run and its stream do not (neither can be pickled); once loaded it writes to ``sys.stdout``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import copy
 import math
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, ClassVar, TextIO
 
 from ember.callbacks.progress_members import ProgressBarMembers
 from ember.metric_values import to_floats
@@ -33,7 +36,7 @@ from ember.types import Stage
 
 _MODES = ("auto", "bar", "lines")
 _SHARED = ("_given_stream", "_stream", "_trainer")  # a copy writes where the original does, for the same trainer
-_LIVE = ("_train", "_eval", "_val_pending")  # the bars of a running loop
+RUN_ATTRS = ("_train", "_eval", "_val_pending")  # the bars of a running loop (subclasses add theirs)
 
 
 def _fmt(value: Any) -> str:
@@ -121,6 +124,8 @@ class ProgressBar(ProgressBarMembers):
     # Its epoch-end line runs with the callbacks that watch metrics, after the epoch's values are reduced
     # (across processes too): it shows this epoch's ``*_epoch`` values, the ones callback_metrics holds.
     monitors_metrics = True
+    # What belongs to a run, not to the settings: a copy or a pickle starts without them (subclasses add theirs).
+    _RUN_ATTRS: ClassVar[tuple[str, ...]] = RUN_ATTRS
 
     def __init__(
         self,
@@ -164,11 +169,26 @@ class ProgressBar(ProgressBarMembers):
         for key, value in self.__dict__.items():
             if key in _SHARED:
                 new.__dict__[key] = value
-            elif key in _LIVE:
+            elif key in self._RUN_ATTRS:
                 new.__dict__[key] = None
             else:
                 new.__dict__[key] = copy.deepcopy(value, memo)
         return new
+
+    def __copy__(self) -> ProgressBar:
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)  # a shallow copy shares all, the stream and open bars too
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The settings, without the run's bars and the stream: neither can be pickled."""
+        state = {k: None if k in self._RUN_ATTRS else v for k, v in self.__dict__.items()}
+        state["_given_stream"] = state["_stream"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._stream = sys.stdout
 
     @property
     def is_line_mode(self) -> bool:
@@ -189,6 +209,11 @@ class ProgressBar(ProgressBarMembers):
                 self._lines = True
         else:
             self._lines = self.mode == "lines"
+
+    @property
+    def _batch_interval(self) -> int:
+        """Batches between two updates of a bar (``refresh_rate`` here; rich's bar counts seconds instead)."""
+        return self.refresh_rate
 
     @property
     def _shows(self) -> bool:
@@ -219,7 +244,8 @@ class ProgressBar(ProgressBarMembers):
         except (ValueError, OSError):  # the stream went away (a closed pipe): progress is not worth a crash
             self._alive = False
 
-    def _bar(self, total: float, desc: str, leave: bool, position: int = 0) -> Any:
+    def _bar(self, stage: str, total: float, desc: str, leave: bool, position: int = 0) -> Any:
+        """A new bar for ``stage`` ("train", "sanity", "validate", "test" or "predict"), bar mode only."""
         return _tqdm_class()(
             total=None if total == math.inf else int(total),
             desc=desc,
@@ -241,16 +267,21 @@ class ProgressBar(ProgressBarMembers):
                 _epoch_desc(trainer), trainer.num_training_batches, trainer.progress.batch_in_epoch, self.line_interval
             )
             return
-        if self._train is not None:
-            self._train.close()
-        self._train = self._bar(trainer.num_training_batches, _epoch_desc(trainer), self.leave)
-        self._train.update(trainer.progress.batch_in_epoch)
+        total, desc, bar = trainer.num_training_batches, _epoch_desc(trainer), self._train
+        if bar is not None and not self.leave:  # without `leave`, one bar for the whole fit, reset each epoch
+            bar.set_description(desc, refresh=False)
+            bar.reset(total=total)  # tqdm's reset: an infinite total is "unknown"
+        else:
+            if bar is not None:
+                bar.close()
+            bar = self._train = self._bar("train", total, desc, self.leave)
+        bar.update(trainer.progress.batch_in_epoch)
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._val_pending is not None:  # a validation in mid-epoch: training went on, so it gets its line
             self._flush_validation(trainer)
         bar = self._train
-        if bar is None or not self._enabled or (batch_idx + 1) % self.refresh_rate:
+        if bar is None or not self._enabled or (batch_idx + 1) % self._batch_interval:
             return
         if self._lines:
             bar.n = batch_idx + 1
@@ -289,7 +320,7 @@ class ProgressBar(ProgressBarMembers):
         self._close(trainer)
 
     # ------------------------------------------------------------------ evaluation
-    def _eval_start(self, trainer: Any, desc: str, total: float) -> None:
+    def _eval_start(self, trainer: Any, stage: str, desc: str, total: float) -> None:
         self._current_eval_dataloader_idx = None
         if not self._shows:
             return
@@ -301,19 +332,20 @@ class ProgressBar(ProgressBarMembers):
         # Inside fit the validation bar sits under the epoch's bar and goes away once full.
         # The sanity check's bar goes too; a standalone validate/test/predict bar stays if ``leave``.
         leave = self.leave and trainer.state != "fitting"
-        self._eval = self._bar(total, desc, leave=leave, position=1 if _in_fit(trainer) else 0)
+        self._eval = self._bar(stage, total, desc, leave=leave, position=1 if _in_fit(trainer) else 0)
 
     def _eval_step(self, trainer: Any, batch_idx: int) -> None:
         bar = self._eval
-        if bar is None or not self._enabled or (batch_idx + 1) % self.refresh_rate:
+        every = self._batch_interval
+        if bar is None or not self._enabled or (batch_idx + 1) % every:
             return
         if self._lines:
-            bar.n += self.refresh_rate
+            bar.n += every
             now = time.monotonic()
             if now >= bar.next_t:  # bar.due(now), inlined: this runs every batch
                 self._print(bar.line(now, {}, self.line_interval))
             return
-        bar.update(self.refresh_rate)
+        bar.update(every)
 
     def _eval_end(self, trainer: Any, show_metrics: bool) -> None:
         self._current_eval_dataloader_idx = None
@@ -341,9 +373,9 @@ class ProgressBar(ProgressBarMembers):
 
     def on_validation_start(self, trainer: Any, module: Any) -> None:
         if trainer.sanity_checking:
-            self._eval_start(trainer, self._sanity_desc(), sum(trainer.num_sanity_val_batches))
+            self._eval_start(trainer, "sanity", self._sanity_desc(), sum(trainer.num_sanity_val_batches))
         else:
-            self._eval_start(trainer, self.validation_description, sum(trainer.num_val_batches))
+            self._eval_start(trainer, "validate", self.validation_description, sum(trainer.num_val_batches))
 
     def _sanity_desc(self) -> str:
         """ember's "Sanity check", or the ``sanity_check_description`` of a subclass that overrides it."""
@@ -364,7 +396,7 @@ class ProgressBar(ProgressBarMembers):
         self._eval_end(trainer, show_metrics=True)
 
     def on_test_start(self, trainer: Any, module: Any) -> None:
-        self._eval_start(trainer, self.test_description, sum(trainer.num_test_batches))
+        self._eval_start(trainer, "test", self.test_description, sum(trainer.num_test_batches))
 
     def on_test_batch_start(
         self, trainer: Any, module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -380,7 +412,7 @@ class ProgressBar(ProgressBarMembers):
         self._eval_end(trainer, show_metrics=True)
 
     def on_predict_start(self, trainer: Any, module: Any) -> None:
-        self._eval_start(trainer, self.predict_description, sum(trainer.num_predict_batches))
+        self._eval_start(trainer, "predict", self.predict_description, sum(trainer.num_predict_batches))
 
     def on_predict_batch_start(
         self, trainer: Any, module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
