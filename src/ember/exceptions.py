@@ -15,6 +15,11 @@ def exit_code(signum: int) -> int:
     return 128 + int(signum)
 
 
+class PossibleUserWarning(UserWarning):
+    """A warning about something that may be intended (few batches for the logging interval, ...); silence
+    them all with ``ember.utilities.disable_possible_user_warnings()``."""
+
+
 class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint is written. ``code`` is the exit status:
     ``128 + signum``, or 0 when the job was requeued (``requeued`` says how) and will resume on its own."""

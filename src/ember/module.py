@@ -402,6 +402,9 @@ class TrainModule(HyperparametersMixin, DataHooks, ModeHooks, PlacementPropertie
         It may run more than once (each fit / validate / ...): skip what already exists.
         """
 
+    def configure_sharded_model(self) -> None:
+        """Deprecated (Lightning's older name): override ``configure_model``; an override still runs, just before."""
+
     def setup(self, stage: Stage) -> None: ...
     def teardown(self, stage: Stage) -> None: ...
     def on_fit_start(self) -> None: ...

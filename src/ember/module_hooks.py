@@ -106,7 +106,7 @@ class PlacementProperties(nn.Module):
     """
 
     #: Properties TorchScript must not compile (TrainModule adds these to its own list).
-    PLACEMENT_PROPERTIES = ["device", "dtype", "on_gpu", "local_rank"]
+    PLACEMENT_PROPERTIES = ["device", "dtype", "on_gpu", "local_rank", "device_mesh"]
 
     def __init__(self) -> None:
         super().__init__()
@@ -138,6 +138,13 @@ class PlacementProperties(nn.Module):
     def on_gpu(self) -> bool:
         """Whether the module is on a CUDA device (``self.device.type == "cuda"``)."""
         return self.device.type == "cuda"
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ``DeviceMesh`` the Trainer's strategy shards the module over (``strategy="fsdp"``, once its
+        ``setup`` has run; None otherwise)."""
+        trainer = self.__dict__.get("_trainer")
+        return getattr(trainer.strategy, "mesh", None) if trainer is not None else None
 
     @property
     def local_rank(self) -> int:

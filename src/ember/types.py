@@ -18,9 +18,6 @@ import torch
 #: ``Strategy.process_dataloader``.
 Stage = Literal["fit", "validate", "test", "predict"]
 
-#: ``Trainer.state``: what the Trainer is doing now.
-TrainerState = Literal["initializing", "fitting", "validating", "testing", "predicting", "finished"]
-
 #: The precision names ``Trainer(precision=...)`` resolves to (``Trainer.precision``).
 PrecisionName = Literal["32-true", "64-true", "bf16-mixed", "16-mixed"]
 

@@ -303,3 +303,14 @@ def test_lightnings_static_helpers_average_modules_and_save_and_restore_batch_no
     assert int(bn.num_batches_tracked) == 0
     swa.reset_momenta()
     assert bn.momentum == 0.3
+
+
+def test_reset_batch_norm_and_save_state_takes_the_module_as_lightnings_pl_module():
+    swa = StochasticWeightAveraging(swa_lrs=0.1)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4, momentum=0.2))
+    net.train()
+    net(torch.randn(8, 3))
+    assert not torch.equal(net[1].running_mean, torch.zeros(4))
+    swa.reset_batch_norm_and_save_state(pl_module=net)  # by keyword, as Lightning's signature names it
+    assert net[1].momentum is None and swa.momenta == {net[1]: 0.2}
+    assert torch.equal(net[1].running_mean, torch.zeros(4))

@@ -162,3 +162,31 @@ def test_samples_are_counted_from_the_batch_each_step_ran(cls, refuse):
     assert m["throughput/samples_per_sec"] == pytest.approx(
         sum(expected) / len(expected) * m["throughput/batches_per_sec"]
     )
+
+
+def test_length_fn_counts_items_per_batch_as_lightnings_items_per_sec():
+    # Each batch of 4 samples holds 4 * 7 items (tokens, say): items/s is 7x samples/s over the same time.
+    lengths: list[int] = []
+
+    def length(batch):
+        lengths.append(batch[0].shape[0] * 7)
+        return lengths[-1]
+
+    cb = ThroughputMonitor(length_fn=length)
+    rec = fit(cb, data_s=0.0, compute_s=0.002, n=6)
+    assert lengths == [28] * 6
+    logged = [m for _, m in rec.calls if "throughput/items_per_sec" in m]
+    assert len(logged) == 2  # at step 3 (every 4th) and the epoch's tail
+    for m in logged:
+        assert m["throughput/items_per_sec"] == pytest.approx(7 * m["throughput/samples_per_sec"])
+    # Positionally as Lightning's ThroughputMonitor(batch_size_fn, length_fn); without it no item is counted.
+    cb = ThroughputMonitor(lambda batch: 2, lambda batch: 5)
+    fit(cb, data_s=0.0, compute_s=0.0, n=2, logger=False)
+    assert cb.last_metrics["throughput/items_per_sec"] == pytest.approx(
+        2.5 * cb.last_metrics["throughput/samples_per_sec"]
+    )
+    cb = ThroughputMonitor()
+    fit(cb, data_s=0.0, compute_s=0.0, n=2, logger=False)
+    assert "throughput/items_per_sec" not in cb.last_metrics
+    with pytest.raises(TypeError, match="length_fn"):
+        ThroughputMonitor(length_fn=3)

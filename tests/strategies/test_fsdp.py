@@ -180,6 +180,8 @@ def memory(rank: int, world: int) -> dict:
         "whole": sum(p.numel() for p in params),
         "rows": sizes,
         "is_dtensor": hasattr(params[0], "to_local"),
+        # Lightning's module.device_mesh: the mesh the parameters are sharded over.
+        "mesh_is_the_parameters": module.device_mesh is not None and module.device_mesh == params[0].device_mesh,
     }
 
 
@@ -357,7 +359,7 @@ def test_accumulation_reduces_gradients_only_at_the_window_end(ranks):
 
 def test_each_rank_holds_half_of_the_parameters_gradients_and_optimizer_states(ranks):
     for got in results(ranks, "memory"):
-        assert got["is_dtensor"]
+        assert got["is_dtensor"] and got["mesh_is_the_parameters"]
         # Sharded along the first dimension: a tensor of r rows keeps ceil(r / 2) of them on a rank.
         bound = sum((rows + 1) // 2 * (n // rows) for rows, n in zip(got["rows"], _numels(), strict=True))
         assert got["held"]["params"] <= bound < got["whole"]

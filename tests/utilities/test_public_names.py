@@ -17,15 +17,21 @@ def test_utilities_names():
     names = {
         "AttributeDict",
         "CombinedLoader",
+        "GradClipAlgorithmType",
+        "LightningEnum",
+        "disable_possible_user_warnings",
         "find_shared_parameters",
         "grad_norm",
         "is_picklable",
+        "is_shared_filesystem",
         "measure_flops",
         "move_data_to_device",
+        "rank_zero_deprecation",
         "rank_zero_info",
         "rank_zero_only",
         "rank_zero_warn",
         "set_shared_parameters",
+        "suggested_max_num_workers",
     }
     assert set(ember.utilities.__all__) == names
     assert all(callable(getattr(ember.utilities, n)) for n in names)

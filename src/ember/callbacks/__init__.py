@@ -29,6 +29,12 @@ _LAZY = {
     "BackboneFinetuning": "ember.callbacks.backbone_finetuning",
     "DeviceStatsMonitor": "ember.callbacks.device_stats",
     "StochasticWeightAveraging": "ember.callbacks.swa",
+    "Checkpoint": "ember.callbacks.checkpoint_base",
+    "BasePredictionWriter": "ember.callbacks.prediction_writer",
+    "WeightAveraging": "ember.callbacks.weight_averaging",
+    "EMAWeightAveraging": "ember.callbacks.weight_averaging",
+    "RichModelSummary": "ember.callbacks.rich_model_summary",
+    "SpikeDetection": "ember.callbacks.spike_detection",
 }
 
 # The loggers lived here before they moved to ember.loggers (where Lightning keeps them). Code written

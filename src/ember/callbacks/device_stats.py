@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ember.accelerators import cpu_stats
 from ember.callbacks.callback import Callback
 from ember.callbacks.logger_writes import logger_step
 
@@ -20,17 +21,6 @@ if TYPE_CHECKING:
     from ember.module import TrainModule
     from ember.trainer.trainer import Trainer
     from ember.types import Stage
-
-
-def cpu_stats() -> dict[str, float]:
-    """``psutil``'s memory, CPU and swap use, in percent."""
-    import psutil
-
-    return {
-        "cpu_vm_percent": psutil.virtual_memory().percent,
-        "cpu_percent": psutil.cpu_percent(),
-        "cpu_swap_percent": psutil.swap_memory().percent,
-    }
 
 
 class DeviceStatsMonitor(Callback):

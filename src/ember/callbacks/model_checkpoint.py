@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.callbacks.callback import Callback
+from ember.callbacks.checkpoint_base import Checkpoint
 from ember.callbacks.checkpoint_rotation import CheckpointRotation
 from ember.callbacks.on_exception_checkpoint import OnExceptionCheckpoint, save_on_exception
 from ember.checkpoint.atomic import unwritable
@@ -55,7 +55,7 @@ __all__ = ["ModelCheckpoint", "OnExceptionCheckpoint"]
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 
 
-class ModelCheckpoint(CheckpointRotation, Callback):
+class ModelCheckpoint(CheckpointRotation, Checkpoint):
     """Save checkpoints during ``fit``.
 
     Args:

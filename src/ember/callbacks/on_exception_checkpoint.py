@@ -7,7 +7,7 @@ import os
 import warnings
 from typing import TYPE_CHECKING
 
-from ember.callbacks.callback import Callback
+from ember.callbacks.checkpoint_base import Checkpoint
 from ember.checkpoint.files import FILE_EXTENSION
 from ember.exceptions import Preempted
 
@@ -32,7 +32,7 @@ def save_on_exception(
     trainer.save_checkpoint(os.path.join(dirpath, name + extension))
 
 
-class OnExceptionCheckpoint(Callback):
+class OnExceptionCheckpoint(Checkpoint):
     """Write ``<dirpath>/<filename>.ckpt`` when fit raises (Ctrl-C included).
 
     The state is whatever it was when the exception arrived, which may be mid-step; resuming from

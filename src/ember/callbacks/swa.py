@@ -269,12 +269,12 @@ class StochasticWeightAveraging(Callback):
             target.copy_(value if n_averaged == 0 else avg_fn(target, value, n_averaged.to(target.device)))
         n_averaged += 1
 
-    def reset_batch_norm_and_save_state(self, module: nn.Module) -> None:
+    def reset_batch_norm_and_save_state(self, pl_module: nn.Module) -> None:
         """Before recomputing BatchNorm statistics for the averaged weights: every BatchNorm's running
-        statistics reset (mean 0, variance 1, no batches counted) and its momentum kept in ``momenta`` and set
-        to None (a cumulative mean over the pass), as Lightning's (and ``swa_utils.update_bn``)."""
+        statistics in ``pl_module`` reset (mean 0, variance 1, no batches counted) and its momentum kept in
+        ``momenta`` and set to None (a cumulative mean over the pass), as Lightning's (and ``swa_utils.update_bn``)."""
         self.momenta = {}
-        for bn in module.modules():
+        for bn in pl_module.modules():
             if isinstance(bn, _BatchNorm):
                 bn.reset_running_stats()
                 self.momenta[bn] = bn.momentum
@@ -295,7 +295,7 @@ class StochasticWeightAveraging(Callback):
         """Recompute BatchNorm's running statistics for the averaged weights (``swa_utils.update_bn``'s way:
         reset, cumulative average over one pass, momenta put back), running batches through ``training_step``."""
         bns = [m for m in module.modules() if isinstance(m, _BatchNorm)]
-        self.reset_batch_norm_and_save_state(module)
+        self.reset_batch_norm_and_save_state(pl_module=module)
         was_training = module.training
         module.train()
         device = trainer.strategy.root_device

@@ -1,4 +1,5 @@
-"""ThroughputMonitor: samples/s, batches/s, and how much of the time went to waiting for data."""
+"""ThroughputMonitor: samples/s, batches/s (and items/s, e.g. tokens), and how much of the time went to
+waiting for data."""
 
 from __future__ import annotations
 
@@ -31,19 +32,31 @@ class ThroughputMonitor(Callback):
 
     Logged (with ``prefix``, default "throughput/"): ``samples_per_sec``, ``batches_per_sec``,
     ``data_wait_frac`` (share of the time spent waiting for data), ``data_ms_per_batch`` and
-    ``compute_ms_per_batch``, all over the batches since the previous write; also at the end of each
-    epoch for the batches not yet reported.
+    ``compute_ms_per_batch``, and with ``length_fn`` also ``items_per_sec``, all over the batches since
+    the previous write; also at the end of each epoch for the batches not yet reported.
 
     Args:
         batch_size_fn: ``batch -> int`` samples in a batch; default: the length of the first
             dimension of the batch's first tensor.
+        length_fn: ``batch -> int`` items in a batch (Lightning's argument: tokens of a language-model
+            batch, say, padding included if the batch holds any); logged as ``items_per_sec``. None:
+            items are not counted.
         prefix: put in front of the logged names.
     """
 
     uses_step_outputs = False  # the loop need not build {"loss": ...} for this callback
 
-    def __init__(self, batch_size_fn: Callable[[Any], int] | None = None, prefix: str = "throughput/") -> None:
+    def __init__(
+        self,
+        batch_size_fn: Callable[[Any], int] | None = None,
+        length_fn: Callable[[Any], int] | None = None,
+        prefix: str = "throughput/",
+    ) -> None:
+        for name, fn in (("batch_size_fn", batch_size_fn), ("length_fn", length_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"ThroughputMonitor({name}=...) must be a function of the batch, got {fn!r}.")
         self.batch_size_fn = batch_size_fn or infer_batch_size
+        self.length_fn = length_fn
         self.prefix = prefix
         #: The values computed last (also without a logger), for tests and notebooks.
         self.last_metrics: dict[str, float] = {}
@@ -53,6 +66,7 @@ class ThroughputMonitor(Callback):
 
     def _reset(self) -> None:
         self._samples = 0
+        self._items = 0
         self._batches = 0
         self._wait = 0.0
         self._compute = 0.0
@@ -76,6 +90,8 @@ class ThroughputMonitor(Callback):
         # Here, not at the batch's start: a dataloader_iter step has fetched its batch by now (at its start the
         # hooks get the previous step's, None at first), and a batch on_train_batch_start refused never ran.
         self._samples += self.batch_size_fn(batch)
+        if self.length_fn is not None:
+            self._items += self.length_fn(batch)
         self._batches += 1
         if logs_after_this_batch(trainer):
             self._emit(trainer, logger_step(trainer))
@@ -97,6 +113,8 @@ class ThroughputMonitor(Callback):
             f"{p}data_ms_per_batch": 1000.0 * self._wait / self._batches,
             f"{p}compute_ms_per_batch": 1000.0 * self._compute / self._batches,
         }
+        if self.length_fn is not None:
+            self.last_metrics[f"{p}items_per_sec"] = self._items / total
         self._reset()
         if trainer.loggers:
             write_to_loggers(trainer, self.last_metrics, step)

@@ -264,6 +264,30 @@ class WandbLogger(Logger):
         media = [make(item, **{k: v[i] for k, v in kwargs.items()}) for i, item in enumerate(items)]
         self.log_metrics({key: media}, step)  # type: ignore[dict-item]  # (wandb objects, as log_table's)
 
+    @staticmethod
+    def download_artifact(
+        artifact: str,
+        save_dir: str | os.PathLike | None = None,
+        artifact_type: str | None = None,
+        use_artifact: bool | None = True,
+    ) -> str:
+        """Download a wandb artifact (``"entity/project/name:version"``) and return the folder it went to.
+
+        With a wandb run open and ``use_artifact``, the run records that it used the artifact; otherwise it is
+        fetched through wandb's public API. ``save_dir``: where to put it (wandb's default folder when None).
+        """
+        import wandb
+
+        if wandb.run is not None and use_artifact:
+            found = wandb.run.use_artifact(artifact)
+        else:
+            found = wandb.Api().artifact(artifact, type=artifact_type)
+        return str(found.download(root=None if save_dir is None else os.fspath(save_dir)))
+
+    def use_artifact(self, artifact: str, artifact_type: str | None = None) -> Any:
+        """Record in this logger's run that it uses ``artifact``; returns wandb's ``Artifact``."""
+        return self.experiment.use_artifact(artifact, type=artifact_type)
+
     def watch(self, model: Any, log: str | None = "gradients", log_freq: int = 100, log_graph: bool = True) -> None:
         """Have wandb record ``model``'s gradients (and parameters with ``log="all"``) every ``log_freq`` steps."""
         self.experiment.watch(model, log=log, log_freq=log_freq, log_graph=log_graph)

@@ -190,6 +190,10 @@ class DDPStrategy(ProcessGroupStrategy):
         return self._world.world_size if self._world else max(1, len(self.parallel_devices))
 
     @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
     def global_rank(self) -> int:
         return self._world.rank if self._world else 0
 

@@ -125,7 +125,7 @@ class ProcessGroupStrategy(Strategy):
         trainer = self.trainer
         progress = getattr(trainer, "progress", None)
         return {
-            "stage": getattr(trainer, "state", None),
+            "stage": getattr(getattr(trainer, "state", None), "activity", None),
             "step": getattr(progress, "global_step", None),
             "epoch": getattr(progress, "current_epoch", None),
         }

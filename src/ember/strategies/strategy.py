@@ -80,6 +80,12 @@ class Strategy:
         return 1
 
     @property
+    def distributed_sampler_kwargs(self) -> dict[str, int] | None:
+        """``num_replicas`` / ``rank`` of a ``DistributedSampler`` for this process; None when one process
+        reads all the data."""
+        return None
+
+    @property
     def global_rank(self) -> int:
         return 0
 

@@ -355,3 +355,20 @@ def build_loggers(trainer: Trainer, logger: Any) -> list[Logger]:
         if not isinstance(lg, Logger):
             raise TypeError(f"logger must be a bool or ember Logger instances, got {type(lg).__name__}.")
     return loggers
+
+
+def check_sharded_model_hook(module: Any, defines_configure_model: bool) -> None:
+    """A module overriding Lightning's deprecated ``configure_sharded_model``: an error when it overrides
+    ``configure_model`` too (one hook builds the layers), else a deprecation warning (the hook still runs)."""
+    name = type(module).__name__
+    if defines_configure_model:
+        raise RuntimeError(
+            f"{name} overrides both configure_model and configure_sharded_model, Lightning's deprecated name for "
+            "it. Move what configure_sharded_model does into configure_model and delete configure_sharded_model."
+        )
+    warnings.warn(
+        f"{name}.configure_sharded_model is deprecated (Lightning's older name); rename it configure_model, "
+        "which runs at the same point.",
+        DeprecationWarning,
+        stacklevel=user_stacklevel(),
+    )

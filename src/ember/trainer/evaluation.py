@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from ember.batches import sized_len
-from ember.data.resumable import resumable_sampler_of
+from ember.callbacks.prediction_writer import BasePredictionWriter
+from ember.data.batch_indices import IndexRecorder, track_batch_indices
+from ember.data.resumable import resumable_sampler_of, shutdown_workers
 from ember.metric_values import to_floats
 from ember.module import TrainModule
 from ember.module_hooks import restore_modes
@@ -104,7 +106,15 @@ class EvaluationLoop:
 
     # ------------------------------------------------------------------ one loader
     def _run_loader(
-        self, hook: str, loader: Any, limit: float, dl_idx: int, many: bool, keep: list[Any] | None, stage: str
+        self,
+        hook: str,
+        loader: Any,
+        limit: float,
+        dl_idx: int,
+        many: bool,
+        keep: list[Any] | None,
+        stage: str,
+        recorder: IndexRecorder | None = None,
     ) -> None:
         """Run ``{hook}_step`` with its batch hooks over the first ``limit`` batches of ``loader`` (and a
         padding batch where this rank has fewer than another), under no_grad and autocast; append each
@@ -125,8 +135,11 @@ class EvaluationLoop:
             batches = _agreed(loader, limit, self.strategy, dl_idx if many else None, stage)
         else:
             batches = _sharded(loader, limit, f"{_KIND[stage]} dataloader {dl_idx}")
+        record = self.trainer.predict_loop if hook == "predict" else None
         for batch_idx, (batch, padding) in enumerate(batches):
             metrics.padding = padding
+            if record is not None:
+                record.batch(recorder, dl_idx, padding)
             if transfer is not None:
                 batch = transfer(batch)
             metrics.eval_batch(batch)
@@ -263,26 +276,32 @@ class EvaluationLoop:
         check_dataloader_idx(self.module, "predict", many, iterator_step)
         hooks = self.hooks
         self._to_eval("predict")
-        results: list[list[Any]] = []
+        results: list[list[Any]] = [[] for _ in loaders]
+        self.trainer.predict_loop.start(results, len(loaders))
+        # As Lightning: the outputs are kept for a writer that writes them all at the end, whatever the caller keeps.
+        keep = keep or any(
+            isinstance(cb, BasePredictionWriter) and cb.interval.on_epoch for cb in self.trainer.callbacks
+        )
+        tracked = [(loader, None) for loader in loaders] if iterator_step else list(map(track_batch_indices, loaders))
         try:
             self.strategy.prepare_for_evaluation()
             hooks.call("on_predict_start")
             hooks.call("on_predict_epoch_start")
             with torch.no_grad():
                 if iterator_step:
-                    results = [[] for _ in loaders]
                     self._run_iter(
                         "predict", loaders, limits, [""] * len(loaders), results if keep else None, "predict"
                     )
                 else:
-                    for dl_idx, (loader, limit) in enumerate(zip(loaders, limits)):
-                        results.append([])
-                        self._run_loader(
-                            "predict", loader, limit, dl_idx, many, results[-1] if keep else None, "predict"
-                        )
+                    for dl_idx, ((loader, recorder), limit) in enumerate(zip(tracked, limits)):
+                        kept = results[dl_idx] if keep else None
+                        self._run_loader("predict", loader, limit, dl_idx, many, kept, "predict", recorder)
             hooks.call("on_predict_epoch_end")
             hooks.call("on_predict_end")
         finally:
+            for loader, recorder in tracked:
+                if recorder is not None:  # the copies made to follow the indices: their workers end here
+                    shutdown_workers(loader)
             self._back_to_train("predict")
         return results
 

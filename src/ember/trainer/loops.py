@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ember.exceptions import PossibleUserWarning
 from ember.profilers.base import wrap
 from ember.rng import apply_rng, capture_rng
 from ember.signatures import takes_dataloader_iter
@@ -146,7 +147,7 @@ class FitLoop:
                 f"The number of training batches ({n}) is smaller than the logging interval "
                 f"Trainer(log_every_n_steps={every}). Set a lower value for log_every_n_steps if you want "
                 "to see logs for the training epoch.",
-                UserWarning,
+                PossibleUserWarning,
                 stacklevel=user_stacklevel(),
             )
         if resume is not None:

@@ -17,8 +17,11 @@ from ember.loggers.logger import Logger
 from ember.module import TrainModule
 from ember.overrides import is_overridden
 from ember.trainer.loaders import CombinedBatches
+from ember.trainer.predict_record import PredictionRecord
+from ember.trainer.states import RunningStage, TrainerState, TrainerStatus
 
 if TYPE_CHECKING:
+    from ember.accelerators import Accelerator
     from ember.callbacks.callback import Callback
     from ember.strategies.strategy import Strategy
     from ember.trainer.loaders import FitData
@@ -29,7 +32,6 @@ if TYPE_CHECKING:
     from ember.trainer.preemption import PreemptionHandler
     from ember.trainer.progress import FitProgress
     from ember.trainer.state import FitState
-    from ember.types import TrainerState
 
 
 def as_logger_list(value: Any) -> list[Logger]:
@@ -49,6 +51,15 @@ def _one_or_list(loaders: list[Any]) -> Any:
     return loaders[0] if len(loaders) == 1 else loaders or None
 
 
+# trainer.state.stage from Lightning's flags, in the order they are checked (the sanity check comes first).
+_STAGE_FLAGS = (
+    ("training", RunningStage.TRAINING),
+    ("validating", RunningStage.VALIDATING),
+    ("testing", RunningStage.TESTING),
+    ("predicting", RunningStage.PREDICTING),
+)
+
+
 class TrainerProperties:
     """Public state of the Trainer (a base class of ``Trainer``; it holds no state of its own)."""
 
@@ -56,6 +67,7 @@ class TrainerProperties:
         fit_state: FitState
         strategy: Strategy
         state: TrainerState
+        _accelerator: Accelerator
         sanity_checking: bool
         module: TrainModule | None
         callbacks: list[Callback]
@@ -69,7 +81,6 @@ class TrainerProperties:
         _eval_batches: dict[str, list[float]]
         _eval_loaders: dict[str, list[Any]]
         _precision_name: str
-        _interrupted: bool
         _preemption: PreemptionHandler | None
 
     # The parts of ``fit_state`` (``state.py``), by the names the trainer package reads them by.
@@ -215,6 +226,30 @@ class TrainerProperties:
     def precision(self) -> str:
         return self._precision_name
 
+    @property
+    def predict_loop(self) -> PredictionRecord:
+        """The last (or current) ``predict`` run's outputs and batch indices, under Lightning's names."""
+        record = self.__dict__.get("_predict_record")
+        if record is None:
+            record = self.__dict__["_predict_record"] = PredictionRecord()
+        return record
+
+    @property
+    def precision_plugin(self) -> Precision:
+        """The object that applies ``precision``: autocast, the gradient scaler, the module's dtype."""
+        return self._precision
+
+    @property
+    def accelerator(self) -> Accelerator:
+        """The kind of device the run uses (``CPUAccelerator`` or ``CUDAAccelerator``, ``ember.accelerators``)."""
+        return self._accelerator
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int] | None:
+        """``num_replicas`` and ``rank`` for a ``DistributedSampler`` of this process under ddp / fsdp;
+        None where one process reads all the data (single device, dp)."""
+        return self.strategy.distributed_sampler_kwargs
+
     # ------------------------------------------------------------------ what is running (Lightning's names)
     @property
     def training(self) -> bool:
@@ -245,8 +280,17 @@ class TrainerProperties:
 
     @property
     def interrupted(self) -> bool:
-        """Whether the last run ended by Ctrl-C (``KeyboardInterrupt``) or a stop signal (preemption)."""
-        return self._interrupted
+        """Whether an exception ended (or is ending) the current or last run: Ctrl-C, a stop signal, an error."""
+        return self.state.status == TrainerStatus.INTERRUPTED
+
+    def _running_stage(self) -> RunningStage | None:
+        """``trainer.state.stage``: the part of the entry point running now, read from the flags above."""
+        if self.sanity_checking:
+            return RunningStage.SANITY_CHECKING
+        for flag, stage in _STAGE_FLAGS:
+            if getattr(self, flag):
+                return stage
+        return None
 
     @property
     def received_sigterm(self) -> bool:

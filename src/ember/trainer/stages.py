@@ -27,7 +27,7 @@ from ember.trainer.fit_summary import print_fit_summary
 from ember.trainer.loaders import FitData, close_loaders, eval_loaders
 from ember.trainer.loops import FitLoop
 from ember.trainer.optim import NO_OPTIMIZER_WARNING, NoOptimizer, OptimizerState, check_scheduler_api, parse_optimizers
-from ember.trainer.preemption import Preempted, preemption
+from ember.trainer.preemption import preemption
 from ember.trainer.progress import FitProgress
 from ember.trainer.properties import TrainerProperties
 from ember.trainer.results_table import print_results
@@ -195,6 +195,7 @@ class TrainerStages(TrainerProperties):
         return results
 
     def _on_exception(self, exc: BaseException) -> None:
+        self.state.interrupt()  # as Lightning: any exception, before the hooks (trainer.interrupted is True there)
         for h in self._hooks.get("on_exception"):
             try:
                 h(exc)
@@ -216,7 +217,6 @@ class TrainerStages(TrainerProperties):
                     f"{hook_exc} (while handling {type(exc).__name__}, which follows)",
                     RuntimeWarning,
                 )
-        self._interrupted = isinstance(exc, (KeyboardInterrupt, Preempted))
         self._logs.finalize("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
 
     def _teardown(self, stage: Stage) -> None:
@@ -236,7 +236,7 @@ class TrainerStages(TrainerProperties):
                 self.profiler.describe()  # the report: written to its file, or printed on rank zero
             finally:
                 self.strategy.teardown()
-                self.state = "finished"
+                self.state.close()
 
     def _resumed(self, path: str) -> None:
         """A fit's resume from ``path`` is complete: the path is recorded and, as Lightning, named (ember adds

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ember.accelerators import accelerator_for
 from ember.callbacks.callback import Callback
 from ember.checkpoint import contents
 from ember.checkpoint.writer import BackgroundSave
@@ -32,7 +33,8 @@ from ember.trainer.precision import Precision, normalize_precision
 from ember.trainer.preemption import PreemptionHandler
 from ember.trainer.stages import TrainerStages
 from ember.trainer.state import FitState
-from ember.types import PrecisionInput, Stage, TrainerState
+from ember.trainer.states import TrainerState
+from ember.types import PrecisionInput, Stage
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +198,7 @@ class Trainer(TrainerStages):
 
         self._precision_name = normalize_precision(precision)
         accelerator_name, device_list = arguments.resolve_devices(accelerator, devices)
+        self._accelerator = accelerator_for(accelerator_name)
         self.strategy = arguments.resolve_strategy(self, strategy, accelerator_name, device_list)
         precision_plugin = Precision(
             self._precision_name, self.strategy.root_device.type, in_module=self.strategy.precision_in_module
@@ -216,9 +219,8 @@ class Trainer(TrainerStages):
 
         self.should_stop = False
         self.sanity_checking = False
-        self._interrupted = False
         self._preemption: PreemptionHandler | None = None  # the fit's stop-signal handler (received_sigterm)
-        self.state: TrainerState = "initializing"
+        self.state = TrainerState(self._running_stage)
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
         self._hooks = Hooks(self, self.callbacks, None, self._metrics)
@@ -275,7 +277,7 @@ class Trainer(TrainerStages):
             datamodule.trainer = self
         # Each fit / validate / test / predict starts from empty metrics, as in Lightning.
         self.fit_state.start_run()
-        self._interrupted, self._preemption = False, None
+        self._preemption = None
         self.logged_metrics = {}
         extra = list(module.configure_callbacks() or [])
         if extra:
@@ -309,6 +311,10 @@ class Trainer(TrainerStages):
         self._hooks.call("setup", stage=stage)
         if stage == "fit":
             locate.mark_job_runs(self)
+        if is_overridden("configure_sharded_model", module, TrainModule):
+            arguments.check_sharded_model_hook(module, is_overridden("configure_model", module, TrainModule))
+            self._metrics.fx = "configure_sharded_model"
+            module.configure_sharded_model()
         if is_overridden("configure_model", module, TrainModule):
             self._metrics.fx = "configure_model"
             module.configure_model()
@@ -389,7 +395,7 @@ class Trainer(TrainerStages):
             train_dataloaders, datamodule = None, train_dataloaders
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
             raise ValueError("Pass either dataloaders or a datamodule to fit, not both.")
-        self.state = "fitting"
+        self.state.start("fit")
         self.strategy.launch(self._run, "fit", module, (train_dataloaders, val_dataloaders), datamodule, ckpt_path)
 
     def validate(
@@ -444,7 +450,7 @@ class Trainer(TrainerStages):
         if return_predictions not in (None, True, False):
             raise TypeError(f"return_predictions must be True, False or None, got {return_predictions!r}.")
         self._return_predictions = return_predictions is not False
-        self.state = "predicting"
+        self.state.start("predict")
         return self.strategy.launch(self._run, "predict", module, (dataloaders,), datamodule, ckpt_path)
 
     def _evaluate(
@@ -462,5 +468,5 @@ class Trainer(TrainerStages):
         self._weights_only = weights_only is not False
         if isinstance(dataloaders, DataModule) and datamodule is None:  # Lightning's validate/test(model, dm)
             dataloaders, datamodule = None, dataloaders
-        self.state = "validating" if stage == "validate" else "testing"
+        self.state.start(stage)
         return self.strategy.launch(self._run, stage, module, (dataloaders,), datamodule, ckpt_path)

@@ -1,7 +1,8 @@
-"""Rank-zero helpers under Lightning's names: ``rank_zero_only``, ``rank_zero_info`` and ``rank_zero_warn``.
+"""Rank-zero helpers under Lightning's names: ``rank_zero_only``, ``rank_zero_info``, ``rank_zero_warn`` and
+``rank_zero_deprecation``.
 
-``rank_zero_only`` and ``rank_zero_warn`` are lightning-utilities' own objects, so a process that runs
-Lightning code and ember code side by side has one rank for both. The rank is read from the launcher's
+``rank_zero_only``, ``rank_zero_warn`` and ``rank_zero_deprecation`` are lightning-utilities' own objects, so a
+process that runs Lightning code and ember code side by side has one rank for both. The rank is read from the launcher's
 environment when this module is first imported (``RANK``, then ``LOCAL_RANK``, then ``SLURM_PROCID``;
 0 when none is set), unless something (Lightning, or a strategy) has set ``rank_zero_only.rank`` already.
 A process that learns its rank later sets ``rank_zero_only.rank = global_rank`` itself.
@@ -13,9 +14,9 @@ import logging
 import os
 from typing import Any
 
-from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_deprecation, rank_zero_only, rank_zero_warn
 
-__all__ = ["rank_zero_only", "rank_zero_info", "rank_zero_warn"]
+__all__ = ["rank_zero_deprecation", "rank_zero_only", "rank_zero_info", "rank_zero_warn"]
 
 # Checked in this order: a SLURM job may set SLURM_PROCID around processes it does not start itself.
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID")
