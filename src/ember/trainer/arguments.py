@@ -14,6 +14,7 @@ import torch
 
 import ember.callbacks as cbs
 from ember.callbacks.callback import Callback
+from ember.callbacks.checkpoint_base import Checkpoint
 from ember.callbacks.timer import parse_duration
 from ember.loggers.logger import Logger
 from ember.loggers.tensorboard import default_logger
@@ -336,11 +337,11 @@ def build_callbacks(
 
 
 def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
-    """``callbacks`` with the checkpointing ones (ModelCheckpoint, OnExceptionCheckpoint) moved to the end, the
-    others keeping their order: as Lightning, so a checkpoint saves what every other callback did at that
-    hook (an EarlyStopping counter, a logger's step) whatever order the user listed them in."""
-    kinds = tuple(getattr(cbs, name) for name in ("ModelCheckpoint", "OnExceptionCheckpoint") if hasattr(cbs, name))
-    return [c for c in callbacks if not isinstance(c, kinds)] + [c for c in callbacks if isinstance(c, kinds)]
+    """``callbacks`` with the checkpointing ones (every ``Checkpoint``: ModelCheckpoint, OnExceptionCheckpoint, a
+    user's subclass) moved to the end, the others keeping their order: as Lightning, so a checkpoint saves what
+    every other callback did at that hook (an EarlyStopping counter, a logger's step) whatever order the user
+    listed them in."""
+    return [c for c in callbacks if not isinstance(c, Checkpoint)] + [c for c in callbacks if isinstance(c, Checkpoint)]
 
 
 def build_loggers(trainer: Trainer, logger: Any) -> list[Logger]:
