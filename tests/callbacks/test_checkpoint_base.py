@@ -43,3 +43,16 @@ def test_a_checkpoint_of_ones_own_is_a_callback_the_trainer_runs(tmp_path) -> No
     trainer.fit(Net(), [torch.ones(1)])
     assert marks.ends == 1
     assert [type(c) for c in trainer.callbacks if isinstance(c, Checkpoint)][0] is Marks
+
+
+def test_checkpoints_of_ones_own_run_after_the_other_callbacks(tmp_path) -> None:
+    class Mine(Checkpoint):
+        pass
+
+    class Other(Callback):
+        pass
+
+    mine, other = Mine(), Other()
+    trainer = ember.Trainer(callbacks=[mine, other], logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    order = [c for c in trainer.callbacks if c in (mine, other)]
+    assert order == [other, mine]  # as Lightning: a checkpoint saves what the others did at that hook
