@@ -85,8 +85,6 @@ class TrainerState:
     object); assigning it is refused, since the Trainer decides it.
     """
 
-    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
-
     def __init__(self, stage_of: Callable[[], RunningStage | None] | None = None) -> None:
         self.status = TrainerStatus.INITIALIZING
         self.fn: TrainerFn | None = None
@@ -137,8 +135,18 @@ class TrainerState:
         if isinstance(other, str):  # ember's earlier string state
             return self.activity == other
         if isinstance(other, TrainerState):
-            return (self.status, self.fn, self.stage) == (other.status, other.fn, other.stage)
+            return (self.status, self.fn, self.stage, self.activity) == (
+                other.status,
+                other.fn,
+                other.stage,
+                other.activity,
+            )
         return NotImplemented
+
+    def __hash__(self) -> int:
+        # As the string it equals, so code that used ember's earlier string state as a dict key still works
+        # (Lightning's dataclass has no hash). It changes as the run goes on, as that string did.
+        return hash(self.activity)
 
     def __repr__(self) -> str:
         return f"TrainerState(status={self.status!r}, fn={self.fn!r}, stage={self.stage!r})"
