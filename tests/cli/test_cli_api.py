@@ -410,3 +410,30 @@ def test_a_subclass_method_named_after_the_subcommand_runs_instead_of_the_traine
     cli = OwnFit(Net, Data, save_config_callback=None, args=[*fit_args(tmp_path), "--ckpt_path=last"])
     assert calls == [(cli.model, {"datamodule": cli.datamodule, "ckpt_path": "last", "weights_only": None})]
     assert cli.trainer.global_step == 0  # the Trainer's fit did not run
+
+
+class Validated(Net):
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", F.mse_loss(self.net(batch[0]), batch[1]))
+
+    def val_dataloader(self):
+        return regression_loader()
+
+
+def test_the_hyper_parameters_saved_in_ckpt_path_give_the_models_arguments(tmp_path):
+    trained = Validated(hidden=5, lr=0.05)
+    trainer = ember.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
+    trainer.fit(trained, regression_loader())
+    path = str(tmp_path / "net.ckpt")
+    trainer.save_checkpoint(path)
+    # The config says hidden=8 (the default) and lr=0.3: the checkpoint's hidden=5 and lr=0.05 win, so the weights fit.
+    args = ["validate", "--model.lr=0.3", f"--ckpt_path={path}", "--trainer.logger=false"]
+    cli = EmberCLI(Validated, args=args + ["--trainer.enable_progress_bar=false"], save_config_callback=None)
+    assert (cli.model.hparams.hidden, cli.model.hparams.lr) == (5, 0.05)
+    cli = EmberCLI(args=[args[0], f"--model={__name__}.Validated", *args[1:]], save_config_callback=None)
+    assert type(cli.model) is Validated and cli.model.hparams.hidden == 5  # a module named by the config too
+    # Without --ckpt_path the config's arguments stay.
+    cli = EmberCLI(
+        Validated, args=["validate", "--model.hidden=3", "--trainer.logger=false"], save_config_callback=None
+    )
+    assert cli.model.hparams.hidden == 3

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from torch.optim import Optimizer
 
 from ember.callbacks.callback import Callback
+from ember.checkpoint.reading import load
 from ember.cli.optimizers import (
     AUTOMATIC,
     LRSchedulerTypeTuple,
@@ -147,6 +148,7 @@ class EmberCLI:
         subcommand_kwargs = {k: v for k, v in self.parser_kwargs.items() if k in names}
         self.setup_parser(run, main_kwargs, subcommand_kwargs)
         self.parse_arguments(self.parser, args)
+        self._parse_ckpt_path()
         self.subcommand: str | None = self.config["subcommand"] if run else None
         self._set_seed()
         self.before_instantiate_classes()
@@ -265,6 +267,30 @@ class EmberCLI:
             self.config = parser.parse_object(args)
         else:
             self.config = parser.parse_args(args)
+
+    def _parse_ckpt_path(self) -> None:
+        """As Lightning: a subcommand's ``--ckpt_path`` file gives the model's arguments, from the hyper-parameters
+        saved in it (they win over the config's; ``--ckpt_path last`` and other names are not files: nothing)."""
+        subcommand = self.config.get("subcommand")
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not path or not os.path.isfile(path):
+            return
+        hparams = dict(load(path, map_location="cpu", lightning=True).get("hyper_parameters") or {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        model: dict[str, Any] = hparams
+        current = self.config[subcommand].get("model")
+        if self.subclass_mode_model and current is not None and current.get("class_path"):
+            model = {"class_path": current["class_path"], "init_args": hparams}
+        try:
+            self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
+        except SystemExit:
+            sys.stderr.write(
+                f"The hyper-parameters saved in --ckpt_path {path} do not fit the model's arguments (above); "
+                "pass a checkpoint of this model.\n"
+            )
+            raise
 
     # ------------------------------------------------------------------ the objects
     def _set_seed(self) -> None:
