@@ -122,7 +122,9 @@ class EarlyStopping(Callback):
         if self.check_on_train_epoch_end is not None:
             self._on_epoch_end = self.check_on_train_epoch_end
         else:
-            validates = any(trainer.num_val_batches)
+            # Not requested yet when the first epoch does not validate: then whether the fit validates decides.
+            batches = trainer.num_val_batches
+            validates = any(batches) if batches else trainer.enable_validation
             once_per_epoch = trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch == 1
             self._on_epoch_end = not validates or once_per_epoch
 

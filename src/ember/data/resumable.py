@@ -5,7 +5,8 @@ the dataset, batch size, workers, collate function, drop_last and every other se
 skips the batches an interrupted epoch already consumed *at the sampler level*, so no sample is
 loaded only to be thrown away. Loaders that cannot be rebuilt safely (DataLoader subclasses,
 iterable datasets, custom samplers or batch samplers) are returned unchanged; resuming one of them
-mid-epoch falls back to iterating past the consumed batches, with a warning.
+mid-epoch falls back to iterating past the consumed batches, with a warning. So is, in one process, a
+loader whose sampler has a ``set_epoch`` of its own: the loop calls it each epoch, as Lightning does.
 """
 
 from __future__ import annotations
@@ -122,8 +123,20 @@ def rebuild_with_sampler(loader: DataLoader, sampler: Sampler) -> DataLoader:
     return _ResumableDataLoader(loader.dataset, **kwargs)
 
 
+def has_own_set_epoch(loader: Any) -> bool:
+    """Whether ``loader``'s sampler has a ``set_epoch`` (a ``RandomSampler`` subclass or instance given
+    one by the user): its per-epoch behaviour is the user's, which a replacement sampler would drop."""
+    return callable(getattr(getattr(loader, "sampler", None), "set_epoch", None))
+
+
 def make_resumable(loader: Any, sampler_factory: Callable[[int, bool, Any], Sampler] | None = None) -> Any:
     """``loader`` with its sampler replaced by a resumable one, or ``loader`` itself when it can't be.
+
+    Without ``sampler_factory`` (one process), a loader whose sampler has its own ``set_epoch`` is kept
+    too: the loop calls that ``set_epoch`` each epoch (``loaders.set_loader_epoch``), as Lightning does,
+    and a mid-epoch resume skips the consumed batches. With one (``ddp`` sharding) it is replaced as
+    before: every rank needs its shard, and Lightning likewise sets the epoch of the
+    ``DistributedSampler`` it puts in, not the user's sampler's.
 
     Args:
         loader: the user's training loader.
@@ -132,6 +145,8 @@ def make_resumable(loader: Any, sampler_factory: Callable[[int, bool, Any], Samp
             permutation from the global RNG exactly as ``RandomSampler`` does.
     """
     if resumable_sampler_of(loader) is not None or why_not_swappable(loader) is not None:
+        return loader
+    if sampler_factory is None and has_own_set_epoch(loader):
         return loader
     shuffle = isinstance(loader.sampler, RandomSampler)
     if sampler_factory is None:

@@ -170,6 +170,8 @@ def eval_loaders(
     trainer: Trainer, given: Any, stage: Stage, attr: str, limit: int | float
 ) -> tuple[list[Any], list[float]]:
     """validate / test / predict: the loaders (processed by the strategy) and the batches to run of each."""
+    if stage == "validate":  # trainer.val_dataloaders / num_val_batches: validate's from now on
+        trainer.fit_state.data.superseded_by_validate = True
     loaders = as_list(request(trainer, given, attr, f"{stage}'s dataloaders"))
     if not loaders:
         raise ValueError(f"{stage} needs data: pass dataloaders or a datamodule.")
@@ -267,10 +269,12 @@ def unshuffled(loader: Any, kind: str) -> Any:
 class FitData:
     """fit's loaders: requested from the module or datamodule in Lightning's order, counted, reloaded.
 
-    The validation loader is requested when the sanity check starts (or, without one, just after the
-    train loader), the train loader after the sanity check, both only once per fit unless
-    ``reload_dataloaders_every_n_epochs`` asks again: the train loader at the start of an epoch, the
-    validation loader when a validation runs (as Lightning: an epoch that does not validate requests none).
+    The validation loader is requested when the sanity check starts, or else at the start of the first
+    epoch that validates (as Lightning: a fit whose first epochs do not validate requests it only then), the
+    train loader after the sanity check, both only once per fit unless ``reload_dataloaders_every_n_epochs``
+    asks again: the train loader at the start of an epoch, the validation loader when a validation runs (an
+    epoch that does not validate requests none). A sanity check's request counts as the epoch's load only
+    when that epoch validates; otherwise the first validation requests the loaders again, when reloading.
 
     Args:
         trainer: the run's Trainer (its strategy, limits, module and datamodule).
@@ -286,7 +290,11 @@ class FitData:
         self.num_training_batches: float = 0
         self.num_val_batches: list[float] = []
         self._val_requested = False
-        self._val_loaded_at = 0  # the epoch whose validation loaders are in use
+        #: A ``validate`` ran after this fit: ``trainer.val_dataloaders`` and ``num_val_batches`` are its.
+        self.superseded_by_validate = False
+        # The epoch whose validation loaders are in use; None: loaded for a sanity check of an epoch that
+        # does not validate, so the first validation reloads them (when reloading at all).
+        self._val_loaded_at: int | None = 0
 
     @property
     def validates(self) -> bool:
@@ -298,6 +306,18 @@ class FitData:
         if getattr(t.module, "validation_step", None) is None or t.limit_val_batches == 0:
             return False
         return self.val_source_defined()
+
+    @property
+    def plans_validation(self) -> bool:
+        """Whether this fit runs ``validation_step`` on validation data (``validates``, with the module's
+        own ``validation_step``): what ``trainer.enable_validation`` says."""
+        return self.validates and is_overridden("validation_step", self._trainer.module, TrainModule)
+
+    def epoch_validates(self, epoch: int) -> bool:
+        """Whether ``epoch`` validates by ``check_val_every_n_epoch`` (every epoch may when it is None: the
+        interval then counts batches across epochs)."""
+        every = self._trainer.check_val_every_n_epoch
+        return every is None or (epoch + 1) % every == 0
 
     def val_source_defined(self) -> bool:
         """Whether validation data is given to fit or defined (``val_dataloader`` of the datamodule, or else
@@ -326,13 +346,23 @@ class FitData:
                 stacklevel=user_stacklevel(),
             )
 
+    def request_val_for_epoch(self, epoch: int) -> None:
+        """At the fit's start and each epoch's: request the validation loaders (``request_val``) if not yet
+        done and ``epoch`` validates, as Lightning. Without a ``validation_step`` they are requested at once:
+        validation data without a step to run on is an error to report before training."""
+        if self._val_requested or not self.validates:
+            return
+        if self.epoch_validates(epoch) or not is_overridden("validation_step", self._trainer.module, TrainModule):
+            self.request_val()
+
     def request_val(self) -> None:
         """Request the validation loaders (once per fit) and count their batches."""
         if self._val_requested:
             return
         self._val_requested = True
         t = self._trainer
-        self._val_loaded_at = t.current_epoch
+        sanity_only = t.sanity_checking and not self.epoch_validates(t.current_epoch)
+        self._val_loaded_at = None if sanity_only else t.current_epoch
         if not self.validates:
             return
         loaders = as_list(request(t, self._given[1], "val_dataloader", "fit's val_dataloaders"))
@@ -370,10 +400,12 @@ class FitData:
 
     def reload_val_if_due(self) -> None:
         """Before a validation inside fit: request fresh validation loaders when the ones in use were
-        requested ``reload_dataloaders_every_n_epochs`` or more epochs ago (one passed to ``fit`` is kept)."""
+        requested ``reload_dataloaders_every_n_epochs`` or more epochs ago, or only for the sanity check of an
+        epoch that does not validate (one passed to ``fit`` is kept)."""
         t = self._trainer
         every = t.reload_dataloaders_every_n_epochs
-        if not every or t.current_epoch - self._val_loaded_at < every:
+        loaded_at = self._val_loaded_at
+        if not every or (loaded_at is not None and t.current_epoch - loaded_at < every):
             return
         self._val_loaded_at = t.current_epoch
         if self._given[1] is None and self.val_loaders:

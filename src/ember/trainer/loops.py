@@ -5,7 +5,8 @@ A fit, as in Lightning::
 
     [a resume: the optimizers, schedulers and progress are restored]
     [sanity check] on_sanity_check_start -> val_dataloader() -> validation -> on_sanity_check_end
-    train_dataloader() (and val_dataloader() when no sanity check requested it)
+    train_dataloader() (and val_dataloader() when no sanity check requested it and the first epoch validates;
+        otherwise at the start of the first epoch that does)
     [a resume: the data position and RNG states are restored]
     on_train_start
     per epoch: on_train_epoch_start, per batch (epoch_loop.py):
@@ -139,7 +140,7 @@ class FitLoop:
         if t.limit_train_batches == 0:  # as Lightning: no training at all, not even its loader or hooks
             return
         data.request_train()
-        data.request_val()
+        data.request_val_for_epoch(p.current_epoch)
         self._check_val_interval()
         n, every = data.num_training_batches, t.log_every_n_steps
         if t.loggers and n < every and not t.fast_dev_run and t.is_global_zero:  # as Lightning (rank zero)
@@ -228,7 +229,7 @@ class FitLoop:
         if (
             isinstance(v, int)
             and t.check_val_every_n_epoch is not None
-            and data.val_loaders
+            and data.plans_validation
             and n != math.inf
             and v > n
         ):
@@ -237,7 +238,7 @@ class FitLoop:
                 "validation would never run. Lower it, or set check_val_every_n_epoch=None to count "
                 "batches across epochs."
             )
-        if isinstance(v, float) and v != 1.0 and data.val_loaders and n == math.inf:
+        if isinstance(v, float) and v != 1.0 and data.plans_validation and n == math.inf:
             raise ValueError(
                 f"val_check_interval={v} is a fraction of an epoch, but the train dataloader has no "
                 "length, so validation would never run mid-epoch. Pass an int number of batches, or an "
@@ -265,6 +266,9 @@ class FitLoop:
         if p.epoch_finished:
             self._finish_epoch(whole=True)
             return False
+        # The first epoch that validates requests the validation loaders, before on_train_epoch_start: the epoch's
+        # hooks (and the progress bar's total_val_batches) see them from its start.
+        data.request_val_for_epoch(p.current_epoch)
         if fresh and not self._keep_train_stage:
             metrics.start_stage("train")
         else:

@@ -15,10 +15,9 @@ from ember.callbacks.progress_bar import ProgressBar
 from ember.loggers.file_logger import FileLogger
 from ember.loggers.logger import Logger
 from ember.module import TrainModule
-from ember.overrides import is_overridden
 from ember.trainer.loaders import CombinedBatches
 from ember.trainer.predict_record import PredictionRecord
-from ember.trainer.states import RunningStage, TrainerState, TrainerStatus
+from ember.trainer.states import RunningStage, TrainerFn, TrainerState, TrainerStatus
 
 if TYPE_CHECKING:
     from ember.accelerators import Accelerator
@@ -359,9 +358,16 @@ class TrainerProperties:
         return loader.combined.iterables if isinstance(loader, CombinedBatches) else loader
 
     @property
+    def _val_from_validate(self) -> bool:
+        """Whether the validation loaders to show are ``validate``'s: it is the running or last entry point, or
+        it ran after the last fit (a ``test`` or ``predict`` since leaves them as they were)."""
+        return self.state.fn == TrainerFn.VALIDATING or self._data.superseded_by_validate
+
+    @property
     def val_dataloaders(self) -> Any:
-        """The validation loaders: of the running ``validate``, else of the fit (one loader, a list, or None)."""
-        if self.state == "validating":
+        """The validation loaders of the run that last set them up, ``fit`` or ``validate`` (one loader, a
+        list, or None): a fit's from the time it requests them (see ``FitData``)."""
+        if self._val_from_validate:
             return _one_or_list(self._eval_loaders.get("validate", []))
         return _one_or_list(self._data.val_loaders)
 
@@ -379,8 +385,7 @@ class TrainerProperties:
     def enable_validation(self) -> bool:
         """Whether fit validates, as Lightning decides it: a validation loader given or defined, a
         ``validation_step``, and ``limit_val_batches`` above 0 (False before a module is attached)."""
-        module = self.module
-        return module is not None and is_overridden("validation_step", module, TrainModule) and self._data.validates
+        return self.module is not None and self._data.plans_validation
 
     @property
     def is_last_batch(self) -> bool:
@@ -393,7 +398,8 @@ class TrainerProperties:
 
     @property
     def num_val_batches(self) -> list[float]:
-        if self.state == "validating":
+        """The batches to run of each validation loader, of the run that last set them up (``val_dataloaders``)."""
+        if self._val_from_validate:
             return self._eval_batches.get("validate", [])
         return self._data.num_val_batches
 
