@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -22,6 +22,7 @@ from ember.checkpoint.weights import read_for_module
 from ember.hparams import AttributeDict as AttributeDict  # re-exported: ember.module.AttributeDict
 from ember.hparams import HyperparametersMixin
 from ember.log_redirect import LOG_REDIRECTS as _LOG_REDIRECTS
+from ember.log_redirect import logging_off as _logging_off
 from ember.log_redirect import redirect_log as redirect_log  # re-exported: ember.module.redirect_log
 from ember.log_redirect import redirected_sink as _redirected_sink
 from ember.metric_values import is_torchmetric
@@ -32,6 +33,7 @@ from ember.signatures import takes_dataloader_iter as takes_dataloader_iter
 from ember.types import REDUCE_OPS, parse_reduce_fx
 
 if TYPE_CHECKING:
+    from ember.callbacks.callback import Callback
     from ember.trainer.trainer import Trainer
     from ember.types import ReduceFx, Stage
 
@@ -126,8 +128,8 @@ class TrainModule(HyperparametersMixin, DataHooks, ModeHooks, PlacementPropertie
         return self._strict_loading in (None, True)
 
     @strict_loading.setter
-    def strict_loading(self, value: bool) -> None:
-        self._strict_loading = bool(value)
+    def strict_loading(self, value: bool | None) -> None:
+        self._strict_loading = None if value is None else bool(value)  # None: the default (True), as Lightning
 
     @classmethod
     def load_from_checkpoint(
@@ -197,6 +199,8 @@ class TrainModule(HyperparametersMixin, DataHooks, ModeHooks, PlacementPropertie
                 when restoring a checkpoint; a Metric's state here is whatever its own ``state_dict`` holds).
             rank_zero_only: accepted for compatibility; ember reduces every key on every rank.
         """
+        if _logging_off(self._trainer):  # Trainer(barebones=True): nothing is logged, as in Lightning
+            return
         # The trainer's collector of this run (``fit_state.start_run`` renews it), unless redirected.
         sink = _redirected_sink(self) if _LOG_REDIRECTS else None
         if sink is None and self._trainer is not None:
@@ -392,7 +396,7 @@ class TrainModule(HyperparametersMixin, DataHooks, ModeHooks, PlacementPropertie
             "([optimizers], [schedulers]) or {'optimizer': ..., 'lr_scheduler': ...}."
         )
 
-    def configure_callbacks(self) -> Iterable[Any]:
+    def configure_callbacks(self) -> Sequence[Callback] | Callback:
         return []
 
     def prepare_data(self) -> None: ...

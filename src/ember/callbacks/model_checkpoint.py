@@ -159,7 +159,7 @@ class ModelCheckpoint(CheckpointRotation, Checkpoint):
         ]
         if len(given) > 1:
             raise ValueError(f"ModelCheckpoint: {', '.join(given)} are mutually exclusive; choose one cadence.")
-        self.dirpath: str | None = os.path.abspath(os.fspath(dirpath)) if dirpath is not None else None
+        self.dirpath: str | None = None if dirpath is None else os.path.abspath(os.path.expanduser(dirpath))
         self._dirpath_given = self.dirpath is not None  # else resolved from the logger at every fit
         if filename is not None:
             check_template("filename", filename, _FIELD)
@@ -275,7 +275,7 @@ class ModelCheckpoint(CheckpointRotation, Checkpoint):
         self._validation_ran = False
         self._saved_in_fit = False
         holder = problem = None
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and not trainer.fast_dev_run:  # (which writes nothing: no lock, no directory)
             # Found now rather than at the first save, an epoch later: a directory that cannot be written.
             err = unwritable(self.dirpath)
             if err is not None:
@@ -361,7 +361,7 @@ class ModelCheckpoint(CheckpointRotation, Checkpoint):
         # As Lightning: a fit in which no save point came (every cadence disabled, or never due)
         # still leaves a ``last`` checkpoint of its final state.
         if self.save_last and not self._saved_in_fit and trainer.global_step != self._last_global_step_saved:
-            self._save_last_only(trainer)
+            self._save(trainer, at_epoch_end=False, last_only=True)
         if self.async_save:
             self._finish_write(trainer)  # what fit wrote is on disk (or its failure raised) when fit returns,
             trainer.strategy.barrier("async checkpoint")  # on every rank, as after a synchronous save
@@ -373,7 +373,7 @@ class ModelCheckpoint(CheckpointRotation, Checkpoint):
         self._time_vote = None  # not waited for: a rank that failed may never have sent its part
         if self.async_save:  # the exception is what fit raises; a failed write is a warning
             self._warn_failed(trainer.strategy.background_writer.wait(raise_errors=False))
-        if self.save_on_exception:
+        if self.save_on_exception and not trainer.fast_dev_run:
             save_on_exception(trainer, self.dirpath or self._resolve_dirpath(trainer), "on_exception", exception)
 
     def _finish_write(self, trainer: Trainer) -> None:
@@ -410,7 +410,7 @@ class ModelCheckpoint(CheckpointRotation, Checkpoint):
         if self._epoch_due(trainer):
             self._save(trainer, at_epoch_end=at_epoch_end)
         elif self.save_last and trainer.global_step != self._last_global_step_saved:
-            self._save_last_only(trainer)
+            self._save(trainer, at_epoch_end=False, last_only=True)
 
     # ------------------------------------------------------------------ what
     def _candidates(self, trainer: Trainer) -> dict[str, Any]:
@@ -419,7 +419,10 @@ class ModelCheckpoint(CheckpointRotation, Checkpoint):
         metrics.setdefault("step", trainer.global_step)
         return metrics
 
-    def _save(self, trainer: Trainer, at_epoch_end: bool) -> None:
+    def _save(self, trainer: Trainer, at_epoch_end: bool, last_only: bool = False) -> None:
+        """Every save point's save: the top k (unless ``last_only``) and ``last``; none under fast_dev_run."""
+        if trainer.fast_dev_run:  # as Lightning: a smoke run of a batch or two writes no checkpoint
+            return
         # This callback's state is updated *before* each write: the checkpoint holds it, and must
         # already list the file it is written to (or a resumed run would orphan that file). With
         # async_save, the previous write completes first, so these decisions see its files.
@@ -427,24 +430,17 @@ class ModelCheckpoint(CheckpointRotation, Checkpoint):
         before = self._listing()
         metrics = self._candidates(trainer)
         self._last_global_step_saved = trainer.global_step
-        self._last_time = time.monotonic()
-        self._saves += 1
         self._saved_in_fit = True
+        if not last_only:
+            self._last_time = time.monotonic()
+            self._saves += 1
         previous_last = self._next_last(trainer, metrics)
         written: str | None = None
-        self._replaced = []
-        if self.save_top_k != 0:
-            written = self._save_top_k(trainer, metrics, at_epoch_end)
+        if not last_only:
+            self._replaced = []
+            if self.save_top_k != 0:
+                written = self._save_top_k(trainer, metrics, at_epoch_end)
         self._put_files(trainer, written, previous_last, before)
-
-    def _save_last_only(self, trainer: Trainer) -> None:
-        self._finish_write(trainer)
-        before = self._listing()
-        metrics = self._candidates(trainer)
-        self._last_global_step_saved = trainer.global_step
-        self._saved_in_fit = True
-        previous_last = self._next_last(trainer, metrics)
-        self._put_files(trainer, None, previous_last, before)
 
     # ------------------------------------------------------------------ names
     def format_checkpoint_name(

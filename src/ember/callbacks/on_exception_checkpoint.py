@@ -52,7 +52,7 @@ class OnExceptionCheckpoint(Checkpoint):
                 "OnExceptionCheckpoint(filename=''): the file name cannot be empty; pass a name without the "
                 "extension, such as 'on_exception' (the default)."
             )
-        self.dirpath = os.path.abspath(os.fspath(dirpath))
+        self.dirpath = os.path.abspath(os.path.expanduser(os.fspath(dirpath)))
         self.filename = filename
 
     @property

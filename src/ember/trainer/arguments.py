@@ -8,7 +8,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -86,8 +86,10 @@ def check_schedule(
         not isinstance(check_val_every_n_epoch, int) or check_val_every_n_epoch < 1
     ):
         raise ValueError(f"check_val_every_n_epoch must be a positive int or None, got {check_val_every_n_epoch!r}.")
-    if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
-        raise ValueError(f"log_every_n_steps must be a positive int, got {log_every_n_steps!r}.")
+    if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
+        raise ValueError(
+            f"log_every_n_steps must be a non-negative int (0: no step metrics), got {log_every_n_steps!r}."
+        )
     if not isinstance(num_sanity_val_steps, int) or num_sanity_val_steps < -1:
         raise ValueError(f"num_sanity_val_steps must be an int >= -1, got {num_sanity_val_steps!r}.")
     if not isinstance(reload_dataloaders_every_n_epochs, int) or reload_dataloaders_every_n_epochs < 0:
@@ -97,6 +99,113 @@ def check_schedule(
     if not isinstance(fast_dev_run, int) or fast_dev_run < 0:  # bool is an int: True means 1
         raise ValueError(f"fast_dev_run must be a bool or a non-negative int, got {fast_dev_run!r}.")
     return max_epochs, min_epochs
+
+
+class Switches(NamedTuple):
+    """The Trainer's features that ``barebones`` turns off, resolved: the value given, or the default."""
+
+    enable_checkpointing: bool
+    enable_progress_bar: bool
+    logger: Any
+    log_every_n_steps: int
+    enable_model_summary: bool
+    num_sanity_val_steps: int
+
+
+#: Why ``Trainer(barebones=True)`` refuses each argument that would turn on what it turns off.
+_BAREBONES_REFUSES = {
+    "enable_checkpointing": "writing checkpoints takes time",
+    "logger": "logging takes time",
+    "enable_progress_bar": "drawing a progress bar takes time",
+    "log_every_n_steps": "logging takes time (barebones sets log_every_n_steps=0)",
+    "enable_model_summary": "the model summary takes time",
+    "num_sanity_val_steps": "the sanity check takes time (barebones sets num_sanity_val_steps=0)",
+    "fast_dev_run": "a fast_dev_run is a smoke test of a batch or two, not a measure of speed",
+    "detect_anomaly": "anomaly detection slows every backward",
+    "profiler": "a profiler times every hook, which takes time",
+}
+
+_BAREBONES_NOTICE = (
+    "Trainer(barebones=True): everything beside the training loop that may take time is off, so that what "
+    "is measured is the loop's own cost:"
+    + "".join(
+        f"\n - {what}"
+        for what in (
+            "checkpointing (enable_checkpointing)",
+            "the progress bar (enable_progress_bar)",
+            "the model summary (enable_model_summary)",
+            "logging (logger, log_every_n_steps; self.log and self.log_dict do nothing)",
+            "the sanity check (num_sanity_val_steps)",
+            "fast_dev_run",
+            "anomaly detection (detect_anomaly)",
+            "profiling (profiler)",
+        )
+    )
+)
+
+#: Said when a barebones Trainer starts a run (fit, validate, test or predict).
+BAREBONES_RUN_NOTICE = (
+    "Trainer(barebones=True) is running: it has no progress bar, so print the progress from your module if you "
+    "want to follow it."
+)
+
+
+def resolve_switches(
+    barebones: bool,
+    *,
+    enable_checkpointing: bool | None,
+    enable_progress_bar: bool | None,
+    logger: Any,
+    log_every_n_steps: int | None,
+    enable_model_summary: bool | None,
+    num_sanity_val_steps: int | None,
+    fast_dev_run: bool | int,
+    detect_anomaly: bool,
+    profiler: Any,
+) -> Switches:
+    """The switches as given, None standing for the default (as in Lightning's signature); under ``barebones``
+    all off, and a ValueError naming the first argument given that would turn one on (or is
+    ``fast_dev_run``, ``detect_anomaly`` or a ``profiler``).
+
+    ``logger=True`` is ember's default, so barebones cannot tell it was given: it is turned off like the
+    default (a Logger or a list of them is refused)."""
+    if barebones is not True and barebones is not False:
+        raise ValueError(f"barebones must be True or False, got {barebones!r}.")
+    if not barebones:
+        return Switches(
+            True if enable_checkpointing is None else enable_checkpointing,
+            True if enable_progress_bar is None else enable_progress_bar,
+            logger,
+            50 if log_every_n_steps is None else log_every_n_steps,
+            bool(enable_model_summary),
+            2 if num_sanity_val_steps is None else num_sanity_val_steps,
+        )
+    given = (  # (argument, its value, whether it turns on what barebones turns off)
+        ("enable_checkpointing", enable_checkpointing, bool(enable_checkpointing)),
+        ("logger", logger, logger is not True and logger is not None and logger is not False),
+        ("enable_progress_bar", enable_progress_bar, bool(enable_progress_bar)),
+        ("log_every_n_steps", log_every_n_steps, log_every_n_steps is not None and log_every_n_steps != 0),
+        ("enable_model_summary", enable_model_summary, bool(enable_model_summary)),
+        ("num_sanity_val_steps", num_sanity_val_steps, num_sanity_val_steps is not None and num_sanity_val_steps != 0),
+        ("fast_dev_run", fast_dev_run, fast_dev_run is not False and fast_dev_run != 0),
+        ("detect_anomaly", detect_anomaly, bool(detect_anomaly)),
+        ("profiler", profiler, profiler is not None),
+    )
+    for name, value, on in given:
+        if on:
+            raise ValueError(
+                f"Trainer(barebones=True) cannot take {name}={value!r}: barebones mode measures the bare "
+                f"training loop, and {_BAREBONES_REFUSES[name]}. Leave {name} out, or drop barebones=True."
+            )
+    log.info(_BAREBONES_NOTICE)
+    return Switches(False, False, False, 0, False, 0)
+
+
+def wants_loggers(logger: Any) -> bool:
+    """Whether ``Trainer(logger=...)`` asks for any logger (what ``fast_dev_run`` replaces with a DummyLogger)."""
+    if logger is None or logger is False:
+        return False
+    return not (isinstance(logger, (list, tuple)) and not logger)
 
 
 def set_backend_flags(deterministic: bool | str | None, benchmark: bool | None) -> None:
@@ -193,7 +302,6 @@ def check_max_time(max_time: Any) -> None:
 NOT_TAKEN = {
     "num_nodes": "ember's ddp reads the world (nodes included) from torchrun or SLURM; start it with torchrun",
     "plugins": "ember has no plugin system; pass precision= and strategy= instead",
-    "barebones": "ember has no barebones mode; turn off enable_progress_bar, logger and enable_checkpointing",
     "inference_mode": "ember always evaluates under torch.no_grad() (docs/from-lightning.md: where ember deliberately "
     "differs)",
     "use_distributed_sampler": "ember's ddp always gives a map-style loader its own sharded sampler (it "
@@ -297,9 +405,10 @@ def resolve_strategy(
     return resolved
 
 
-def build_callbacks(
-    trainer: Trainer, callbacks: Any, progress_bar: bool, checkpointing: bool, summary: bool, max_time: Any = None
-) -> list[Callback]:
+def build_callbacks(trainer: Trainer, callbacks: Any, switches: Switches, max_time: Any = None) -> list[Callback]:
+    """``Trainer(callbacks=...)`` as a list, with the Timer of ``max_time`` and the default progress bar, model
+    summary and ModelCheckpoint that ``switches`` turn on."""
+    progress_bar, checkpointing = switches.enable_progress_bar, switches.enable_checkpointing
     if callbacks is None:
         callbacks = []
     elif isinstance(callbacks, Callback):
@@ -322,17 +431,15 @@ def build_callbacks(
             f"Trainer(enable_progress_bar=False) but a {type(bars[0]).__name__} is in callbacks: remove the "
             "progress bar from callbacks, or leave enable_progress_bar=True."
         )
-    if summary and not any(isinstance(c, cbs.ModelSummary) for c in callbacks):
+    if switches.enable_model_summary and not any(isinstance(c, cbs.ModelSummary) for c in callbacks):
         callbacks.append(cbs.ModelSummary())
     checkpoint_cls = getattr(cbs, "ModelCheckpoint", None)
     if checkpoint_cls is not None:
         has_checkpoint = any(isinstance(c, checkpoint_cls) for c in callbacks)
         if checkpointing and not has_checkpoint:
             callbacks.append(checkpoint_cls())
-        elif not checkpointing and has_checkpoint and not trainer.fast_dev_run:
+        elif not checkpointing and has_checkpoint:  # (under fast_dev_run too: it then saves nothing)
             raise ValueError("enable_checkpointing=False but a ModelCheckpoint is in callbacks; remove one of them.")
-    if trainer.fast_dev_run and checkpoint_cls is not None:
-        callbacks = [c for c in callbacks if not isinstance(c, checkpoint_cls)]
     return callbacks
 
 

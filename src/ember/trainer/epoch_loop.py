@@ -99,6 +99,7 @@ class EpochLoop:
         self._warned_uneven = False  # ranks' unsized loaders yielded different numbers of batches
         self._warned_empty = False  # an unsized train loader yielded no batch in an epoch
         self._warned_frequency = False  # a step scheduler's frequency is no multiple of accumulate_grad_batches
+        self._warned_none = False  # the train loader yielded a None batch
 
     def _epoch_parts(self, preemption: PreemptionHandler | None, val_due: Callable[[int, bool], bool]) -> _EpochParts:
         """What the batch loop needs, looked up once per epoch, after ``on_train_epoch_start``; ``val_due``: the
@@ -193,14 +194,17 @@ class EpochLoop:
             self.log_step = p.global_step
             metrics.batch = batch
             metrics.batch_size = None
-            if parts.batch_start and self._refused(parts, batch, batch_idx):
+            if batch is None:  # as Lightning: skipped (no on_train_batch_start, no step), yet a batch of the epoch
+                outputs, steps = self._skip_none(batch_idx)
+            elif parts.batch_start and self._refused(parts, batch, batch_idx):
                 refused = True
                 break
-            metrics.fx = "training_step"
-            outputs, steps = run_step(batch, batch_idx, is_last)
+            else:
+                metrics.fx = "training_step"
+                outputs, steps = run_step(batch, batch_idx, is_last)
             p.batch_in_epoch = batch_idx + 1
             p.total_batches += 1
-            if self._after_step(parts, outputs, steps, batch_idx + 1, is_last, batch, batch_idx):
+            if self._after_step(parts, outputs, steps, batch_idx + 1, is_last, batch, batch_idx, batch is None):
                 break
         else:
             exhausted = True
@@ -303,8 +307,31 @@ class EpochLoop:
             )
         return True
 
+    def _skip_none(self, batch_idx: int) -> tuple[Any, int]:
+        """A None batch from the train loader: no step (``on_train_batch_end`` gets ``outputs=None``); said once
+        per fit, on global rank zero."""
+        if not self._warned_none and self.trainer.is_global_zero:
+            warnings.warn(
+                f"train_dataloader yielded None (batch {batch_idx}): as in Lightning, the batch is skipped (no "
+                "on_train_batch_start, training_step or optimizer step; on_train_batch_end gets outputs=None) and "
+                "counts as one of the epoch's batches. If this was on purpose, ignore this warning (said once per "
+                "fit).",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+        self._warned_none = True
+        return self.step.skip(batch_idx)
+
     def _after_step(
-        self, parts: _EpochParts, outputs: Any, steps: int, done: int, is_last: bool, batch: Any, batch_idx: int
+        self,
+        parts: _EpochParts,
+        outputs: Any,
+        steps: int,
+        done: int,
+        is_last: bool,
+        batch: Any,
+        batch_idx: int,
+        skipped: bool = False,
     ) -> bool:
         """What follows each step, in both epoch loops, in Lightning's order: ``global_step``, the schedulers,
         ``on_train_batch_end``, the loggers' write, a validation when due, the step boundary.
@@ -316,6 +343,7 @@ class EpochLoop:
                 step-interval scheduler's ``frequency`` and an accumulation window count.
             is_last: whether it was the epoch's last.
             batch, batch_idx: what ``on_train_batch_end`` receives.
+            skipped: whether the loader yielded None for the batch (its hooks get ``outputs=None``).
 
         Returns:
             Whether training stops here: ``max_steps`` reached, or a stop requested that may end it now.
@@ -333,7 +361,7 @@ class EpochLoop:
         self.writes_step_metrics = bool(steps and log_every) and (p.global_step % log_every == 0 or t.should_stop)
         if parts.batch_end:
             metrics.fx = "on_train_batch_end"
-            if parts.wants_outputs:  # as Lightning: hooks see a dict with a detached "loss"
+            if parts.wants_outputs and not skipped:  # as Lightning: hooks see a dict with a detached "loss"
                 outputs = as_output_dict(outputs)
             for h in parts.batch_end:
                 h(outputs, batch, batch_idx)

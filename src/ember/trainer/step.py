@@ -329,14 +329,7 @@ class TrainingStep:
                 outputs = step(batch, batch_idx)
         loss = check_loss(outputs)
         if pos == 0:
-            optimizer = self._optimizer
-            for h in self._h_zero_grad:
-                h(optimizer)
-            if self._zero_grad_override is None:
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                self._zero_grad_override(self.progress.current_epoch, batch_idx, optimizer)
-            self.window_has_grad = False
+            self.zero_grad(batch_idx)
         if loss is None:
             if warn:
                 self._warn_none(batch_idx)
@@ -364,6 +357,26 @@ class TrainingStep:
                 h()
         self.window_has_grad = True
         return outputs, loss
+
+    def zero_grad(self, batch_idx: int) -> None:
+        """At an accumulation window's first batch: ``on_before_zero_grad``, then ``optimizer_zero_grad``."""
+        optimizer = self._optimizer
+        for h in self._h_zero_grad:
+            h(optimizer)
+        if self._zero_grad_override is None:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            self._zero_grad_override(self.progress.current_epoch, batch_idx, optimizer)
+        self.window_has_grad = False
+
+    def skip(self, batch_idx: int) -> tuple[Any, int]:
+        """A batch the train loader yielded as None: no ``training_step`` and no optimizer step (as Lightning), but
+        it holds its place in its accumulation window. When it opens a window of several batches, the window's
+        gradients are zeroed there, so that its other batches do not add to the previous window's (Lightning
+        zeroes nothing then)."""
+        if self.automatic and self.k > 1 and batch_idx % self.k == 0 and self.optim.optimizers:
+            self.zero_grad(batch_idx)
+        return None, 0
 
     def pre_step(self, pos: int) -> bool:
         """After the window's last backward: what runs before the step (see :meth:`before_optimizer_step`), when

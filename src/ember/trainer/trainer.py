@@ -67,9 +67,10 @@ class Trainer(TrainerStages):
             ``limit_train_batches=0`` skips training (the sanity check still runs).
         overfit_batches: train and validate on this fraction or number of batches only (replacing
             both limits), with shuffling turned off, to check a model can overfit a little data.
-        num_sanity_val_steps: validation batches run before training (-1: all).
-        log_every_n_steps: how often step metrics go to the loggers.
-        fast_dev_run: run n (True: 1) batches of train, validation and test, without loggers or checkpoints.
+        num_sanity_val_steps: validation batches run before training (-1: all; None: 2).
+        log_every_n_steps: how often step metrics go to the loggers (0: never; None: 50).
+        fast_dev_run: run n (True: 1) batches of train, validation and test, without loggers or checkpoints
+            (a ModelCheckpoint stays in ``trainer.callbacks`` and saves nothing; loggers become a DummyLogger).
         deterministic: ``torch.use_deterministic_algorithms`` (True, False or "warn").
         benchmark: the value for ``torch.backends.cudnn.benchmark`` (None: left as it is, or False
             when ``deterministic`` is True).
@@ -77,8 +78,8 @@ class Trainer(TrainerStages):
         enable_autolog_hparams: hand the module's and datamodule's ``hparams`` to the loggers at fit start.
         default_root_dir: where logs and checkpoints go by default (the working directory).
         callbacks: a Callback or a list of them.
-        enable_progress_bar: add the default progress bar.
-        enable_checkpointing: add a default ModelCheckpoint when none is given.
+        enable_progress_bar: add the default progress bar (None: True).
+        enable_checkpointing: add a default ModelCheckpoint when none is given (None: True).
         logger: True for the default logger, False/None for none, or one or more Logger callbacks.
         enable_model_summary: print a table of the model's layers at fit start.
         reload_dataloaders_every_n_epochs: request the loaders from the module or datamodule again
@@ -86,6 +87,10 @@ class Trainer(TrainerStages):
         profiler: "simple", "advanced", "pytorch" or a ``ember.profilers.Profiler``: times the hooks,
             the step, backward, the optimizer step and fetching batches, and reports at the end of each
             run (None: no profiling, at no cost per step).
+        barebones: turn off everything beside the training loop that may take time, to measure the loop's own
+            cost: checkpointing, the loggers and ``self.log``, step logging, the progress bar, the model summary
+            and the sanity check. Passing an argument that turns one of them on (or ``fast_dev_run``,
+            ``detect_anomaly=True``, a ``profiler``) raises a ValueError.
     """
 
     def __init__(
@@ -110,21 +115,22 @@ class Trainer(TrainerStages):
         limit_test_batches: int | float | None = None,
         limit_predict_batches: int | float | None = None,
         overfit_batches: int | float = 0.0,
-        num_sanity_val_steps: int | None = 2,
-        log_every_n_steps: int | None = 50,
+        num_sanity_val_steps: int | None = None,
+        log_every_n_steps: int | None = None,
         fast_dev_run: bool | int = False,
         deterministic: bool | str | None = None,
         benchmark: bool | None = None,
         detect_anomaly: bool = False,
         default_root_dir: str | None = None,
         callbacks: Callback | Iterable[Callback] | None = None,
-        enable_progress_bar: bool | None = True,
-        enable_checkpointing: bool | None = True,
+        enable_progress_bar: bool | None = None,
+        enable_checkpointing: bool | None = None,
         logger: bool | Logger | Iterable[Logger] | None = True,
-        enable_model_summary: bool = False,
+        enable_model_summary: bool | None = False,
         reload_dataloaders_every_n_epochs: int = 0,
         enable_autolog_hparams: bool = True,
         profiler: str | Profiler | None = None,
+        barebones: bool = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -132,10 +138,20 @@ class Trainer(TrainerStages):
         # None stands for the default of these, as in Lightning's signature.
         gradient_clip_algorithm = "norm" if gradient_clip_algorithm is None else gradient_clip_algorithm
         val_check_interval = 1.0 if val_check_interval is None else val_check_interval
-        num_sanity_val_steps = 2 if num_sanity_val_steps is None else num_sanity_val_steps
-        log_every_n_steps = 50 if log_every_n_steps is None else log_every_n_steps
-        enable_progress_bar = True if enable_progress_bar is None else enable_progress_bar
-        enable_checkpointing = True if enable_checkpointing is None else enable_checkpointing
+        #: Whether everything beside the training loop that may take time is off (``Trainer(barebones=True)``).
+        self.barebones: bool = barebones
+        switches = arguments.resolve_switches(
+            barebones,
+            enable_checkpointing=enable_checkpointing,
+            enable_progress_bar=enable_progress_bar,
+            logger=logger,
+            log_every_n_steps=log_every_n_steps,
+            enable_model_summary=enable_model_summary,
+            num_sanity_val_steps=num_sanity_val_steps,
+            fast_dev_run=fast_dev_run,
+            detect_anomaly=detect_anomaly,
+            profiler=profiler,
+        )
         epochs_given = max_epochs is not None
         max_epochs, min_epochs = arguments.check_schedule(
             max_epochs=max_epochs,
@@ -147,8 +163,8 @@ class Trainer(TrainerStages):
             gradient_clip_algorithm=gradient_clip_algorithm,
             val_check_interval=val_check_interval,
             check_val_every_n_epoch=check_val_every_n_epoch,
-            log_every_n_steps=log_every_n_steps,
-            num_sanity_val_steps=num_sanity_val_steps,
+            log_every_n_steps=switches.log_every_n_steps,
+            num_sanity_val_steps=switches.num_sanity_val_steps,
             reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs,
             fast_dev_run=fast_dev_run,
         )
@@ -171,8 +187,9 @@ class Trainer(TrainerStages):
             self.limit_train_batches = self.limit_val_batches = self.overfit_batches
         self.detect_anomaly = bool(detect_anomaly)
         self.enable_autolog_hparams = bool(enable_autolog_hparams)
-        self.num_sanity_val_steps = math.inf if num_sanity_val_steps == -1 else num_sanity_val_steps
-        self.log_every_n_steps = log_every_n_steps
+        self.num_sanity_val_steps = math.inf if switches.num_sanity_val_steps == -1 else switches.num_sanity_val_steps
+        self.log_every_n_steps = switches.log_every_n_steps
+        logger = switches.logger
         self.default_root_dir = arguments.check_root_dir(default_root_dir)
 
         # As Lightning: True for 1 (and True), else the number of batches (0 or False: off).
@@ -184,9 +201,9 @@ class Trainer(TrainerStages):
             self.limit_test_batches = self.limit_predict_batches = n
             self.max_epochs, self.max_steps, self.num_sanity_val_steps = 1, n, 0
             self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
-            # Nothing written, but a module's self.logger.experiment... still runs (Lightning's DummyLogger).
-            dummy_logger = logger is not None and logger is not False
-            logger, enable_checkpointing = False, False
+            # Nothing written, but a module's self.logger.experiment... still runs (Lightning's DummyLogger);
+            # a ModelCheckpoint (the default one too, as Lightning) stays, and saves nothing.
+            dummy_logger, logger = arguments.wants_loggers(logger), False
             log.info(
                 "Running in `fast_dev_run` mode: will run the requested loop using %d batch(es). Logging and "
                 "checkpointing is suppressed.",
@@ -209,9 +226,7 @@ class Trainer(TrainerStages):
         #: ``load_state_dict``: what checkpoints save and restore (``state.py``).
         self.fit_state = FitState(self, self.strategy, precision_plugin, FitData(self, None, None))
 
-        self.callbacks: list[Callback] = arguments.build_callbacks(
-            self, callbacks, enable_progress_bar, enable_checkpointing, enable_model_summary, max_time
-        )
+        self.callbacks: list[Callback] = arguments.build_callbacks(self, callbacks, switches, max_time)
         if not epochs_given and self.max_steps == -1 and arguments.has_timer(self.callbacks):
             self.max_epochs = -1  # as Lightning: the Timer ends the fit, not a default of 1000 epochs
         self.loggers = [DummyLogger()] if dummy_logger else arguments.build_loggers(self, logger)  # (callbacks too)
@@ -249,6 +264,8 @@ class Trainer(TrainerStages):
     ) -> Any:
         """prepare -> setup -> restore -> run -> teardown, for fit, validate, test and predict."""
         try:
+            if self.barebones and self.is_global_zero:
+                log.info(arguments.BAREBONES_RUN_NOTICE)  # (no progress bar: the run would look stalled)
             path = self._prepare(stage, module, datamodule, ckpt_path)
             if stage == "fit":
                 self._fit(module, loaders, path)
@@ -279,7 +296,8 @@ class Trainer(TrainerStages):
         self.fit_state.start_run()
         self._preemption = None
         self.logged_metrics = {}
-        extra = list(module.configure_callbacks() or [])
+        extra = module.configure_callbacks() or []
+        extra = [extra] if isinstance(extra, Callback) else list(extra)  # one Callback, as Lightning takes it
         if extra:
             types = {type(c) for c in extra}
             self.callbacks = [c for c in self.callbacks if type(c) not in types] + extra
