@@ -375,3 +375,25 @@ def test_a_fit_from_datasets():
 
 def test_datamodule_on_exception_is_a_no_op_hook():
     assert ember.DataModule().on_exception(RuntimeError("x")) is None
+
+
+def test_print_goes_through_the_progress_bar_while_one_is_drawn(capsys):
+    class Prints(BoringModel):
+        def training_step(self, batch, batch_idx):
+            self.print("step", batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    bar = ember.callbacks.TQDMProgressBar()
+    through_bar: list[tuple] = []
+    bar.print = lambda *args, **kwargs: through_bar.append(args)  # type: ignore[method-assign]
+    trainer = ember.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
+                            enable_checkpointing=False, callbacks=[bar])  # fmt: skip
+    trainer.fit(Prints(), regression_loader())
+    assert through_bar == [("step", 0), ("step", 1)]
+    # Without a bar (or without a Trainer) it is the builtin print.
+    quiet = ember.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    capsys.readouterr()
+    quiet.fit(Prints(), regression_loader())
+    Prints().print("alone")
+    assert capsys.readouterr().out.splitlines() == ["step 0", "alone"]

@@ -266,9 +266,11 @@ class TrainModule(HyperparametersMixin, DataHooks, ModeHooks, PlacementPropertie
         return apply_to_collection(data, (torch.Tensor, numbers.Number), gather)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on global rank zero only (every process is rank zero outside a Trainer)."""
-        if self._trainer is None or self._trainer.is_global_zero:
-            print(*args, **kwargs)
+        """``print`` on global rank zero only (each process outside a Trainer), through the bar while one is drawn."""
+        trainer = self._trainer
+        bar = None if trainer is None else trainer.progress_bar_callback
+        if trainer is None or trainer.is_global_zero:
+            (bar.print if bar is not None and bar.is_enabled else print)(*args, **kwargs)
 
     # ------------------------------------------------------------------ export
     def to_torchscript(
