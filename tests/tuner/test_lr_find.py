@@ -77,6 +77,7 @@ def test_the_suggestion_is_set_on_the_lr_attribute_and_the_module_and_trainer_ar
     assert t.callbacks == callbacks and t.loggers == loggers
     assert len(finder.results["lr"]) == 100
     assert (t.global_step, t.current_epoch, t.max_steps, t.max_epochs, t.should_stop) == (0, 0, -1, 4, False)
+    assert t.state == "initializing" and t.state.fn is None  # as before the sweep's fits
     assert not os.path.exists(os.path.join(tmp_path, "ember_logs"))  # the sweep logged and saved nothing
     # The real fit then runs as configured, at the suggested rate, with its logger and checkpoints.
     t.fit(module, regression_loader(n=32, batch_size=8))

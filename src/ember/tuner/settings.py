@@ -48,6 +48,7 @@ def borrowed(trainer: Trainer, module: TrainModule, callback: Callback | None, *
     applied) and give everything back after it: the Trainer's settings, counters and metrics, and the
     module's weights."""
     kept = {name: getattr(trainer, name) for name in _KEPT}
+    kept["state"] = copy.copy(trainer.state)  # a live object the sweep's fit moves on: its values now
     progress = trainer.fit_state.progress  # a sweep's fit starts counters of its own
     kept["callbacks"] = list(trainer.callbacks)
     loggers = list(trainer.loggers)
