@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 import ember
 from ember.callbacks import Callback, EarlyStopping, Timer
+from ember.trainer.loops import settle_epoch_limits
 from tests.helpers.models import (
     BatchCounter,
     BoringModel,
@@ -66,8 +67,13 @@ def test_max_epochs_zero_trains_nothing():
 
 
 def test_max_epochs_defaults():
-    assert fast_trainer(max_epochs=None).max_epochs == 1000
-    assert fast_trainer(max_epochs=None, max_steps=5).max_epochs == -1
+    # As Lightning: an unset max_epochs reads None until a fit sets it: 1000, or -1 beside max_steps
+    # (tests/trainer/test_trainer_lightning_members.py follows the 1000 through a fit).
+    assert fast_trainer(max_epochs=None).max_epochs is None
+    stepped = fast_trainer(max_epochs=None, max_steps=5)
+    assert stepped.max_epochs is None
+    stepped.fit(BoringModel(), regression_loader())
+    assert stepped.max_epochs == -1 and stepped.global_step == 5
 
 
 def test_max_steps_stops_mid_epoch():
@@ -534,10 +540,18 @@ def test_max_time_adds_a_step_timer_and_lifts_the_epoch_default():
     trainer = fast_trainer(max_time={"seconds": 5}, max_epochs=None)
     timers = [c for c in trainer.callbacks if isinstance(c, Timer)]
     assert len(timers) == 1 and timers[0].duration.total_seconds() == 5 and timers[0].interval == "step"
+    # The limit is set when a fit starts (it reads None until then, as Lightning's): what fit() calls.
+    assert trainer.max_epochs is None
+    settle_epoch_limits(trainer)
     assert trainer.max_epochs == -1
     assert fast_trainer(max_time="00:00:00:05", max_epochs=3).max_epochs == 3
-    assert fast_trainer(callbacks=[Timer(duration=7)], max_epochs=None).max_epochs == -1
-    assert fast_trainer(max_epochs=None).max_epochs == 1000
+    timed = fast_trainer(callbacks=[Timer(duration=7)], max_epochs=None)
+    settle_epoch_limits(timed)
+    assert timed.max_epochs == -1
+    plain = fast_trainer(max_epochs=None)
+    with pytest.warns(UserWarning, match="Setting it to 1000 epochs"):
+        settle_epoch_limits(plain)
+    assert plain.max_epochs == 1000
 
 
 def test_max_time_with_a_timer_in_the_callbacks_keeps_that_timer(caplog):

@@ -96,3 +96,26 @@ def test_a_module_without_the_old_hook_is_not_warned():
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         quiet().fit(BoringModel(), regression_loader())
+
+
+def test_epoch_limits_read_none_until_a_fit_sets_them_as_lightnings():
+    from ember.exceptions import PossibleUserWarning
+
+    t = ember.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_train_batches=1,
+                      limit_val_batches=0)  # fmt: skip
+    assert (t.max_epochs, t.min_epochs) == (None, None)
+    with pytest.warns(PossibleUserWarning, match="`max_epochs` was not set. Setting it to 1000 epochs") as caught:
+        t.fit(BoringModel(), regression_loader())
+    assert (t.max_epochs, t.min_epochs, t.current_epoch) == (1000, 0, 1000)
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PossibleUserWarning)  # a max_steps or a Timer ends the fit: no warning
+        stepped = quiet(max_epochs=None, max_steps=2, min_steps=1)
+        assert (stepped.max_epochs, stepped.min_epochs) == (None, None)
+        stepped.fit(BoringModel(), regression_loader())
+        assert (stepped.max_epochs, stepped.min_epochs, stepped.global_step) == (-1, 1, 2)
+        timed = quiet(max_epochs=None, max_time={"seconds": 0.2}, limit_train_batches=None)
+        timed.fit(BoringModel(), regression_loader())
+        assert timed.max_epochs == -1
+    given = quiet(max_epochs=3, min_epochs=2)
+    assert (given.max_epochs, given.min_epochs) == (3, 2)

@@ -36,6 +36,7 @@ from ember.exceptions import PossibleUserWarning
 from ember.profilers.base import wrap
 from ember.rng import apply_rng, capture_rng
 from ember.signatures import takes_dataloader_iter
+from ember.trainer.arguments import has_timer
 from ember.trainer.epoch_loop import EpochLoop
 from ember.trainer.loaders import set_loader_epoch
 from ember.user_frames import user_stacklevel
@@ -201,7 +202,7 @@ class FitLoop:
         """Whether ``should_stop`` may end training now: ``min_epochs`` epochs finished and ``min_steps``
         steps taken (as Lightning, which says once that training continues otherwise)."""
         t, p = self.trainer, self.progress
-        if p.current_epoch >= t.min_epochs and (t.min_steps is None or p.global_step >= t.min_steps):
+        if p.current_epoch >= (t.min_epochs or 0) and (t.min_steps is None or p.global_step >= t.min_steps):
             return True
         if not self._said_continue:
             self._said_continue = True
@@ -215,7 +216,8 @@ class FitLoop:
 
     def _done(self) -> bool:
         t = self.trainer
-        return self._max_steps_reached() or (t.max_epochs != -1 and self.progress.current_epoch >= t.max_epochs)
+        limit = t.max_epochs  # (settled when the fit started)
+        return self._max_steps_reached() or (limit is not None and limit != -1 and self.progress.current_epoch >= limit)
 
     def _max_steps_reached(self) -> bool:
         max_steps = self.trainer.max_steps
@@ -307,3 +309,23 @@ class FitLoop:
 
     def manual_backward(self, loss: Any, *args: Any, **kwargs: Any) -> None:
         self.step.manual_backward(loss, *args, **kwargs)
+
+
+def settle_epoch_limits(trainer: Trainer) -> None:
+    """A fit starts: ``max_epochs`` / ``min_epochs`` left None get their values, as Lightning sets them then.
+    ``max_epochs``: 1000, with a warning, unless ``max_steps`` or a ``Timer`` ends the fit (then -1, no limit);
+    ``min_epochs``: 1 when ``min_steps`` is given (so a stop requested at the start is weighed again), else 0."""
+    if trainer.max_epochs is None:
+        if trainer.max_steps == -1 and not has_timer(trainer.callbacks):
+            if trainer.is_global_zero:
+                warnings.warn(
+                    "`max_epochs` was not set. Setting it to 1000 epochs. To train without an epoch limit, set "
+                    "`max_epochs=-1`.",
+                    PossibleUserWarning,
+                    stacklevel=user_stacklevel(),
+                )
+            trainer.max_epochs = 1000
+        else:
+            trainer.max_epochs = -1
+    if trainer.min_epochs is None:
+        trainer.min_epochs = 1 if trainer.min_steps is not None else 0

@@ -72,7 +72,7 @@ class TrainerProperties:
         callbacks: list[Callback]
         default_root_dir: str
         accumulate_grad_batches: int
-        max_epochs: int
+        max_epochs: int | None
         max_steps: int
         _loggers: list[Logger]
         _logged_metrics: dict[str, Any]
@@ -418,5 +418,8 @@ class TrainerProperties:
             self._data.request_train()  # read in configure_optimizers: the loader is requested now (as Lightning)
         n = self.num_training_batches
         per_epoch = math.ceil(n / self.accumulate_grad_batches) if n != math.inf else math.inf
-        total = per_epoch * self.max_epochs if self.max_epochs != -1 else math.inf
+        epochs = self.max_epochs
+        if epochs is None:  # before a fit settles it: what the fit would take
+            epochs = 1000 if self.max_steps == -1 else -1
+        total = per_epoch * epochs if epochs != -1 else math.inf
         return min(total, self.max_steps) if self.max_steps != -1 else total

@@ -28,7 +28,7 @@ from ember.trainer import arguments, locate
 from ember.trainer.hooks import Hooks
 from ember.trainer.loaders import FitData
 from ember.trainer.log_writer import LogWriter
-from ember.trainer.loops import FitLoop
+from ember.trainer.loops import FitLoop, settle_epoch_limits
 from ember.trainer.precision import Precision, normalize_precision
 from ember.trainer.preemption import PreemptionHandler
 from ember.trainer.stages import TrainerStages
@@ -152,7 +152,7 @@ class Trainer(TrainerStages):
             detect_anomaly=detect_anomaly,
             profiler=profiler,
         )
-        epochs_given = max_epochs is not None
+        epochs_given, min_given = max_epochs is not None, min_epochs is not None
         max_epochs, min_epochs = arguments.check_schedule(
             max_epochs=max_epochs,
             max_steps=max_steps,
@@ -169,9 +169,10 @@ class Trainer(TrainerStages):
             fast_dev_run=fast_dev_run,
         )
         self.reload_dataloaders_every_n_epochs = reload_dataloaders_every_n_epochs
-        self.max_epochs = max_epochs
+        # As Lightning: left None when not given, and set when a fit starts (loops.settle_epoch_limits).
+        self.max_epochs: int | None = max_epochs if epochs_given else None
         self.max_steps = max_steps
-        self.min_epochs = min_epochs
+        self.min_epochs: int | None = min_epochs if min_given else None
         self.min_steps = min_steps
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val = gradient_clip_val
@@ -227,8 +228,6 @@ class Trainer(TrainerStages):
         self.fit_state = FitState(self, self.strategy, precision_plugin, FitData(self, None, None))
 
         self.callbacks: list[Callback] = arguments.build_callbacks(self, callbacks, switches, max_time)
-        if not epochs_given and self.max_steps == -1 and arguments.has_timer(self.callbacks):
-            self.max_epochs = -1  # as Lightning: the Timer ends the fit, not a default of 1000 epochs
         self.loggers = [DummyLogger()] if dummy_logger else arguments.build_loggers(self, logger)  # (callbacks too)
         self.callbacks = arguments.checkpoints_last(self.callbacks)
 
@@ -414,6 +413,7 @@ class Trainer(TrainerStages):
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
             raise ValueError("Pass either dataloaders or a datamodule to fit, not both.")
         self.state.start("fit")
+        settle_epoch_limits(self)
         self.strategy.launch(self._run, "fit", module, (train_dataloaders, val_dataloaders), datamodule, ckpt_path)
 
     def validate(
