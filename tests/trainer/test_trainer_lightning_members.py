@@ -119,3 +119,17 @@ def test_epoch_limits_read_none_until_a_fit_sets_them_as_lightnings():
         assert timed.max_epochs == -1
     given = quiet(max_epochs=3, min_epochs=2)
     assert (given.max_epochs, given.min_epochs) == (3, 2)
+
+
+@pytest.mark.parametrize(("interval", "expected"), [(1.0, 8), (0.25, 2), (0.1, 1), (3, 3)])
+def test_val_check_batch_is_the_training_batches_between_validations(interval, expected):
+    seen = []
+
+    class Look(ember.Callback):
+        def on_train_start(self, trainer, module):
+            seen.append(trainer.val_check_batch)
+
+    t = quiet(val_check_interval=interval, limit_train_batches=None, limit_val_batches=1, callbacks=[Look()])
+    assert t.val_check_batch is None  # as Lightning's, until a fit has its train loader
+    t.fit(BoringModel(), regression_loader(n=64), regression_loader())  # 8 batches of 8
+    assert seen == [expected] and t.val_check_batch == expected

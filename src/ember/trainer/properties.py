@@ -73,6 +73,7 @@ class TrainerProperties:
         default_root_dir: str
         accumulate_grad_batches: int
         max_epochs: int | None
+        val_check_interval: int | float
         max_steps: int
         _loggers: list[Logger]
         _logged_metrics: dict[str, Any]
@@ -410,6 +411,19 @@ class TrainerProperties:
     @property
     def num_predict_batches(self) -> list[float]:
         return self._eval_batches.get("predict", [])
+
+    @property
+    def val_check_batch(self) -> int | float | None:
+        """Training batches between two validations of a fit (Lightning's): an int ``val_check_interval`` itself,
+        a fraction of the epoch's batches (at least 1; ``inf`` for a loader without a length); None until a fit
+        has its train loader."""
+        data = self._data
+        if data.train_loader is None:
+            return None
+        v, n = self.val_check_interval, data.num_training_batches
+        if isinstance(v, int):
+            return v
+        return math.inf if n == math.inf else max(1, int(n * v))
 
     @property
     def estimated_stepping_batches(self) -> float:
