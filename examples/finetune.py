@@ -116,6 +116,7 @@ def main() -> None:
         strategy=args.strategy,
         devices=args.devices,
         max_epochs=args.max_epochs,
+        log_every_n_steps=5,  # an epoch is 23 batches here: log more often than every 50
         callbacks=[finetune, report],
     )
     trainer.fit(Classifier(features, 10), *loaders(10))

@@ -272,14 +272,13 @@ def drop_unpicklable(hparams: MutableMapping[str, Any]) -> list[str]:
     return dropped
 
 
-def build_from_hparams(cls: Any, saved: Any, hparams_name: Any, overrides: dict[str, Any], stacklevel: int = 3) -> Any:
+def build_from_hparams(cls: Any, saved: Any, hparams_name: Any, overrides: dict[str, Any]) -> Any:
     """``cls(...)`` from hyper-parameters saved in a checkpoint (``overrides`` win), as Lightning builds it.
 
     The saved hyper-parameters updated with ``overrides`` are the constructor's keyword arguments;
     those it does not accept are left out (unless it takes ``**kwargs``), with a warning for the
     overrides; when ``save_hyperparameters(cfg)`` saved one dict argument (``hparams_name``), they
-    are passed as that argument. A ``TypeError`` from the constructor propagates. ``stacklevel``: the
-    user's call, counted from the caller.
+    are passed as that argument. A ``TypeError`` from the constructor propagates.
     """
     merged = {**dict(saved or {}), **overrides}
     params = inspect.signature(cls.__init__).parameters
@@ -295,7 +294,7 @@ def build_from_hparams(cls: Any, saved: Any, hparams_name: Any, overrides: dict[
                 f"load_from_checkpoint: {cls.__name__}.__init__ takes no argument named {dropped} "
                 f"(its arguments: {names}); ignored.",
                 UserWarning,
-                stacklevel=stacklevel + 1,
+                stacklevel=user_stacklevel(),
             )
         kwargs = {k: v for k, v in kwargs.items() if k in names}
     return cls(**kwargs)

@@ -2,8 +2,9 @@
 exit-status tests run as a real program: ``python exit_script.py --out DIR [--strategy ddp_spawn]``.
 
 Each rank writes ``<out>/pid<r>`` when fit starts (so a test can check that no process outlived
-the job) and ``<out>/training<r>`` once it has taken a few steps (so a test knows when a signal
-lands mid-training). Steps are slowed down a little so that training outlasts any signal.
+the job), ``<out>/training<r>`` once it has taken a few steps (so a test knows when a signal
+lands mid-training), and ``<out>/exception<r>``, the exception's type, from a callback's
+``on_exception``. Steps are slowed down a little so that training outlasts any signal.
 ``--end exit3|segv|term|term-abort --end-rank r`` makes rank ``r`` end that way at step 3:
 ``os._exit(3)``, SIGSEGV, a SIGTERM sent to itself alone, or that SIGTERM and then ``os.abort()`` once
 the job has stopped (a rank that dies on its way out).
@@ -56,6 +57,15 @@ atexit.register(gc.freeze)  # end without the shutdown garbage collection: see t
 STEPS = 3000  # far more than any test lets run
 
 
+class RecordException(ember.callbacks.Callback):
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_exception(self, trainer, module, exception: BaseException) -> None:
+        with open(os.path.join(self.out, f"exception{trainer.global_rank}"), "w") as f:
+            f.write(type(exception).__name__)
+
+
 class Net(ember.TrainModule):
     def __init__(self, out: str, end: str = "none", end_rank: int = -1) -> None:
         super().__init__()
@@ -103,7 +113,12 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(STEPS * 2, 4, generator=g), torch.randn(STEPS * 2, 1, generator=g))
     trainer = ember.Trainer(
-        strategy=args.strategy, devices=2, accelerator="cpu", max_epochs=1, enable_progress_bar=False
+        strategy=args.strategy,
+        devices=2,
+        accelerator="cpu",
+        max_epochs=1,
+        enable_progress_bar=False,
+        callbacks=[RecordException(args.out)],
     )
     trainer.fit(Net(args.out, args.end, args.end_rank), DataLoader(data, batch_size=1))
 

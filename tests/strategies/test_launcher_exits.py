@@ -5,7 +5,8 @@ program in a fresh directory, with ``strategy="ddp"`` (the script re-runs itself
 ``"ddp_spawn"``. A rank that ends without a traceback is named and the job exits 1; a stop signal
 (SIGTERM, to the launching process alone, to one rank, or to the whole process group) makes every
 rank stop at a step boundary, writes ``last.ckpt`` and exits 143; Ctrl-C ends the launching process
-by SIGINT (a shell's 130). Each job runs in its own session, killed as a group whatever happens.
+by SIGINT (a shell's 130), saying so in one line, with no rank's traceback. Each job runs in its own
+session, killed as a group whatever happens.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ember.strategies.launchers.interrupt import INTERRUPTED
 from tests.helpers.dist import assert_processes_gone
 from tests.helpers.jobs import finish_job, start_job
 
@@ -160,4 +162,11 @@ def test_ctrl_c_ends_the_launching_process_by_sigint(job, tmp_path, strategy, to
     assert code == -signal.SIGINT, f"{log}\n{inherited(tmp_path)}"
     assert "KeyboardInterrupt" in log, log
     assert "failed" not in log and "was killed by" not in log, log  # not reported as a failure
+    # One line for the job, as Lightning's; no rank's traceback, nor the collective errors that follow a peer's exit.
+    assert log.count(INTERRUPTED) == 1, log
+    assert "Traceback" not in log and "[rank" not in log and "Connection" not in log, log
+    # The callbacks' on_exception ran with the KeyboardInterrupt: on the launching process (rank 0), and on
+    # both ddp_spawn workers (a rank ddp re-ran may still be waiting in a collective when it is stopped).
+    for rank in (0, 1) if strategy == "ddp_spawn" else (0,):
+        assert (tmp_path / f"exception{rank}").read_text() == "KeyboardInterrupt", (rank, log)
     assert_processes_gone(tmp_path, within=3.0)

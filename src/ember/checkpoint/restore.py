@@ -33,6 +33,7 @@ from ember.checkpoint import validation
 from ember.checkpoint.format import CheckpointError
 from ember.checkpoint.reading import load
 from ember.state import MOMENTS, put_back, take_snapshot
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.state import State, Stateful
@@ -116,4 +117,5 @@ class Restore:
                     f"A failed resume from {self.path!r} could not put back a part of the fit's state "
                     f"({type(part).__name__}: {type(err).__name__}: {err}); it may hold the checkpoint's values.",
                     RuntimeWarning,
+                    stacklevel=user_stacklevel(),
                 )

@@ -110,9 +110,7 @@ def read_for_module(
     """
     ckpt = load(path, map_location=map_location, lightning=True, weights_only=weights_only)
     try:
-        module = build_from_hparams(
-            cls, ckpt.get("hyper_parameters"), ckpt.get("hparams_name"), overrides, stacklevel=user_stacklevel()
-        )
+        module = build_from_hparams(cls, ckpt.get("hyper_parameters"), ckpt.get("hparams_name"), overrides)
     except TypeError as err:
         raise CheckpointError(
             f"Could not build {cls.__name__} from the hyper-parameters saved in {path!r}: {err}. "

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ember.loggers.logger import Logger, hparams_dict
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -188,7 +189,11 @@ class MLFlowLogger(Logger):
         items = []
         for k, v in metrics.items():
             if isinstance(v, str):
-                warnings.warn(f"MLFlowLogger: discarding metric {k}={v!r}: MLflow metrics are numbers.")
+                warnings.warn(
+                    f"MLFlowLogger: discarding metric {k}={v!r}: MLflow metrics are numbers.",
+                    UserWarning,
+                    stacklevel=user_stacklevel(),
+                )
                 continue
             key = f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}" if self._prefix else k
             clean = re.sub("[^a-zA-Z0-9_/. -]+", "", key)
@@ -197,6 +202,7 @@ class MLFlowLogger(Logger):
                     f"MLflow allows only '_', '/', '.', ' ' and '-' besides letters and digits in metric "
                     f"names: {key!r} is logged as {clean!r}.",
                     RuntimeWarning,
+                    stacklevel=user_stacklevel(),
                 )
             items.append(Metric(key=clean, value=float(v), timestamp=now, step=step or 0))
         client.log_batch(run_id=self._run_id, metrics=items, **self._log_batch_kwargs)

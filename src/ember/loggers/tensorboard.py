@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.loggers.file_logger import HPARAMS_FILE, FileLogger, write_hparams_file
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from argparse import Namespace
@@ -209,13 +210,17 @@ class TensorBoardLogger(FileLogger):
         if input_array is None:
             warnings.warn(
                 "Could not log the computational graph to TensorBoard: set `model.example_input_array` "
-                "or pass `input_array` to log_graph."
+                "or pass `input_array` to log_graph.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
             )
         elif not isinstance(input_array, (torch.Tensor, tuple)):
             warnings.warn(
                 "Could not log the computational graph to TensorBoard: the `input_array` or "
                 f"`model.example_input_array` is a {type(input_array).__name__}, which TensorBoard cannot trace. "
-                "Make it a tensor, or a tuple of the positional arguments of the model's `forward()`."
+                "Make it a tensor, or a tuple of the positional arguments of the model's `forward()`.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
             )
         else:
             from ember.module import TrainModule

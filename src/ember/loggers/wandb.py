@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ember.loggers.logger import DummyExperiment, Logger, hparams_dict
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -149,7 +150,9 @@ class WandbLogger(Logger):
             if wandb.run is not None:
                 warnings.warn(
                     "There is a wandb run already in progress and newly created instances of `WandbLogger` will "
-                    "reuse this run. If this is not desired, call `wandb.finish()` before instantiating `WandbLogger`."
+                    "reuse this run. If this is not desired, call `wandb.finish()` before instantiating `WandbLogger`.",
+                    UserWarning,
+                    stacklevel=user_stacklevel(),
                 )
                 self._experiment = wandb.run
             else:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from ember.parallel.parallel_apply import attach_replica_graphs, check_parallel_backward_devices, parallel_apply
 from ember.parallel.replicate import DeviceMismatchError, Replicator
 from ember.parallel.scatter_gather import DeviceLike, as_device, copy_to, flatten, gather, scatter_kwargs, unflatten
+from ember.user_frames import user_stacklevel
 
 __all__ = ["DataParallel", "data_parallel", "run_replicas"]
 
@@ -43,7 +44,7 @@ def _check_balance(devices: list[torch.device]) -> None:
                 f"cores of GPU {devices[values.index(high)].index}. You can do so by setting the "
                 "device_ids argument to DataParallel, or by setting the CUDA_VISIBLE_DEVICES "
                 "environment variable.",
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
             return
 

@@ -39,7 +39,8 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ember.parallel.comm_hooks import CommHook, GradBucket, resolve_comm_hook
-from ember.parallel.reducer import MiB, Reducer
+from ember.parallel.reducer import MiB, Reducer, UnusedParameterAdvice
+from ember.user_frames import user_stacklevel
 
 __all__ = ["DistributedDataParallel"]
 
@@ -71,6 +72,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         comm_hook: ``None`` (fp32 all-reduce), ``"bf16"`` / ``"fp16"`` (compressed all-reduce,
             see :mod:`ember.parallel.comm_hooks` for the accuracy trade-off), or a callable
             ``hook(bucket) -> Future[Tensor]`` that divides by the world size itself.
+        advice: What the error about a parameter that got no gradient, and the warning that every
+            parameter got one under ``find_unused_parameters=True``, tell the user to change (see
+            :class:`~ember.parallel.reducer.UnusedParameterAdvice`); the default names this constructor's
+            arguments. ember's ``ddp`` strategy names its own instead.
 
     Raises:
         RuntimeError: If the process group is not initialised or the model differs by rank.
@@ -90,6 +95,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         comm_hook: str | CommHook | None = None,
+        advice: UnusedParameterAdvice | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -126,6 +132,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
+            advice=advice,
         )
         self.reducer.comm_hook = resolve_comm_hook(comm_hook, self.process_group)
         self.require_backward_grad_sync = True
@@ -283,13 +290,13 @@ class DistributedDataParallel(nn.Module, Joinable):
                     seen.add(nxt)
                     stack.append(nxt)
         unused = [i for i, p in enumerate(self.reducer.params) if id(p) not in reached]
-        if not unused and not self._warned_all_used:
+        advice = self.reducer.advice.all_used
+        if not unused and not self._warned_all_used and advice is not None:
             self._warned_all_used = True
             warnings.warn(
-                "find_unused_parameters=True, but every parameter received a gradient in this "
-                "iteration. The autograd-graph walk costs time every step; pass "
-                "find_unused_parameters=False if your model always uses all parameters.",
-                stacklevel=4,
+                f"find_unused_parameters=True, but every parameter received a gradient in this iteration. {advice}",
+                UserWarning,
+                stacklevel=user_stacklevel(),
             )
         return unused
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,34 @@ from ember.parallel.buckets import (
 from ember.parallel.comm_hooks import CommHook, GradBucket
 from ember.parallel.grad_hooks import locked_ready_hook, ready_hook, remove_handles
 
-__all__ = ["Reducer", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES", "MiB"]
+__all__ = ["Reducer", "UnusedParameterAdvice", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES", "MiB"]
+
+
+@dataclass(frozen=True)
+class UnusedParameterAdvice:
+    """What the engine's messages about parameters without a gradient tell the user to change.
+
+    The defaults speak to someone who constructs :class:`~ember.parallel.DistributedDataParallel`
+    themselves. A framework that constructs it for its users (ember's ``ddp`` strategy) gives the
+    words those users write instead: they never see the wrapper's constructor.
+
+    Attributes:
+        missing: What the error says after "these parameters received no gradient on rank r: [...]."
+        all_used: What the warning says after "find_unused_parameters=True, but every parameter
+            received a gradient in this iteration."; None: no warning from this process (a framework
+            that warns once per job, from one rank).
+    """
+
+    missing: str = (
+        "Every rank must reduce the same buckets, so each parameter that requires grad has to take part "
+        "in computing the loss. Fix: make all forward outputs that depend on them feed the loss, set "
+        "requires_grad=False on parameters you do not train, or construct the wrapper with "
+        "find_unused_parameters=True (costs an autograd-graph walk per iteration)."
+    )
+    all_used: str | None = (
+        "The autograd-graph walk costs time every step; pass find_unused_parameters=False if your model "
+        "always uses all parameters."
+    )
 
 
 def _group_src(group: dist.ProcessGroup | None) -> int:
@@ -76,6 +104,7 @@ class Reducer:
         gradient_as_bucket_view: Always reuse the bucket buffers as the gradients' storage.
         static_graph: The set of used parameters and the number of times each one's hook fires
             are the same every iteration; learned in the first iteration.
+        advice: What the error about a parameter without a gradient tells the user to change.
     """
 
     def __init__(
@@ -89,8 +118,10 @@ class Reducer:
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        advice: UnusedParameterAdvice | None = None,
     ) -> None:
         self.params = list(params)
+        self.advice = advice or UnusedParameterAdvice()
         self.names = list(names)
         self.group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -460,11 +491,7 @@ class Reducer:
         rank = dist.get_rank(self.group)
         return (
             f"DistributedDataParallel: {when}, but these parameters received no gradient on "
-            f"rank {rank}: {names}. Every rank must reduce the same buckets, so each parameter "
-            "that requires grad has to take part in computing the loss. Fix: make all forward "
-            "outputs that depend on them feed the loss, set requires_grad=False on parameters "
-            "you do not train, or construct the wrapper with find_unused_parameters=True "
-            "(costs an autograd-graph walk per iteration)."
+            f"rank {rank}: {names}. {self.advice.missing}"
         )
 
     # ----------------------------------------------------------------------------- join

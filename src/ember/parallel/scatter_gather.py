@@ -23,6 +23,8 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import Tensor
 
+from ember.user_frames import user_stacklevel
+
 DeviceLike = torch.device | str | int
 
 __all__ = [
@@ -418,7 +420,7 @@ def _gather_leaf(
             warnings.warn(
                 f"Was asked to gather along dimension {dim}, but all input tensors "
                 "were scalars; will instead unsqueeze and return a vector.",
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
         if len(values) == 1 and first.device == device and first.dim() > 0:
             return first  # nothing to concatenate: skip a copy

@@ -47,6 +47,7 @@ from ember.data.resumable import make_resumable, rebuild_with_sampler, resumable
 from ember.data.sampler import ShardedSampler
 from ember.module import TrainModule
 from ember.parallel.distributed import DistributedDataParallel
+from ember.parallel.reducer import UnusedParameterAdvice
 from ember.rng import capture_rng
 from ember.strategies.control import close_control_group, open_control_group
 from ember.strategies.launchers.launcher import Launcher, PopenLauncher, World, detect_world, import_before_the_group
@@ -75,6 +76,37 @@ def oversubscription_message(ranks: int, cores: int) -> str | None:
         f"on the cores, so training runs slower than with devices={cores}. Use devices={cores} (or fewer) on "
         "this machine, more machines, or GPUs."
     )
+
+
+def unused_parameter_advice(start_method: str, warn: bool) -> UnusedParameterAdvice:
+    """What the engine's messages about parameters without a gradient say under the Trainer, whose users
+    choose ``find_unused_parameters`` through the strategy, never by constructing the wrapper.
+
+    Args:
+        start_method: the strategy's (``"spawn"`` names the ``ddp_spawn_...`` strategies).
+        warn: whether this process warns that every parameter got a gradient (one rank per job does).
+    """
+    name = "ddp_spawn" if start_method == "spawn" else "ddp"
+    missing = (
+        f'Under strategy="{name}" every parameter that requires grad has to get a gradient in every backward: '
+        "each rank waits for all of them before averaging. The usual causes are manual optimization with "
+        "self.toggle_optimizer(opt), which sets requires_grad=False on the other optimizers' parameters, so "
+        "they get no gradient in that backward, and a forward that skips layers in some steps (a branch, a head "
+        "used only at times). Either way, which parameters get a gradient changes from one backward to the "
+        "next, so ddp has to look for them after every forward: use "
+        f'Trainer(strategy="{name}_find_unused_parameters_true") or '
+        f"Trainer(strategy=DDPStrategy(find_unused_parameters=True{_spawn_arg(start_method)})) (an autograd-graph "
+        "walk per step). Layers you never train: set requires_grad=False on them before fit, or remove them."
+    )
+    all_used = (
+        "The autograd-graph walk costs time every step; if your model always uses all its parameters, use "
+        f'Trainer(strategy="{name}") (or DDPStrategy(find_unused_parameters=False{_spawn_arg(start_method)})).'
+    )
+    return UnusedParameterAdvice(missing=missing, all_used=all_used if warn else None)
+
+
+def _spawn_arg(start_method: str) -> str:
+    return ', start_method="spawn"' if start_method == "spawn" else ""
 
 
 class DDPStrategy(ProcessGroupStrategy):
@@ -319,6 +351,7 @@ class DDPStrategy(ProcessGroupStrategy):
             DistributedDataParallel,
             module,
             device_ids=device_ids,
+            advice=unused_parameter_advice(self.start_method, warn=self.is_global_zero),
             **self.ddp_kwargs,
         )
         self._buffers_stale = False

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.callbacks.callback import Callback
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -62,6 +63,7 @@ class LRFinder:
                 f"skip_begin={skip_begin}, skip_end={skip_end}): raise num_training, or give it more "
                 "training batches (max_epochs, limit_train_batches).",
                 UserWarning,
+                stacklevel=user_stacklevel(),
             )
             self._optimal_idx = None
             return None

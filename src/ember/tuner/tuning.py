@@ -19,6 +19,7 @@ from ember.data import DataModule
 from ember.tuner import batch_size as bs
 from ember.tuner.lr_finder import LRFinder, LRSweep, schedule
 from ember.tuner.settings import borrowed, get_attr, holders, set_attr
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -90,7 +91,9 @@ class Tuner:
             raise ValueError(f"num_training must be a positive int, got {num_training!r}.")
         trainer = self._trainer
         if trainer.fast_dev_run:
-            warnings.warn("Skipping the learning rate finder: fast_dev_run is on.", UserWarning)
+            warnings.warn(
+                "Skipping the learning rate finder: fast_dev_run is on.", UserWarning, stacklevel=user_stacklevel()
+            )
             return None
         train_dataloaders, datamodule = _split_datamodule(train_dataloaders, datamodule)
         places: list[Any] = []
@@ -181,7 +184,9 @@ class Tuner:
             raise ValueError(f"margin must be in [0, 1), got {margin!r}.")
         trainer = self._trainer
         if trainer.fast_dev_run:
-            warnings.warn("Skipping the batch size finder: fast_dev_run is on.", UserWarning)
+            warnings.warn(
+                "Skipping the batch size finder: fast_dev_run is on.", UserWarning, stacklevel=user_stacklevel()
+            )
             return None
         train_dataloaders, datamodule = _split_datamodule(train_dataloaders, datamodule)
         dataloaders, datamodule = _split_datamodule(dataloaders, datamodule)

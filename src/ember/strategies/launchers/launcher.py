@@ -21,6 +21,7 @@ exited with status 3", "rank 1 was killed by signal 9 (SIGKILL)"). Children die 
 (``PR_SET_PDEATHSIG``) and are stopped (SIGTERM, then SIGKILL) when the job fails, so nothing
 outlives the job by more than the grace between the two signals; how, and what a forked child does
 with the group's connections, is ``processes.py``.
+Ctrl-C is not a failure: one line for the job, and no traceback from any rank (``interrupt.py``).
 
 The exit status of the process that started the job (what a scheduler reads) is the job's, as
 ``exits.py`` computes it: 1 when a rank failed, ``128 + N`` when the ranks stopped on signal N.
@@ -32,7 +33,6 @@ import atexit
 import datetime
 import gc
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -40,13 +40,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ember.strategies.launchers.exits import describe_exit, exit_status, job_status, signal_name, stop_signal
+from ember.strategies.launchers.interrupt import GRACE_S, end_quietly, say_interrupted
 from ember.strategies.launchers.processes import (
     die_with_parent,
     exit_now,
@@ -55,10 +55,13 @@ from ember.strategies.launchers.processes import (
     socket_fds,
     stop_processes,
 )
+from ember.strategies.launchers.world import PARENT_ENV, World, detect_world, first_host
 
 __all__ = [
     "World",
     "detect_world",
+    "first_host",
+    "PARENT_ENV",
     "Launcher",
     "PopenLauncher",
     "loopback_store",
@@ -78,66 +81,9 @@ def job_store() -> dist.Store | None:
     return _job_store
 
 
-PARENT_ENV = "EMBER_DDP_PARENT_PID"  # set in processes ember starts: they die with that parent
 HOSTED_ENV = "EMBER_DDP_STORE_HOSTED"  # the store lives in the spawning process, not in rank 0
 PEERS_EXIT_S = 10.0  # how long a rank that exits on purpose (preemption) waits for the others to
 # exit too, before stopping them (they stop at the same step, so most are exiting already)
-
-
-@dataclass(frozen=True)
-class World:
-    """Where this process sits in the job."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    master_addr: str
-    master_port: int
-    source: str  # "torchrun", "slurm" or "ember"
-
-
-def detect_world(env: dict[str, str] | None = None) -> World | None:
-    """The world this process was started into, or None for a plain ``python script.py``."""
-    env = dict(os.environ if env is None else env)
-    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local = int(env.get("LOCAL_RANK", rank))
-        return World(
-            rank,
-            world,
-            local,
-            int(env.get("LOCAL_WORLD_SIZE", world)),
-            int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
-            env["MASTER_ADDR"],
-            int(env["MASTER_PORT"]),
-            "ember" if PARENT_ENV in env else "torchrun",
-        )
-    ntasks = int(env.get("SLURM_NTASKS", "1") or 1)
-    if "SLURM_PROCID" in env and ntasks > 1 and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
-        per_node = re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE", "") or "")
-        job = int(re.sub(r"\D", "", env.get("SLURM_JOB_ID", "0")) or 0)
-        return World(
-            int(env["SLURM_PROCID"]),
-            ntasks,
-            int(env.get("SLURM_LOCALID", 0)),
-            int(per_node.group()) if per_node else ntasks,
-            int(env.get("SLURM_NODEID", 0)),
-            env.get("MASTER_ADDR") or first_host(env.get("SLURM_NODELIST", "127.0.0.1")),
-            int(env.get("MASTER_PORT") or 15000 + job % 20000),
-            "slurm",
-        )
-    return None
-
-
-def first_host(nodelist: str) -> str:
-    """First host of a SLURM node list such as ``"gpu[03-05,9],cpu1"`` (-> ``"gpu03"``)."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        return "127.0.0.1"
-    prefix, ranges = match.groups()
-    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
 
 
 def loopback_store(timeout: datetime.timedelta) -> dist.TCPStore:
@@ -202,6 +148,20 @@ class FailureRecord:
             return False
         self.store.set(self.prefix + "/summary", summary)
         return True
+
+    def interrupt(self) -> None:
+        """Records that Ctrl-C reached a rank: a peer whose collective then fails ends quietly too."""
+        try:
+            self.store.set(self.prefix + "/interrupted", "1")
+        except Exception:  # noqa: BLE001 - the store's host is gone: nobody is left to tell
+            return
+
+    def interrupted(self) -> bool:
+        """Whether Ctrl-C reached some rank of the job (see :meth:`interrupt`)."""
+        try:
+            return self.store.check([self.prefix + "/interrupted"])
+        except Exception:  # noqa: BLE001 - the store's host is gone: cannot say
+            return False
 
     def wait(self, timeout: float) -> str | None:
         """The recorded failure, waiting up to ``timeout`` seconds for one to appear (not at all once a
@@ -301,10 +261,21 @@ class Launcher:
         self.record = FailureRecord(self.store)
 
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Runs ``fn`` here; a failure is reported once for the whole job (see module doc)."""
+        """Runs ``fn`` here; a failure is reported once for the whole job, Ctrl-C in one line (see module doc)."""
+        try:
+            return self._run(fn, *args, **kwargs)
+        except KeyboardInterrupt as exc:  # Ctrl-C: in fn, or arriving while a failure was being handled
+            self.on_interrupt(exc)
+            raise
+
+    def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise
         except Exception as exc:
+            if is_peer_failure(exc) and self.record is not None and self.record.interrupted():
+                raise KeyboardInterrupt from None  # an interrupted peer left: end as it did
             original = classify_failure(self.record, self.world.rank, exc)
             self.on_failure()
             if not original:
@@ -336,9 +307,19 @@ class Launcher:
                         )
                 raise SystemExit(status) from None
             raise
-        except BaseException:  # Ctrl-C: not a failure to report
+        except BaseException:
             self.on_failure()
             raise
+
+    def on_interrupt(self, exc: KeyboardInterrupt) -> None:
+        """Ctrl-C (``interrupt.py``): the job learns of it, rank 0 says so in one line, the ranks this process
+        started get a moment to end on their own, and ``exc`` ends this process without its traceback."""
+        if self.record is not None:
+            self.record.interrupt()
+        if self.world.rank == 0:
+            say_interrupted()
+        self.on_failure(grace=GRACE_S)
+        end_quietly(exc)
 
     def on_failure(self, grace: float = 0.0) -> None:
         """Hook for launchers that own other processes: stop them, after ``grace`` seconds in
@@ -417,7 +398,8 @@ class PopenLauncher(Launcher):
                 if code is None or code == 0 or self._stopping:
                     continue
                 self._report(rank, code)
-                deadline = time.monotonic() + 3.0  # let the main thread notice and stop cleanly
+                # Let the main thread notice and stop cleanly; after Ctrl-C it runs on_exception first.
+                deadline = time.monotonic() + (PEERS_EXIT_S if code == -signal.SIGINT else 3.0)
                 while not self._stopping and time.monotonic() < deadline:
                     time.sleep(0.05)
                 if not self._stopping:

@@ -25,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ember.strategies.launchers.exits import describe_exit, exit_status
+from ember.strategies.launchers.interrupt import GRACE_S, end_quietly, say_interrupted
 from ember.strategies.launchers.launcher import (
     HOSTED_ENV,
     PARENT_ENV,
@@ -32,6 +33,7 @@ from ember.strategies.launchers.launcher import (
     FailureRecord,
     classify_failure,
     destroy_group,
+    is_peer_failure,
     local_env,
     loopback_store,
 )
@@ -108,6 +110,7 @@ class SpawnLauncher:
             for rank in range(self.num_processes)
         ]
         received: list[int] = []
+        record = FailureRecord(store)
 
         def forward(signum: int, frame: Any) -> None:
             received.append(signum)
@@ -124,7 +127,13 @@ class SpawnLauncher:
                 proc.start()
             if received:  # arrived while they were starting
                 forward(received[0], None)
-            return pickle.loads(self._collect(procs, results, FailureRecord(store))[0])
+            return pickle.loads(self._collect(procs, results, record)[0])
+        except KeyboardInterrupt as exc:  # Ctrl-C (``interrupt.py``): here, or on a worker (``_collect``)
+            record.interrupt()
+            say_interrupted()
+            _let_workers_end(procs)
+            end_quietly(exc)
+            raise
         finally:
             stop_processes([p for p in procs if p.pid is not None])
             for sig, handler in previous.items():
@@ -157,6 +166,8 @@ class SpawnLauncher:
                 for rank, proc in enumerate(procs):
                     if rank in done or rank in exits or rank in seen or proc.exitcode in (None, 0):
                         continue
+                    if record.interrupted():  # Ctrl-C reached that worker: the job ends as on Ctrl-C here
+                        raise KeyboardInterrupt
                     seen.add(rank)
                     give_up = give_up or time.monotonic() + 5.0
                     what = describe_exit(proc.exitcode)
@@ -166,6 +177,8 @@ class SpawnLauncher:
             if kind == "ok":
                 done[rank] = rest[0]
                 continue
+            if kind == "interrupted":
+                raise KeyboardInterrupt
             if kind == "exit":
                 pickled, code = rest
                 exits[rank] = _unpickle_error(pickled) or SystemExit(code)
@@ -206,17 +219,21 @@ def _spawn_worker(
             pickled = None
         results.put(("exit", rank, pickled, exit_code))
     except BaseException as exc:
-        original = classify_failure(record, rank, exc)
-        try:
-            pickled = pickle.dumps(exc)
-        except Exception:
-            pickled = None
-        # Frames only: the caller re-raises the exception itself, so its message shows once.
-        frames = traceback.format_exc()
-        message = "".join(traceback.format_exception_only(type(exc), exc))
-        frames = frames[: -len(message)] if frames.endswith(message) else frames
-        results.put(("error", rank, pickled, repr(exc), frames, original))
-        exit_code = 1
+        if _ends_on_ctrl_c(exc, record):  # the caller says so, once for the job
+            results.put(("interrupted", rank))
+            exit_code = 130
+        else:
+            original = classify_failure(record, rank, exc)
+            try:
+                pickled = pickle.dumps(exc)
+            except Exception:
+                pickled = None
+            # Frames only: the caller re-raises the exception itself, so its message shows once.
+            frames = traceback.format_exc()
+            message = "".join(traceback.format_exception_only(type(exc), exc))
+            frames = frames[: -len(message)] if frames.endswith(message) else frames
+            results.put(("error", rank, pickled, repr(exc), frames, original))
+            exit_code = 1
     else:
         exit_code = 0
         results.put(("ok", rank, value))
@@ -224,6 +241,33 @@ def _spawn_worker(
         destroy_group()
     if exit_code:
         sys.exit(exit_code)  # a failed rank ends with a non-zero status
+
+
+def _ends_on_ctrl_c(exc: BaseException, record: FailureRecord | None) -> bool:
+    """Whether ``exc`` ends this worker because of Ctrl-C, here or on a peer that has left (``interrupt.py``);
+    recorded in the job's store if so."""
+    if not isinstance(exc, KeyboardInterrupt) and not (
+        is_peer_failure(exc) and record is not None and record.interrupted()
+    ):
+        return False
+    if record is not None:
+        record.interrupt()
+    return True
+
+
+def _let_workers_end(procs: list) -> None:
+    """After Ctrl-C here: the workers got it too from a terminal, and end once their ``on_exception`` has run.
+    Those still running after :data:`GRACE_S` (Ctrl-C reached this process alone) get it from here."""
+    for forward in (True, False):
+        deadline = time.monotonic() + GRACE_S
+        while any(p.exitcode is None for p in procs if p.pid is not None) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not forward:
+            return
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGINT)
 
 
 def _unpickle_error(pickled: bytes | None) -> BaseException | None:
