@@ -143,3 +143,23 @@ def test_a_thread_ember_started_names_no_file_rather_than_threading():
         thread.start()
         thread.join()
     assert only(record, "from ember").filename == "sys"
+
+
+def test_callbacks_and_trainer_warnings_point_at_the_users_fit(tmp_path):
+    # ModelCheckpoint saving (every 2 steps) before its monitored key is logged; a callback's on_exception
+    # raising while another error ends the fit.
+    class Raises(ember.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == 3:
+                raise KeyError("stop")
+
+        def on_exception(self, trainer, module, exception):
+            raise RuntimeError("in on_exception")
+
+    checkpoint = ember.callbacks.ModelCheckpoint(dirpath=str(tmp_path), monitor="val_loss", every_n_train_steps=2)
+    trainer = fast_trainer(max_epochs=1, callbacks=[checkpoint, Raises()], default_root_dir=str(tmp_path),
+                           enable_checkpointing=True)  # fmt: skip
+    with pytest.warns(UserWarning) as record, pytest.raises(KeyError):
+        trainer.fit(BoringModel(), regression_loader(), regression_loader())
+    assert only(record, "could not find 'val_loss'").filename == __file__
+    assert only(record, "on_exception raised RuntimeError").filename == __file__

@@ -20,6 +20,7 @@ import torch
 
 from ember.checkpoint.files import link_atomic, remove_checkpoint
 from ember.checkpoint.writer import BackgroundSave
+from ember.user_frames import user_stacklevel
 from ember.yaml import to_yaml as yaml_text
 
 if TYPE_CHECKING:
@@ -187,7 +188,7 @@ class CheckpointRotation:
         if self._validation_ran or at_epoch_end:
             raise ValueError(message)
         if not self._warned_missing:  # saving before the first validation: the key may not exist yet
-            warnings.warn(message + " (Skipping top-k until it is logged.)", UserWarning)
+            warnings.warn(message + " (Skipping top-k until it is logged.)", UserWarning, stacklevel=user_stacklevel())
             self._warned_missing = True
         return None
 

@@ -27,6 +27,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 
 from ember.callbacks.callback import Callback
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -191,6 +192,7 @@ class BaseFinetuning(Callback):
                 "group's, build the optimizer in configure_optimizers from the trainable parameters only: "
                 f"{type(optimizer).__name__}(filter(lambda p: p.requires_grad, self.parameters()), ...).",
                 UserWarning,
+                stacklevel=user_stacklevel(),
             )
         return out
 

@@ -44,6 +44,7 @@ from ember.checkpoint.atomic import unwritable
 from ember.checkpoint.files import check_inside, check_template
 from ember.checkpoint.lock import DirectoryLock
 from ember.checkpoint.temporaries import remove_stale_temporaries
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -241,6 +242,7 @@ class ModelCheckpoint(CheckpointRotation, Checkpoint):
                 f"{state.get('dirpath')!r}, this one writes to {self.dirpath!r}; its top-k list is not "
                 "carried over (and none of that directory's files will be deleted).",
                 UserWarning,
+                stacklevel=user_stacklevel(),
             )
             self.best_model_path = state.get("best_model_path", "")
             return
@@ -387,6 +389,7 @@ class ModelCheckpoint(CheckpointRotation, Checkpoint):
                 f"ModelCheckpoint: a checkpoint written in the background failed ({type(error).__name__}: "
                 f"{error}); the previous files under its names are intact.",
                 RuntimeWarning,
+                stacklevel=user_stacklevel(),
             )
 
     # ------------------------------------------------------------------ when

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from ember.callbacks.checkpoint_base import Checkpoint
 from ember.checkpoint.files import FILE_EXTENSION
 from ember.exceptions import Preempted
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -27,6 +28,7 @@ def save_on_exception(
             "Exception checkpoints are only written in single-process runs; use preemption (SIGTERM) "
             "for multi-process runs.",
             UserWarning,
+            stacklevel=user_stacklevel(),
         )
         return
     trainer.save_checkpoint(os.path.join(dirpath, name + extension))

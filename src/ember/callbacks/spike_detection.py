@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ember.callbacks.callback import Callback
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -154,6 +155,7 @@ class SpikeDetection(Callback):
                 f"SpikeDetection(window={self.window}) resumes from a run with a longer window: the running means "
                 "keep their latest losses only.",
                 UserWarning,
+                stacklevel=user_stacklevel(),
             )
         self._windows = [deque(w, maxlen=self.window) for w in windows]
         self._last = list(state_dict.get("last", [0.0] * len(windows)))

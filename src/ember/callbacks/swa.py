@@ -36,6 +36,7 @@ from torch.optim.swa_utils import SWALR
 
 from ember.callbacks.callback import Callback
 from ember.types import SchedulerConfig
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -233,7 +234,7 @@ class StochasticWeightAveraging(Callback):
         if configs:
             old = configs[0]
             if old.interval != "epoch" or old.frequency != 1:
-                warnings.warn(f"SWA is currently only supported every epoch. Found {old}")
+                warnings.warn(f"SWA is currently only supported every epoch. Found {old}", stacklevel=user_stacklevel())
             if trainer.is_global_zero:
                 log.info(
                     "Swapping scheduler `%s` for `%s`", type(old.scheduler).__name__, type(self._swa_scheduler).__name__

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ember.batches import sized_len
 from ember.checkpoint import validation
 from ember.data.resumable import SkipFirstBatches, resumable_sampler_of
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.trainer.state import FitState
@@ -125,6 +126,7 @@ class DataPosition:
                 "the order matches the interrupted run only if the loader's order is deterministic. Use a plain "
                 "DataLoader (map-style dataset, default sampler) for an exact resume.",
                 UserWarning,
+                stacklevel=user_stacklevel(),
             )
             data.train_loader = SkipFirstBatches(loader, progress.batch_in_epoch)
 

@@ -207,6 +207,7 @@ class TrainerStages(TrainerProperties):
                     f"{owner}.on_exception raised {type(hook_exc).__name__}: {hook_exc} (while handling "
                     f"{type(exc).__name__}, which follows)",
                     RuntimeWarning,
+                    stacklevel=user_stacklevel(),
                 )
         if self.datamodule is not None:  # after the callbacks and the module, as in Lightning
             try:
@@ -216,6 +217,7 @@ class TrainerStages(TrainerProperties):
                     f"{type(self.datamodule).__name__}.on_exception raised {type(hook_exc).__name__}: "
                     f"{hook_exc} (while handling {type(exc).__name__}, which follows)",
                     RuntimeWarning,
+                    stacklevel=user_stacklevel(),
                 )
         self._logs.finalize("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
 

@@ -58,6 +58,7 @@ from ember.trainer.metrics import MetricCollector
 from ember.trainer.optim import OptimizerState
 from ember.trainer.position import DataPosition
 from ember.trainer.progress import FitProgress
+from ember.user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ember.data import DataModule
@@ -361,6 +362,7 @@ class RngState:
                 f"The checkpoint was written by {len(per_rank)} process(es) and this run has {world}: per-rank "
                 "random streams cannot carry over exactly; ranks that did not exist keep their current streams.",
                 UserWarning,
+                stacklevel=user_stacklevel(),
             )
         if rank < len(per_rank):
             apply_rng(per_rank[rank])
@@ -386,6 +388,7 @@ def plain_hparams(owner: TrainModule | DataModule) -> dict[str, Any]:
                 f"then uses the constructor's default unless given {k}=... . Pass ignore=[{k!r}] to "
                 "save_hyperparameters to silence this.",
                 UserWarning,
+                stacklevel=user_stacklevel(),
             )
             continue
         out[k] = v
