@@ -1,5 +1,6 @@
 """A training script with the default Trainer configuration (logger and checkpointing on) that the
-exit-status tests run as a real program: ``python exit_script.py --out DIR [--strategy ddp_spawn]``.
+exit-status tests run as a real program: ``python exit_script.py --out DIR [--strategy ddp_spawn|dp|auto]``
+(``auto``: one process on one device).
 
 Each rank writes ``<out>/pid<r>`` when fit starts (so a test can check that no process outlived
 the job), ``<out>/training<r>`` once it has taken a few steps (so a test knows when a signal
@@ -114,7 +115,7 @@ def main() -> None:
     data = TensorDataset(torch.randn(STEPS * 2, 4, generator=g), torch.randn(STEPS * 2, 1, generator=g))
     trainer = ember.Trainer(
         strategy=args.strategy,
-        devices=2,
+        devices=1 if args.strategy == "auto" else 2,
         accelerator="cpu",
         max_epochs=1,
         enable_progress_bar=False,

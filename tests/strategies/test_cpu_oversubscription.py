@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from ember.strategies.ddp import DDPStrategy, oversubscription_message
+from ember.strategies.ddp import DDPStrategy
+from ember.strategies.ddp_messages import oversubscription_message
 
 
 def test_message_only_when_ranks_outnumber_cores():

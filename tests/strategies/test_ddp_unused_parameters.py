@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from ember.strategies.ddp import unused_parameter_advice
+from ember.strategies.ddp_messages import unused_parameter_advice
 from tests.helpers.dist import join_as_rank, run_ranks
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]

@@ -37,10 +37,10 @@ class Job:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.proc = start_job([sys.executable, SCRIPT, "--out", str(workdir), *args], cwd=workdir, env=env)
 
-    def wait_until_training(self, limit: float = 45) -> None:
-        """Returns once both ranks have taken a few steps."""
+    def wait_until_training(self, limit: float = 45, ranks: tuple[int, ...] = (0, 1)) -> None:
+        """Returns once the ranks (both, by default) have taken a few steps."""
         deadline = time.monotonic() + limit
-        while not all((self.workdir / f"training{r}").exists() for r in (0, 1)):
+        while not all((self.workdir / f"training{r}").exists() for r in ranks):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 code, log = self.finish()
                 pytest.fail(f"the job never got to training (status {code}):\n{log}")
@@ -148,11 +148,14 @@ def test_a_rank_that_dies_while_the_job_stops_is_named_and_the_job_exits_1(job, 
 
 
 # ------------------------------------------------------------------------------ Ctrl-C
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
-@pytest.mark.parametrize("to", ["group", "launcher"])
+@pytest.mark.parametrize(
+    ("strategy", "to"),
+    [("ddp", "group"), ("ddp", "launcher"), ("ddp_spawn", "group"), ("ddp_spawn", "launcher"), ("dp", "group"),
+     ("auto", "group")],
+)  # fmt: skip
 def test_ctrl_c_ends_the_launching_process_by_sigint(job, tmp_path, strategy, to):
     j = job("--strategy", strategy)
-    j.wait_until_training()
+    j.wait_until_training(ranks=(0,) if strategy in ("dp", "auto") else (0, 1))  # dp, auto: one process
     if to == "group":
         os.killpg(j.proc.pid, signal.SIGINT)  # Ctrl-C in a terminal
     else:

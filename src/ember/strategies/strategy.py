@@ -20,6 +20,7 @@ from ember.checkpoint.writer import BackgroundSave, CheckpointWriter
 from ember.data.resumable import make_resumable
 from ember.module import takes_batch_idx, takes_dataloader_iter
 from ember.strategies.control import Decision, DecisionMode, check_decision_mode
+from ember.strategies.launchers.interrupt import run_in_this_process
 from ember.types import REDUCE_OPS, ReduceOp, Stage
 from ember.utils import metric_batch_value, move_to_device
 
@@ -110,9 +111,10 @@ class Strategy:
     def launch(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` in every process of the job and return rank zero's result.
 
-        Single-process strategies just call it; multi-process strategies start or join workers.
+        Single-process strategies just call it (Ctrl-C then ends the script in one line, as under ddp);
+        multi-process strategies start or join workers.
         """
-        return fn(*args, **kwargs)
+        return run_in_this_process(fn, *args, **kwargs)
 
     def setup_environment(self) -> None:
         """Prepare the process (e.g. join a process group). Called before ``setup``.

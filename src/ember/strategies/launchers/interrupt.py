@@ -19,11 +19,13 @@ interrupted peer had left would report that as the job's failure. Instead:
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-__all__ = ["INTERRUPTED", "GRACE_S", "say_interrupted", "end_quietly"]
+__all__ = ["INTERRUPTED", "GRACE_S", "say_interrupted", "end_quietly", "run_in_this_process"]
 
 INTERRUPTED = "Detected KeyboardInterrupt, attempting graceful shutdown ..."
+T = TypeVar("T")
 GRACE_S = 5.0  # how long the launching process waits, after Ctrl-C, for its ranks to end on their own
 
 
@@ -46,3 +48,14 @@ def end_quietly(exc: KeyboardInterrupt) -> None:
             previous(kind, value, tb)
 
     sys.excepthook = hook
+
+
+def run_in_this_process(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` for a job of this one process (single device, dp): Ctrl-C ends it as it ends a
+    ddp job, with the one line and without the traceback, still by SIGINT."""
+    try:
+        return fn(*args, **kwargs)
+    except KeyboardInterrupt as exc:
+        say_interrupted()
+        end_quietly(exc)
+        raise
