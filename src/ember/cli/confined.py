@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import collections.abc as abc
 import enum
-import importlib
 import inspect
 import os
 import pathlib
@@ -47,6 +46,8 @@ from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 import jsonargparse
 from jsonargparse import ArgumentParser, Namespace, get_loader
 from jsonargparse.typing import get_registered_type, register_type
+
+from ember.cli.instantiate import import_path
 
 __all__ = ["ConfinedParser", "confine"]
 
@@ -141,7 +142,7 @@ class AnyCallable(_Guard):
         _refuse_sub_option(value, cls.stands_for)
         _refuse_class_paths(value, cls.stands_for)
         if isinstance(value, str):
-            value = _import(value.strip())
+            value = import_path(value.strip())
             if inspect.isclass(value):
                 raise TypeError(
                     f"{value.__module__}.{value.__qualname__} is a class, and EmberCLI builds a class only "
@@ -197,27 +198,6 @@ def _refuse_sub_option(value: Any, stands_for: str) -> None:
         )
 
 
-def _import(path: str) -> Any:
-    """The object a dotted import path names (``torch.nn.functional.relu``)."""
-    parts = path.split(".")
-    if len(parts) < 2 or not all(p.isidentifier() for p in parts):
-        raise TypeError(f"expected the dotted import path of a function, got {path!r}")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        except Exception as err:  # the module's own code failed: a parse error naming the key, not a crash
-            raise TypeError(f"importing {'.'.join(parts[:cut])!r} failed: {type(err).__name__}: {err}") from err
-        try:
-            for name in parts[cut:]:
-                obj = getattr(obj, name)
-        except AttributeError:
-            break
-        return obj
-    raise TypeError(f"{path!r} names nothing that can be imported")
-
-
 def _serialized(value: Any) -> Any:
     """A guard type's value as YAML can hold it: plain data as it is, a function or class as its import
     path, anything else as its text."""
@@ -233,7 +213,7 @@ def _serialized(value: Any) -> Any:
     for name in (getattr(value, "__name__", None), getattr(value, "__qualname__", None)):
         if module and name and "<" not in name:  # (``torch.relu``, whose qualified name is a class's method)
             try:
-                if _import(f"{module}.{name}") is value:
+                if import_path(f"{module}.{name}") is value:
                     return f"{module}.{name}"
             except TypeError:
                 continue

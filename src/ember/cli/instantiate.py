@@ -13,28 +13,41 @@ from __future__ import annotations
 import importlib
 from typing import Any, TypeVar
 
-__all__ = ["instantiate_class", "instantiate_module"]
+__all__ = ["import_path", "instantiate_class", "instantiate_module"]
 
 _T = TypeVar("_T")
 
 
-def _resolve(path: str) -> Any:
-    """What a dotted path names: the longest importable module prefix, then attributes (nested classes too)."""
+def import_path(path: str) -> Any:
+    """The object a dotted import path names (``torch.nn.functional.relu``): the longest importable module
+    prefix, then attributes (nested classes too). A path that names nothing is a ``TypeError``."""
     parts = path.split(".")
     if len(parts) < 2 or not all(p.isidentifier() for p in parts):
-        raise ValueError(f"class_path must be a dotted import path like 'torch.optim.Adam', got {path!r}.")
+        raise TypeError(f"expected the dotted import path of a function, got {path!r}")
     for cut in range(len(parts) - 1, 0, -1):
         try:
             obj: Any = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError:
+        except ImportError:
             continue
+        except Exception as err:  # the module's own code failed: a parse error naming the key, not a crash
+            raise TypeError(f"importing {'.'.join(parts[:cut])!r} failed: {type(err).__name__}: {err}") from err
         try:
             for name in parts[cut:]:
                 obj = getattr(obj, name)
         except AttributeError:
             break
         return obj
-    raise ValueError(f"class_path {path!r} names nothing that can be imported.")
+    raise TypeError(f"{path!r} names nothing that can be imported")
+
+
+def _resolve(path: str) -> Any:
+    """What a ``class_path`` names (``import_path``), or a ValueError saying it names nothing."""
+    try:
+        return import_path(path)
+    except TypeError as err:
+        raise ValueError(
+            f"class_path must be a dotted import path like 'torch.optim.Adam' that names a class: {err}."
+        ) from err
 
 
 def instantiate_class(args: Any, init: dict[str, Any]) -> Any:
