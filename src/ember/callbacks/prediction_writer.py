@@ -19,11 +19,11 @@ other loaders (an ``IterableDataset``, a custom ``batch_sampler``) they are empt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
 from ember.callbacks.callback import Callback
 from ember.signatures import takes_dataloader_iter
+from ember.utilities.enums import LightningEnum
 
 if TYPE_CHECKING:
     from ember.module import TrainModule
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ember.types import Stage
 
 
-class WriteInterval(str, Enum):
+class WriteInterval(LightningEnum):
     """When a prediction writer writes (Lightning's enum; its members equal their strings)."""
 
     BATCH = "batch"
