@@ -254,14 +254,25 @@ def test_on_exception_checkpoint_on_ctrl_c(tmp_path):
 
 
 def test_model_checkpoint_save_on_exception(tmp_path):
-    with pytest.raises(KeyboardInterrupt):
-        ember.Trainer(
-            max_epochs=2,
-            enable_progress_bar=False,
-            logger=False,
-            callbacks=[Interrupt(), ModelCheckpoint(dirpath=tmp_path, save_on_exception=True)],
-        ).fit(Scored(), data())
-    assert "on_exception.ckpt" in files(tmp_path)
+    # As Lightning: the file is named by the callback's template, for the metrics at the exception.
+    def fit(directory):
+        with pytest.raises(KeyboardInterrupt):
+            ember.Trainer(
+                max_epochs=2,
+                enable_progress_bar=False,
+                logger=False,
+                callbacks=[Interrupt(), ModelCheckpoint(dirpath=directory, filename="m-{step}", save_on_exception=True,
+                                                        save_last=False)],  # fmt: skip
+            ).fit(Scored(), data())
+
+    fit(tmp_path / "a")
+    assert torch.load(tmp_path / "a" / "m-step=3.ckpt", weights_only=True)["progress"]["global_step"] == 3
+    # A file of that name already there is kept: the exception's state goes beside it.
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "m-step=3.ckpt").write_bytes(b"earlier")
+    fit(tmp_path / "b")
+    assert (tmp_path / "b" / "m-step=3.ckpt").read_bytes() == b"earlier"
+    assert torch.load(tmp_path / "b" / "m-step=3-v1.ckpt", weights_only=True)["progress"]["global_step"] == 3
 
 
 def test_the_saved_current_score_is_the_logged_tensor(tmp_path):

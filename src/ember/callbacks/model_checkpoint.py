@@ -375,8 +375,10 @@ class ModelCheckpoint(CheckpointRotation, Checkpoint):
         self._time_vote = None  # not waited for: a rank that failed may never have sent its part
         if self.async_save:  # the exception is what fit raises; a failed write is a warning
             self._warn_failed(trainer.strategy.background_writer.wait(raise_errors=False))
-        if self.save_on_exception and not trainer.fast_dev_run:
-            save_on_exception(trainer, self.dirpath or self._resolve_dirpath(trainer), "on_exception", exception)
+        if self.save_on_exception and not trainer.fast_dev_run:  # named by `filename` (as Lightning), never over a file
+            path = self._versioned(trainer, self._candidates(trainer), None, None) if self.dirpath else ""
+            name = os.path.basename(path)[: -len(self.FILE_EXTENSION)] or "on_exception"
+            save_on_exception(trainer, self.dirpath or self._resolve_dirpath(trainer), name, exception)
 
     def _finish_write(self, trainer: Trainer) -> None:
         """Wait for the background write in flight (if any), publish its files, raise its error."""
