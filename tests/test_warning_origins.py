@@ -163,3 +163,14 @@ def test_callbacks_and_trainer_warnings_point_at_the_users_fit(tmp_path):
         trainer.fit(BoringModel(), regression_loader(), regression_loader())
     assert only(record, "could not find 'val_loss'").filename == __file__
     assert only(record, "on_exception raised RuntimeError").filename == __file__
+
+
+def test_rank_zero_warnings_point_at_the_users_call_too(monkeypatch):
+    # rank_zero_warn adds lightning-utilities' frames between ember's call and warnings.warn.
+    pytest.importorskip("jsonargparse")
+    from ember.cli import EmberCLI
+
+    monkeypatch.setattr("sys.argv", ["prog", "--trainer.max_epochs=1"])
+    with pytest.warns(UserWarning) as record:
+        EmberCLI(BoringModel, run=False, args=[])
+    assert only(record, "was given both args= and command-line arguments").filename == __file__

@@ -11,6 +11,7 @@ from typing import Any
 
 from ember.callbacks.callback import Callback
 from ember.metric_values import to_floats
+from ember.user_frames import user_stacklevel
 from ember.utilities.rank_zero import rank_zero_warn
 
 
@@ -146,5 +147,6 @@ class ProgressBarMembers(Callback):
                 f"The progress bar already tracks a metric with the name(s) '{', '.join(duplicates)}' and"
                 f" `self.log('{duplicates[0]}', ..., prog_bar=True)` will overwrite this value. "
                 " If this is undesired, change the name or override `get_metrics()` in the progress bar callback.",
+                stacklevel=user_stacklevel() + 3,
             )
         return {**standard, **to_floats(pbar_metrics)}

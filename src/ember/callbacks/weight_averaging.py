@@ -32,6 +32,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 
 from ember.callbacks.callback import Callback
 from ember.checkpoint.weights import match_compiled_keys
+from ember.user_frames import user_stacklevel
 from ember.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
@@ -181,7 +182,8 @@ class WeightAveraging(Callback):
             rank_zero_warn(
                 "WeightAveraging cannot restore its state outside a fit; the module gets the checkpoint's "
                 "state_dict (the averaged weights, for a checkpoint saved with WeightAveraging). Remove the "
-                "callback to silence this warning."
+                "callback to silence this warning.",
+                stacklevel=user_stacklevel() + 3,
             )
             return
         if "current_model_state" in checkpoint and "averaging_state" in checkpoint:
@@ -194,7 +196,8 @@ class WeightAveraging(Callback):
         else:
             rank_zero_warn(
                 "WeightAveraging: the checkpoint was not saved with WeightAveraging, so the average starts from "
-                "its state_dict, as the module does."
+                "its state_dict, as the module does.",
+                stacklevel=user_stacklevel() + 3,
             )
 
 

@@ -40,6 +40,7 @@ from ember.data import DataModule
 from ember.module import TrainModule
 from ember.rng import seed_everything
 from ember.trainer.trainer import Trainer
+from ember.user_frames import user_stacklevel
 from ember.utilities.rank_zero import rank_zero_warn
 from ember.version import __version__
 
@@ -261,7 +262,8 @@ class EmberCLI:
         if args is not None and len(sys.argv) > 1:
             rank_zero_warn(
                 f"{type(self).__name__} was given both args= and command-line arguments ({sys.argv[1:]}), and parses "
-                "only args. Pass one or the other."
+                "only args. Pass one or the other.",
+                stacklevel=user_stacklevel() + 3,
             )
         if isinstance(args, (dict, Namespace)):
             self.config = parser.parse_object(args)
@@ -334,7 +336,8 @@ class EmberCLI:
         if "callbacks" not in config:
             rank_zero_warn(
                 f"{getattr(self.trainer_class, '__qualname__', self.trainer_class)} takes no `callbacks` argument: "
-                "the CLI's callbacks (the config-saving one included) are left out."
+                "the CLI's callbacks (the config-saving one included) are left out.",
+                stacklevel=user_stacklevel() + 3,
             )
             return self.trainer_class(**config)
         given = config["callbacks"]

@@ -27,6 +27,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from ember.cli.instantiate import instantiate_class
 from ember.module import TrainModule
 from ember.overrides import is_overridden
+from ember.user_frames import user_stacklevel
 from ember.utilities.rank_zero import rank_zero_warn
 
 __all__ = [
@@ -106,7 +107,8 @@ def give_module(
     if is_overridden("configure_optimizers", module, TrainModule):
         rank_zero_warn(
             f"{type(module).__name__}.configure_optimizers is replaced by {cli_name}.configure_optimizers: the "
-            "config chose the optimizer. Pass auto_configure_optimizers=False to keep the module's own."
+            "config chose the optimizer. Pass auto_configure_optimizers=False to keep the module's own.",
+            stacklevel=user_stacklevel() + 3,
         )
     optimizer = instantiate_class(module.parameters(), optimizer_spec)
     scheduler = instantiate_class(optimizer, scheduler_spec) if scheduler_spec else None

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ember.user_frames import user_stacklevel
 from ember.utilities.rank_zero import rank_zero_warn
 
 __all__ = ["Throughput", "get_available_flops"]
@@ -219,13 +220,15 @@ def get_available_flops(device: torch.device, dtype: torch.dtype) -> int | None:
     lowered = name.lower()
     peaks = next((p for pattern, p in _GPU_PEAK_FLOPS if re.search(pattern, lowered)), None)
     if peaks is None:
-        rank_zero_warn(f"No peak FLOP/s known for {name!r}: MFU is not logged.")
+        rank_zero_warn(f"No peak FLOP/s known for {name!r}: MFU is not logged.", stacklevel=user_stacklevel() + 3)
         return None
     key: torch.dtype | str = dtype
     if dtype is torch.float32 and torch.get_float32_matmul_precision() != "highest":
         if torch.cuda.get_device_capability(device)[0] >= 8:
             key = "tf32"
     if key not in peaks:
-        rank_zero_warn(f"No peak FLOP/s known for {name!r} in {dtype}: MFU is not logged.")
+        rank_zero_warn(
+            f"No peak FLOP/s known for {name!r} in {dtype}: MFU is not logged.", stacklevel=user_stacklevel() + 3
+        )
         return None
     return int(peaks[key])
