@@ -84,7 +84,11 @@ def test_indices_follow_a_shuffled_loader_and_its_workers(workers: int) -> None:
     data = torch.arange(11.0)[:, None].repeat(1, 2)  # sample i is (i, i)
 
     writer = Writer("batch_and_epoch")
-    shuffled = DataLoader(TensorDataset(data), batch_size=3, shuffle=True, num_workers=workers)
+    # Workers from a forkserver: forked from this test process, which earlier tests may leave with threads still
+    # ending, a worker can deadlock before its first batch (CPython < 3.12); the indices are followed the same way.
+    context = "forkserver" if workers else None
+    shuffled = DataLoader(TensorDataset(data), batch_size=3, shuffle=True, num_workers=workers,
+                          multiprocessing_context=context)  # fmt: skip
     trainer = ember.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, callbacks=[writer])
     trainer.predict(Echo(), shuffled, return_predictions=False)
     assert [b[1] for b in writer.batches] == [[int(v) for v in b[0]] for b in writer.batches]  # index i holds i
