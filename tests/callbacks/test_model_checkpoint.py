@@ -261,8 +261,10 @@ def test_model_checkpoint_save_on_exception(tmp_path):
                 max_epochs=2,
                 enable_progress_bar=False,
                 logger=False,
-                callbacks=[Interrupt(), ModelCheckpoint(dirpath=directory, filename="m-{step}", save_on_exception=True,
-                                                        save_last=False)],  # fmt: skip
+                callbacks=[
+                    Interrupt(),
+                    ModelCheckpoint(dirpath=directory, filename="m-{step}", save_on_exception=True, save_last=False),
+                ],  # fmt: skip
             ).fit(Scored(), data())
 
     fit(tmp_path / "a")
