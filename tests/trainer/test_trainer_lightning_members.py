@@ -133,3 +133,10 @@ def test_val_check_batch_is_the_training_batches_between_validations(interval, e
     assert t.val_check_batch is None  # as Lightning's, until a fit has its train loader
     t.fit(BoringModel(), regression_loader(n=64), regression_loader())  # 8 batches of 8
     assert seen == [expected] and t.val_check_batch == expected
+
+
+def test_num_training_batches_is_infinite_until_a_fit_has_its_loader():
+    t = quiet(limit_train_batches=3)
+    assert t.num_training_batches == float("inf")  # as Lightning's, before any fit
+    t.fit(BoringModel(), regression_loader())
+    assert t.num_training_batches == 3

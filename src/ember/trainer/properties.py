@@ -395,7 +395,10 @@ class TrainerProperties:
 
     @property
     def num_training_batches(self) -> float:
-        return self._data.num_training_batches
+        """The training batches of an epoch (after ``limit_train_batches``); ``inf`` until a fit has its train
+        loader, as Lightning's."""
+        data = self._data
+        return data.num_training_batches if data.train_loader is not None else math.inf
 
     @property
     def num_val_batches(self) -> list[float]:
