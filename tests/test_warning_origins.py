@@ -93,20 +93,6 @@ def test_load_from_checkpoint_with_an_unknown_argument_points_at_the_users_call(
     assert only(record, "takes no argument named ['nonsense']").filename == __file__
 
 
-@pytest.mark.processes  # importing mlflow runs `uname -p`
-@pytest.mark.timeout(60)
-def test_mlflow_metric_name_points_at_the_users_call(tmp_path, monkeypatch):
-    pytest.importorskip("mlflow")
-    from ember.loggers import MLFlowLogger
-
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    logger = MLFlowLogger(save_dir=str(tmp_path))
-    with pytest.warns(RuntimeWarning) as record:
-        logger.log_metrics({"a!b": 1.0}, step=0)
-    assert only(record, "is logged as 'ab'").filename == __file__
-
-
 # ------------------------------------------------------------------------------ user_stacklevel itself
 def as_embers(source: str, name: str) -> dict:
     """Runs ``source`` as if it were a file of ember's (its frames count as ember's), returning its namespace."""

@@ -79,8 +79,9 @@ def test_unsupported_log_model_and_bad_metric_names_are_said(tmp_path):
     with pytest.raises(NotImplementedError, match="log_model"):
         MLFlowLogger(save_dir=str(tmp_path), log_model=True)
     logger = MLFlowLogger(save_dir=str(tmp_path))
-    with pytest.warns(RuntimeWarning, match="is logged as 'ab'"):
+    with pytest.warns(RuntimeWarning, match="is logged as 'ab'") as record:
         logger.log_metrics({"a!b": 1.0}, step=0)
+    assert record[0].filename == __file__  # the user's line, not ember's (tests/test_warning_origins.py)
     assert ember.loggers.MLFlowLogger is MLFlowLogger
 
 
