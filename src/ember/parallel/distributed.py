@@ -38,8 +38,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from ember.parallel.advice import UnusedParameterAdvice
 from ember.parallel.comm_hooks import CommHook, GradBucket, resolve_comm_hook
-from ember.parallel.reducer import MiB, Reducer, UnusedParameterAdvice
+from ember.parallel.reducer import MiB, Reducer
 from ember.user_frames import user_stacklevel
 
 __all__ = ["DistributedDataParallel"]

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ember.parallel.reducer import UnusedParameterAdvice
+from ember.parallel.advice import UnusedParameterAdvice
 
 __all__ = ["oversubscription_message", "unused_parameter_advice"]
 
