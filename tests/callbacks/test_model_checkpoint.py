@@ -277,6 +277,17 @@ def test_model_checkpoint_save_on_exception(tmp_path):
     assert torch.load(tmp_path / "b" / "m-step=3-v1.ckpt", weights_only=True)["progress"]["global_step"] == 3
 
 
+def test_model_checkpoint_save_on_exception_keeps_the_templates_folder(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        ember.Trainer(
+            max_epochs=2,
+            enable_progress_bar=False,
+            logger=False,
+            callbacks=[Interrupt(), ModelCheckpoint(dirpath=tmp_path, filename="sub/m-{step}", save_on_exception=True)],
+        ).fit(Scored(), data())
+    assert torch.load(tmp_path / "sub" / "m-step=3.ckpt", weights_only=True)["progress"]["global_step"] == 3
+
+
 def test_the_saved_current_score_is_the_logged_tensor(tmp_path):
     """As Lightning: each checkpoint's current_score is the monitored value as logged (a float32 tensor, equal
     to the number logged), not a float64 rounding of it."""

@@ -376,9 +376,8 @@ class ModelCheckpoint(CheckpointRotation, Checkpoint):
         if self.async_save:  # the exception is what fit raises; a failed write is a warning
             self._warn_failed(trainer.strategy.background_writer.wait(raise_errors=False))
         if self.save_on_exception and not trainer.fast_dev_run:  # named by `filename` (as Lightning), never over a file
-            path = self._versioned(trainer, self._candidates(trainer), None, None) if self.dirpath else ""
-            name = os.path.basename(path)[: -len(self.FILE_EXTENSION)] or "on_exception"
-            save_on_exception(trainer, self.dirpath or self._resolve_dirpath(trainer), name, exception)
+            self.dirpath = self.dirpath or self._resolve_dirpath(trainer)  # (an exception before setup resolved it)
+            save_on_exception(trainer, self._versioned(trainer, self._candidates(trainer), None, None), exception)
 
     def _finish_write(self, trainer: Trainer) -> None:
         """Wait for the background write in flight (if any), publish its files, raise its error."""

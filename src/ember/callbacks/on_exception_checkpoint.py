@@ -17,9 +17,8 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 
-def save_on_exception(
-    trainer: Trainer, dirpath: str, name: str, exception: BaseException, extension: str = FILE_EXTENSION
-) -> None:
+def save_on_exception(trainer: Trainer, path: str, exception: BaseException) -> None:
+    """Write the fit's state to ``path`` for ``exception`` (not for a preemption, which saved at a step boundary)."""
     if isinstance(exception, Preempted) or trainer.module is None:
         return  # preemption already saved at a step boundary
     if trainer.world_size > 1:
@@ -31,7 +30,7 @@ def save_on_exception(
             stacklevel=user_stacklevel(),
         )
         return
-    trainer.save_checkpoint(os.path.join(dirpath, name + extension))
+    trainer.save_checkpoint(path)
 
 
 class OnExceptionCheckpoint(Checkpoint):
@@ -63,4 +62,4 @@ class OnExceptionCheckpoint(Checkpoint):
         return os.path.join(self.dirpath, self.filename + self.FILE_EXTENSION)
 
     def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
-        save_on_exception(trainer, self.dirpath, self.filename, exception, self.FILE_EXTENSION)
+        save_on_exception(trainer, self.ckpt_path, exception)
