@@ -48,21 +48,16 @@ def check_schedule(
     num_sanity_val_steps: int,
     reload_dataloaders_every_n_epochs: int,
     fast_dev_run: bool | int,
-) -> tuple[int, int]:
-    """Check the Trainer's schedule arguments (each error names the argument and what it accepts);
-    return ``max_epochs`` resolved (1000 when neither it nor ``max_steps`` is given) and ``min_epochs``
-    resolved as Lightning's (1 when only ``min_steps`` is given, else 0)."""
-    if max_epochs is None:
-        max_epochs = 1000 if max_steps == -1 else -1
+) -> None:
+    """Check the Trainer's schedule arguments (each error names the argument and what it accepts). The epoch
+    limits left None get their values when a fit starts (:func:`default_epoch_limits`)."""
     if min_steps is not None and (isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 0):
         raise ValueError(f"min_steps must be a non-negative int or None, got {min_steps!r}.")
-    if min_epochs is None:
-        min_epochs = 1 if min_steps is not None else 0
-    if not isinstance(max_epochs, int) or (max_epochs < 0 and max_epochs != -1):
+    if max_epochs is not None and (not isinstance(max_epochs, int) or (max_epochs < 0 and max_epochs != -1)):
         raise ValueError(f"max_epochs must be a non-negative int (or -1 for no limit), got {max_epochs!r}.")
     if not isinstance(max_steps, int) or (max_steps < 0 and max_steps != -1):
         raise ValueError(f"max_steps must be a non-negative int (or -1 for no limit), got {max_steps!r}.")
-    if not isinstance(min_epochs, int) or min_epochs < 0:
+    if min_epochs is not None and (not isinstance(min_epochs, int) or min_epochs < 0):
         raise ValueError(f"min_epochs must be a non-negative int, got {min_epochs!r}.")
     if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
         raise ValueError(f"accumulate_grad_batches must be a positive int, got {accumulate_grad_batches!r}.")
@@ -98,7 +93,6 @@ def check_schedule(
         )
     if not isinstance(fast_dev_run, int) or fast_dev_run < 0:  # bool is an int: True means 1
         raise ValueError(f"fast_dev_run must be a bool or a non-negative int, got {fast_dev_run!r}.")
-    return max_epochs, min_epochs
 
 
 class Switches(NamedTuple):
@@ -231,6 +225,13 @@ def set_backend_flags(deterministic: bool | str | None, benchmark: bool | None) 
             )
     if benchmark is not None:
         torch.backends.cudnn.benchmark = benchmark
+
+
+def default_epoch_limits(max_steps: int, min_steps: int | None, callbacks: list[Callback]) -> tuple[int, int]:
+    """``(max_epochs, min_epochs)`` for a fit that set neither, as Lightning's: 1000 epochs unless ``max_steps`` or
+    a ``Timer`` ends the fit (then -1, no limit); at least 1 epoch with ``min_steps`` (so a stop asked for at the
+    start is weighed again), else 0."""
+    return (1000 if max_steps == -1 and not has_timer(callbacks) else -1), (1 if min_steps is not None else 0)
 
 
 def has_timer(callbacks: list[Callback]) -> bool:

@@ -36,7 +36,7 @@ from ember.exceptions import PossibleUserWarning
 from ember.profilers.base import wrap
 from ember.rng import apply_rng, capture_rng
 from ember.signatures import takes_dataloader_iter
-from ember.trainer.arguments import has_timer
+from ember.trainer.arguments import default_epoch_limits
 from ember.trainer.epoch_loop import EpochLoop
 from ember.trainer.loaders import set_loader_epoch
 from ember.user_frames import user_stacklevel
@@ -312,20 +312,17 @@ class FitLoop:
 
 
 def settle_epoch_limits(trainer: Trainer) -> None:
-    """A fit starts: ``max_epochs`` / ``min_epochs`` left None get their values, as Lightning sets them then.
-    ``max_epochs``: 1000, with a warning, unless ``max_steps`` or a ``Timer`` ends the fit (then -1, no limit);
-    ``min_epochs``: 1 when ``min_steps`` is given (so a stop requested at the start is weighed again), else 0."""
+    """A fit starts: ``max_epochs`` / ``min_epochs`` left None get their values (``default_epoch_limits``), as
+    Lightning sets them then, with its warning when that is 1000 epochs."""
+    max_epochs, min_epochs = default_epoch_limits(trainer.max_steps, trainer.min_steps, trainer.callbacks)
     if trainer.max_epochs is None:
-        if trainer.max_steps == -1 and not has_timer(trainer.callbacks):
-            if trainer.is_global_zero:
-                warnings.warn(
-                    "`max_epochs` was not set. Setting it to 1000 epochs. To train without an epoch limit, set "
-                    "`max_epochs=-1`.",
-                    PossibleUserWarning,
-                    stacklevel=user_stacklevel(),
-                )
-            trainer.max_epochs = 1000
-        else:
-            trainer.max_epochs = -1
+        if max_epochs != -1 and trainer.is_global_zero:
+            warnings.warn(
+                "`max_epochs` was not set. Setting it to 1000 epochs. To train without an epoch limit, set "
+                "`max_epochs=-1`.",
+                PossibleUserWarning,
+                stacklevel=user_stacklevel(),
+            )
+        trainer.max_epochs = max_epochs
     if trainer.min_epochs is None:
-        trainer.min_epochs = 1 if trainer.min_steps is not None else 0
+        trainer.min_epochs = min_epochs

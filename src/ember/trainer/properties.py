@@ -15,6 +15,7 @@ from ember.callbacks.progress_bar import ProgressBar
 from ember.loggers.file_logger import FileLogger
 from ember.loggers.logger import Logger
 from ember.module import TrainModule
+from ember.trainer.arguments import default_epoch_limits
 from ember.trainer.loaders import CombinedBatches
 from ember.trainer.predict_record import PredictionRecord
 from ember.trainer.states import RunningStage, TrainerFn, TrainerState, TrainerStatus
@@ -437,6 +438,6 @@ class TrainerProperties:
         per_epoch = math.ceil(n / self.accumulate_grad_batches) if n != math.inf else math.inf
         epochs = self.max_epochs
         if epochs is None:  # before a fit settles it: what the fit would take
-            epochs = 1000 if self.max_steps == -1 else -1
+            epochs = default_epoch_limits(self.max_steps, None, self.callbacks)[0]
         total = per_epoch * epochs if epochs != -1 else math.inf
         return min(total, self.max_steps) if self.max_steps != -1 else total

@@ -152,8 +152,7 @@ class Trainer(TrainerStages):
             detect_anomaly=detect_anomaly,
             profiler=profiler,
         )
-        epochs_given, min_given = max_epochs is not None, min_epochs is not None
-        max_epochs, min_epochs = arguments.check_schedule(
+        arguments.check_schedule(
             max_epochs=max_epochs,
             max_steps=max_steps,
             min_epochs=min_epochs,
@@ -170,9 +169,9 @@ class Trainer(TrainerStages):
         )
         self.reload_dataloaders_every_n_epochs = reload_dataloaders_every_n_epochs
         # As Lightning: left None when not given, and set when a fit starts (loops.settle_epoch_limits).
-        self.max_epochs: int | None = max_epochs if epochs_given else None
+        self.max_epochs: int | None = max_epochs
         self.max_steps = max_steps
-        self.min_epochs: int | None = min_epochs if min_given else None
+        self.min_epochs: int | None = min_epochs
         self.min_steps = min_steps
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val = gradient_clip_val
